@@ -1,0 +1,225 @@
+//! PEM certificate bundles and safe file writing.
+//!
+//! A bundle is one or more `CERTIFICATE` PEM blocks (a chain, leaf first, or
+//! a set of roots). Files that hold CA material are written atomically: a
+//! temporary file in the same directory, fsync, rename, fsync of the
+//! directory; private keys get mode 0600 before any byte is written.
+
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+use x509_parser::prelude::{FromDer, X509Certificate};
+
+/// PEM tag of a certificate.
+pub const CERTIFICATE_TAG: &str = "CERTIFICATE";
+
+/// File mode for private keys.
+pub const PRIVATE_KEY_MODE: u32 = 0o600;
+/// File mode for public material (certificates, bundles).
+pub const PUBLIC_FILE_MODE: u32 = 0o644;
+
+/// Errors reading or writing bundles.
+#[derive(Debug, thiserror::Error)]
+pub enum BundleError {
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// A file could not be written.
+    #[error("cannot write {path}: {source}")]
+    Write {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+    /// The text is not valid PEM.
+    #[error("not valid PEM: {0}")]
+    NotPem(String),
+    /// The PEM holds no CERTIFICATE block.
+    #[error("no CERTIFICATE block found")]
+    NoCertificates,
+    /// A CERTIFICATE block does not hold a valid X.509 certificate.
+    #[error("certificate #{index} is not valid X.509: {reason}")]
+    BadCertificate {
+        /// 1-based position of the block.
+        index: usize,
+        /// What the parser said.
+        reason: String,
+    },
+}
+
+impl BundleError {
+    /// The same error, naming the file it came from.
+    pub fn in_file(self, path: &Path) -> FileError {
+        FileError {
+            path: path.to_path_buf(),
+            source: self,
+        }
+    }
+}
+
+/// A bundle error with the file it was found in.
+#[derive(Debug, thiserror::Error)]
+#[error("{}: {source}", path.display())]
+pub struct FileError {
+    /// The file.
+    pub path: PathBuf,
+    /// The problem.
+    #[source]
+    pub source: BundleError,
+}
+
+/// Parses every `CERTIFICATE` block of a PEM text into DER, checking that
+/// each is a valid X.509 certificate. Other blocks are ignored.
+pub fn parse_certs_pem(text: &str) -> Result<Vec<Vec<u8>>, BundleError> {
+    let blocks = pem::parse_many(text).map_err(|e| BundleError::NotPem(e.to_string()))?;
+    let mut certs = Vec::new();
+    for block in blocks.into_iter().filter(|b| b.tag() == CERTIFICATE_TAG) {
+        let der = block.into_contents();
+        let index = certs.len() + 1;
+        match X509Certificate::from_der(&der) {
+            Ok((rest, _)) if rest.is_empty() => certs.push(der),
+            Ok(_) => {
+                return Err(BundleError::BadCertificate {
+                    index,
+                    reason: "trailing bytes after the certificate".into(),
+                })
+            }
+            Err(e) => {
+                return Err(BundleError::BadCertificate {
+                    index,
+                    reason: e.to_string(),
+                })
+            }
+        }
+    }
+    if certs.is_empty() {
+        return Err(BundleError::NoCertificates);
+    }
+    Ok(certs)
+}
+
+/// Reads a PEM file of certificates.
+pub fn read_certs_file(path: &Path) -> Result<Vec<Vec<u8>>, FileError> {
+    let text = read_text(path).map_err(|e| e.in_file(path))?;
+    parse_certs_pem(&text).map_err(|e| e.in_file(path))
+}
+
+/// Reads a text file; the error names the file.
+pub fn read_text(path: &Path) -> Result<String, BundleError> {
+    fs::read_to_string(path).map_err(|source| BundleError::Read {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+fn pem_config() -> pem::EncodeConfig {
+    pem::EncodeConfig::new().set_line_ending(pem::LineEnding::LF)
+}
+
+/// One DER certificate as PEM (LF line endings).
+pub fn encode_cert_pem(der: &[u8]) -> String {
+    pem::encode_config(&pem::Pem::new(CERTIFICATE_TAG, der.to_vec()), pem_config())
+}
+
+/// Several DER certificates as one PEM text, in order.
+pub fn encode_certs_pem<D: AsRef<[u8]>>(ders: &[D]) -> String {
+    ders.iter().map(|d| encode_cert_pem(d.as_ref())).collect()
+}
+
+/// Writes `contents` to `path` atomically with the given mode: a temporary
+/// file in the same directory (created with `mode`), fsync, rename over
+/// `path`, fsync of the directory. A reader sees the old file or the new
+/// one, never a mix.
+pub fn write_file_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), BundleError> {
+    let err = |source| BundleError::Write {
+        path: path.to_path_buf(),
+        source,
+    };
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    let file_name = path
+        .file_name()
+        .ok_or_else(|| err(io::Error::new(io::ErrorKind::InvalidInput, "no file name")))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(file_name);
+    tmp_name.push(format!(".tmp.{}.{}", std::process::id(), unique_suffix()));
+    let tmp = dir.join(tmp_name);
+    let result = (|| {
+        let mut options = fs::OpenOptions::new();
+        options.write(true).create_new(true);
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::OpenOptionsExt;
+            options.mode(mode);
+        }
+        let mut file = options.open(&tmp)?;
+        #[cfg(unix)]
+        {
+            // The umask may have cleared bits we want (0644); set exactly.
+            use std::os::unix::fs::PermissionsExt;
+            file.set_permissions(fs::Permissions::from_mode(mode))?;
+        }
+        file.write_all(contents)?;
+        file.sync_all()?;
+        drop(file);
+        fs::rename(&tmp, path)?;
+        if let Ok(d) = fs::File::open(&dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result.map_err(err)
+}
+
+fn unique_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    COUNTER.fetch_add(1, Ordering::Relaxed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_write_sets_mode_and_replaces() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("key.pem");
+        write_file_atomic(&path, b"one", PRIVATE_KEY_MODE).unwrap();
+        write_file_atomic(&path, b"two", PRIVATE_KEY_MODE).unwrap();
+        assert_eq!(fs::read(&path).unwrap(), b"two");
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600);
+        }
+        // No temporary files left behind.
+        assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 1);
+    }
+
+    #[test]
+    fn parse_errors_are_specific() {
+        assert!(matches!(parse_certs_pem("nothing"), Err(BundleError::NoCertificates)));
+        let bad = encode_cert_pem(&[0x30, 0x01, 0x00]);
+        assert!(matches!(
+            parse_certs_pem(&bad),
+            Err(BundleError::BadCertificate { index: 1, .. })
+        ));
+        let missing = Path::new("/nonexistent/meshca/root.pem");
+        let err = read_certs_file(missing).unwrap_err();
+        assert!(err.to_string().contains("/nonexistent/meshca/root.pem"));
+    }
+}

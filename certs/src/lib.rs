@@ -1,0 +1,46 @@
+//! # meshca-certs
+//!
+//! The X.509 and SPIFFE toolkit that the meshca CA (`meshca-ca`) and agent
+//! library (`meshca-client`) are built on, and the `meshca-certs` CLI.
+//!
+//! - [`spiffe`]: [`TrustDomain`] and [`SpiffeId`], validated by the SPIFFE rules;
+//! - [`keys`]: key generation (ECDSA P-256/P-384, RSA 2048/3072/4096) and loading;
+//! - [`csr`]: building CSRs and verifying them (proof of possession, key policy);
+//! - [`profile`]: the workload (X509-SVID), server and CA certificate profiles,
+//!   and [`SigningCa`], which issues them;
+//! - [`verify`]: SVID chain verification to a [`TrustBundle`], CA chain checks;
+//! - [`bundle`]: PEM bundles and atomic file writes;
+//! - [`inspect`]: what a certificate says;
+//! - [`token`]: Kubernetes-style service-account tokens and the local issuer.
+//!
+//! ```
+//! use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId, VerifiedCsr};
+//!
+//! let id = SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web")?;
+//! let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256)?;
+//! let csr = VerifiedCsr::from_pem(&build_csr(&key, &id)?)?;
+//! assert_eq!(csr.uri_sans(), &[id]);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub mod bundle;
+pub mod csr;
+mod der;
+pub mod inspect;
+pub mod keys;
+pub mod profile;
+pub mod spiffe;
+pub mod token;
+pub mod verify;
+
+pub use csr::{build_csr, CsrError, VerifiedCsr};
+pub use keys::{KeyAlgorithm, KeyKind, PrivateKey};
+pub use profile::{IssuedCert, SigningCa, SubjectKey, SubjectName, Validity};
+pub use spiffe::{SpiffeId, SpiffeIdError, TrustDomain};
+pub use verify::{TrustBundle, VerifiedSvid, VerifyError};
+
+/// Parses a duration written like `30s`, `15m`, `24h`, `90d` (also `1h30m`).
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
+    humantime::parse_duration(text.trim())
+        .map_err(|e| format!("invalid duration {text:?}: {e} (write e.g. 30s, 15m, 24h, 90d)"))
+}

@@ -1,0 +1,439 @@
+//! Chain verification: X509-SVIDs to a [`TrustBundle`] (path validation by
+//! webpki plus the SPIFFE X509-SVID leaf rules), and CA chains (a signing
+//! certificate up to a root, as a plugged-in CA must be).
+
+use std::time::SystemTime;
+
+use rustls_pki_types::{CertificateDer, UnixTime};
+use time::OffsetDateTime;
+use x509_parser::extensions::{GeneralName, ParsedExtension};
+use x509_parser::prelude::{FromDer, X509Certificate};
+
+use crate::profile::hex;
+use crate::spiffe::SpiffeId;
+
+/// Why a chain was refused. Each message names the certificate (by its
+/// position, leaf = #1) and the rule.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VerifyError {
+    /// No certificates were given.
+    #[error("the chain is empty")]
+    EmptyChain,
+    /// The bundle holds no roots.
+    #[error("the trust bundle holds no certificates")]
+    EmptyBundle,
+    /// A certificate could not be parsed.
+    #[error("certificate #{index} is not valid X.509: {reason}")]
+    Malformed {
+        /// 1-based position in the chain.
+        index: usize,
+        /// What the parser said.
+        reason: String,
+    },
+    /// Path validation to the bundle failed.
+    #[error("certificate #1 does not chain to the trust bundle: {0}")]
+    Untrusted(String),
+    /// The leaf breaks an X509-SVID rule.
+    #[error("certificate #1 is not a valid X509-SVID: {0}")]
+    NotSvid(String),
+    /// The leaf's SPIFFE ID is not the one expected.
+    #[error("certificate #1 is for {found}, not the expected {expected}")]
+    WrongIdentity {
+        /// What was expected.
+        expected: String,
+        /// What the certificate says.
+        found: String,
+    },
+    /// A CA certificate in a chain breaks a CA rule.
+    #[error("certificate #{index} ({subject}): {reason}")]
+    BadCa {
+        /// 1-based position.
+        index: usize,
+        /// Its subject.
+        subject: String,
+        /// The rule broken.
+        reason: String,
+    },
+}
+
+/// A set of trusted root certificates (DER).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TrustBundle {
+    roots: Vec<Vec<u8>>,
+}
+
+impl TrustBundle {
+    /// A bundle of the given DER roots.
+    pub fn new(roots: Vec<Vec<u8>>) -> Self {
+        Self { roots }
+    }
+
+    /// Parses a PEM bundle.
+    pub fn from_pem(text: &str) -> Result<Self, crate::bundle::BundleError> {
+        Ok(Self::new(crate::bundle::parse_certs_pem(text)?))
+    }
+
+    /// The roots, DER.
+    pub fn roots(&self) -> &[Vec<u8>] {
+        &self.roots
+    }
+
+    /// The bundle as PEM.
+    pub fn to_pem(&self) -> String {
+        crate::bundle::encode_certs_pem(&self.roots)
+    }
+
+    /// Whether `der` is one of the roots.
+    pub fn contains(&self, der: &[u8]) -> bool {
+        self.roots.iter().any(|r| r == der)
+    }
+}
+
+/// What a verified SVID says.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VerifiedSvid {
+    /// Its SPIFFE ID.
+    pub spiffe_id: SpiffeId,
+    /// Its serial, hex.
+    pub serial_hex: String,
+    /// notBefore.
+    pub not_before: OffsetDateTime,
+    /// notAfter.
+    pub not_after: OffsetDateTime,
+}
+
+/// Verifies an X509-SVID chain (leaf first, then intermediates; roots may be
+/// included) to `bundle` at time `now`, and the X509-SVID leaf rules:
+/// exactly one URI SAN that is a valid SPIFFE ID, not a CA, keyUsage with
+/// digitalSignature and without keyCertSign/cRLSign. If `expected` is
+/// given, the ID must be that one.
+pub fn verify_svid(
+    chain: &[Vec<u8>],
+    bundle: &TrustBundle,
+    now: SystemTime,
+    expected: Option<&SpiffeId>,
+) -> Result<VerifiedSvid, VerifyError> {
+    let leaf_der = chain.first().ok_or(VerifyError::EmptyChain)?;
+    let svid = check_svid_leaf(leaf_der)?;
+    if let Some(expected) = expected {
+        if *expected != svid.spiffe_id {
+            return Err(VerifyError::WrongIdentity {
+                expected: expected.to_string(),
+                found: svid.spiffe_id.to_string(),
+            });
+        }
+    }
+    verify_path(chain, bundle, now)?;
+    Ok(svid)
+}
+
+/// Path validation only (webpki, client-auth usage).
+fn verify_path(chain: &[Vec<u8>], bundle: &TrustBundle, now: SystemTime) -> Result<(), VerifyError> {
+    if bundle.roots.is_empty() {
+        return Err(VerifyError::EmptyBundle);
+    }
+    let leaf_der = chain.first().ok_or(VerifyError::EmptyChain)?;
+    let root_ders: Vec<CertificateDer<'_>> = bundle
+        .roots
+        .iter()
+        .map(|r| CertificateDer::from(r.as_slice()))
+        .collect();
+    let anchors: Vec<_> = root_ders
+        .iter()
+        .filter_map(|r| webpki::anchor_from_trusted_cert(r).ok())
+        .collect();
+    if anchors.is_empty() {
+        return Err(VerifyError::EmptyBundle);
+    }
+    let intermediates: Vec<CertificateDer<'_>> = chain[1..]
+        .iter()
+        .filter(|c| !bundle.contains(c))
+        .map(|c| CertificateDer::from(c.as_slice()))
+        .collect();
+    let leaf = CertificateDer::from(leaf_der.as_slice());
+    let ee = webpki::EndEntityCert::try_from(&leaf)
+        .map_err(|e| VerifyError::Malformed { index: 1, reason: format!("{e:?}") })?;
+    let since_epoch = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
+    ee.verify_for_usage(
+        webpki::ALL_VERIFICATION_ALGS,
+        &anchors,
+        &intermediates,
+        UnixTime::since_unix_epoch(since_epoch),
+        webpki::KeyUsage::client_auth(),
+        None,
+        None,
+    )
+    .map_err(|e| VerifyError::Untrusted(describe_webpki_error(&e)))?;
+    Ok(())
+}
+
+fn describe_webpki_error(e: &webpki::Error) -> String {
+    match e {
+        webpki::Error::CertExpired { .. } => "a certificate in the chain has expired".into(),
+        webpki::Error::CertNotValidYet { .. } => "a certificate in the chain is not valid yet".into(),
+        webpki::Error::UnknownIssuer => {
+            "no path to a root in the bundle (unknown issuer)".into()
+        }
+        webpki::Error::InvalidSignatureForPublicKey => "a signature in the chain does not verify".into(),
+        webpki::Error::CaUsedAsEndEntity => "the leaf is a CA certificate".into(),
+        webpki::Error::RequiredEkuNotFoundContext(_) => {
+            "the leaf lacks extKeyUsage clientAuth".into()
+        }
+        other => format!("{other:?}"),
+    }
+}
+
+/// Checks the X509-SVID leaf rules on one certificate and returns its ID.
+pub fn check_svid_leaf(der: &[u8]) -> Result<VerifiedSvid, VerifyError> {
+    let (_, cert) = X509Certificate::from_der(der).map_err(|e| VerifyError::Malformed {
+        index: 1,
+        reason: e.to_string(),
+    })?;
+    let not_svid = |m: &str| VerifyError::NotSvid(m.to_string());
+    let mut uris = Vec::new();
+    let mut saw_ku = false;
+    for ext in cert.extensions() {
+        match ext.parsed_extension() {
+            ParsedExtension::SubjectAlternativeName(san) => {
+                for name in &san.general_names {
+                    if let GeneralName::URI(u) = name {
+                        uris.push(u.to_string());
+                    }
+                }
+            }
+            ParsedExtension::BasicConstraints(bc) if bc.ca => {
+                return Err(not_svid("basicConstraints cA is true (a leaf SVID must not be a CA)"))
+            }
+            ParsedExtension::KeyUsage(ku) => {
+                saw_ku = true;
+                if !ku.digital_signature() {
+                    return Err(not_svid("keyUsage lacks digitalSignature"));
+                }
+                if ku.key_cert_sign() || ku.crl_sign() {
+                    return Err(not_svid("keyUsage has keyCertSign or cRLSign"));
+                }
+            }
+            _ => {}
+        }
+    }
+    if !saw_ku {
+        return Err(not_svid("no keyUsage extension"));
+    }
+    let uri = match uris.as_slice() {
+        [one] => one,
+        [] => return Err(not_svid("no URI SAN")),
+        many => {
+            return Err(VerifyError::NotSvid(format!(
+                "{} URI SANs; an X509-SVID has exactly one",
+                many.len()
+            )))
+        }
+    };
+    let spiffe_id = SpiffeId::parse(uri)
+        .map_err(|e| VerifyError::NotSvid(format!("URI SAN {uri:?} is not a SPIFFE ID: {e}")))?;
+    if spiffe_id.path().is_empty() {
+        return Err(not_svid("the SPIFFE ID has no path (a trust domain ID is not a workload ID)"));
+    }
+    Ok(VerifiedSvid {
+        spiffe_id,
+        serial_hex: hex(cert.raw_serial()),
+        not_before: cert.validity().not_before.to_datetime(),
+        not_after: cert.validity().not_after.to_datetime(),
+    })
+}
+
+/// Verifies a CA chain: `chain[0]` is a signing CA certificate, each
+/// certificate is signed by the next, every one is a CA with keyCertSign,
+/// inside its validity at `now`, and the last one is (or is signed by) a
+/// root in `bundle`. Returns the root that anchors the chain.
+pub fn verify_ca_chain(
+    chain: &[Vec<u8>],
+    bundle: &TrustBundle,
+    now: OffsetDateTime,
+) -> Result<Vec<u8>, VerifyError> {
+    if chain.is_empty() {
+        return Err(VerifyError::EmptyChain);
+    }
+    let parsed: Vec<X509Certificate<'_>> = chain
+        .iter()
+        .enumerate()
+        .map(|(i, der)| {
+            X509Certificate::from_der(der)
+                .map(|(_, c)| c)
+                .map_err(|e| VerifyError::Malformed { index: i + 1, reason: e.to_string() })
+        })
+        .collect::<Result<_, _>>()?;
+    let bad = |index: usize, cert: &X509Certificate<'_>, reason: String| VerifyError::BadCa {
+        index: index + 1,
+        subject: cert.subject().to_string(),
+        reason,
+    };
+    for (i, cert) in parsed.iter().enumerate() {
+        check_ca_bits(cert).map_err(|r| bad(i, cert, r))?;
+        check_time(cert, now).map_err(|r| bad(i, cert, r))?;
+        if let Some(issuer) = parsed.get(i + 1) {
+            if cert.issuer().as_raw() != issuer.subject().as_raw() {
+                return Err(bad(
+                    i,
+                    cert,
+                    format!("its issuer is not the subject of certificate #{} ({})", i + 2, issuer.subject()),
+                ));
+            }
+            cert.verify_signature(Some(issuer.public_key())).map_err(|_| {
+                bad(i, cert, format!("its signature does not verify with the key of certificate #{}", i + 2))
+            })?;
+        }
+    }
+    let last_index = parsed.len() - 1;
+    let last = &parsed[last_index];
+    if bundle.contains(&chain[last_index]) {
+        return Ok(chain[last_index].clone());
+    }
+    for root_der in &bundle.roots {
+        let Ok((_, root)) = X509Certificate::from_der(root_der) else {
+            continue;
+        };
+        if root.subject().as_raw() == last.issuer().as_raw()
+            && last.verify_signature(Some(root.public_key())).is_ok()
+        {
+            check_ca_bits(&root).map_err(|r| VerifyError::BadCa {
+                index: parsed.len() + 1,
+                subject: root.subject().to_string(),
+                reason: r,
+            })?;
+            check_time(&root, now).map_err(|r| VerifyError::BadCa {
+                index: parsed.len() + 1,
+                subject: root.subject().to_string(),
+                reason: r,
+            })?;
+            return Ok(root_der.clone());
+        }
+    }
+    Err(bad(
+        last_index,
+        last,
+        "does not chain to any root in the trust bundle".to_string(),
+    ))
+}
+
+fn check_ca_bits(cert: &X509Certificate<'_>) -> Result<(), String> {
+    match cert.basic_constraints() {
+        Ok(Some(bc)) if bc.value.ca => {}
+        Ok(_) => return Err("not a CA: basicConstraints cA is not true".into()),
+        Err(e) => return Err(format!("bad basicConstraints: {e}")),
+    }
+    match cert.key_usage() {
+        Ok(Some(ku)) if !ku.value.key_cert_sign() => {
+            Err("keyUsage does not include keyCertSign".into())
+        }
+        Ok(_) => Ok(()),
+        Err(e) => Err(format!("bad keyUsage: {e}")),
+    }
+}
+
+fn check_time(cert: &X509Certificate<'_>, now: OffsetDateTime) -> Result<(), String> {
+    let v = cert.validity();
+    if now < v.not_before.to_datetime() {
+        return Err(format!("not valid before {}", v.not_before));
+    }
+    if now > v.not_after.to_datetime() {
+        return Err(format!("expired at {}", v.not_after));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::csr::{build_csr, VerifiedCsr};
+    use crate::keys::{KeyAlgorithm, PrivateKey};
+    use crate::profile::{self_signed_root, SigningCa, SubjectKey, SubjectName, Validity};
+    use time::Duration;
+
+    fn root() -> SigningCa {
+        let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let name = SubjectName {
+            common_name: Some("Root".into()),
+            ..Default::default()
+        };
+        let cert = self_signed_root(&key, &name, Validity::backdated(OffsetDateTime::now_utc(), Duration::days(10))).unwrap();
+        SigningCa::new(cert.der, key).unwrap()
+    }
+
+    fn id() -> SpiffeId {
+        SpiffeId::parse("spiffe://cluster.local/ns/a/sa/b").unwrap()
+    }
+
+    fn leaf(ca: &SigningCa, validity: Validity) -> Vec<u8> {
+        let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let csr = VerifiedCsr::from_pem(&build_csr(&key, &id()).unwrap()).unwrap();
+        ca.issue_workload(csr.subject_key(), &id(), validity).unwrap().der
+    }
+
+    #[test]
+    fn verifies_a_good_chain_and_refuses_a_foreign_root() {
+        let ca = root();
+        let der = leaf(&ca, Validity::backdated(OffsetDateTime::now_utc(), Duration::hours(1)));
+        let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
+        let svid = verify_svid(&[der.clone(), ca.cert_der().to_vec()], &bundle, SystemTime::now(), Some(&id())).unwrap();
+        assert_eq!(svid.spiffe_id, id());
+        let other = root();
+        let foreign = TrustBundle::new(vec![other.cert_der().to_vec()]);
+        assert!(matches!(
+            verify_svid(&[der.clone()], &foreign, SystemTime::now(), None),
+            Err(VerifyError::Untrusted(_))
+        ));
+        let wrong = SpiffeId::parse("spiffe://cluster.local/ns/a/sa/c").unwrap();
+        assert!(matches!(
+            verify_svid(&[der], &bundle, SystemTime::now(), Some(&wrong)),
+            Err(VerifyError::WrongIdentity { .. })
+        ));
+    }
+
+    #[test]
+    fn refuses_an_expired_leaf() {
+        let ca = root();
+        let past = OffsetDateTime::now_utc() - Duration::days(2);
+        let der = leaf(&ca, Validity::backdated(past, Duration::hours(1)));
+        let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
+        let err = verify_svid(&[der], &bundle, SystemTime::now(), None).unwrap_err();
+        assert!(err.to_string().contains("expired"), "{err}");
+    }
+
+    #[test]
+    fn refuses_a_ca_as_leaf() {
+        let ca = root();
+        let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
+        assert!(matches!(
+            verify_svid(&[ca.cert_der().to_vec()], &bundle, SystemTime::now(), None),
+            Err(VerifyError::NotSvid(_))
+        ));
+    }
+
+    #[test]
+    fn ca_chain_checks() {
+        let ca = root();
+        let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let int = ca
+            .issue_ca(
+                &SubjectKey::of(&key).unwrap(),
+                &SubjectName { common_name: Some("Int".into()), ..Default::default() },
+                Some(0),
+                Validity::backdated(OffsetDateTime::now_utc(), Duration::days(1)),
+            )
+            .unwrap();
+        let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
+        let now = OffsetDateTime::now_utc();
+        assert_eq!(verify_ca_chain(&[int.der.clone()], &bundle, now).unwrap(), ca.cert_der());
+        assert!(verify_ca_chain(&[int.der.clone(), ca.cert_der().to_vec()], &bundle, now).is_ok());
+        let foreign = TrustBundle::new(vec![root().cert_der().to_vec()]);
+        assert!(verify_ca_chain(&[int.der.clone()], &foreign, now).is_err());
+        let later = now + Duration::days(3);
+        let err = verify_ca_chain(&[int.der], &bundle, later).unwrap_err();
+        assert!(err.to_string().contains("expired"), "{err}");
+        let l = leaf(&ca, Validity::backdated(now, Duration::hours(1)));
+        assert!(verify_ca_chain(&[l], &bundle, now).unwrap_err().to_string().contains("not a CA"));
+    }
+}

@@ -1,0 +1,12 @@
+//! Compiles `proto/ca.proto` with protox (pure Rust), so building needs no
+//! system `protoc`.
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let fds = protox::compile(["ca.proto"], ["proto"])?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(fds)?;
+    println!("cargo:rerun-if-changed=proto/ca.proto");
+    Ok(())
+}
