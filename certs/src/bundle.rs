@@ -212,7 +212,10 @@ mod tests {
 
     #[test]
     fn parse_errors_are_specific() {
-        assert!(matches!(parse_certs_pem("nothing"), Err(BundleError::NoCertificates)));
+        assert!(matches!(
+            parse_certs_pem("nothing"),
+            Err(BundleError::NoCertificates)
+        ));
         let bad = encode_cert_pem(&[0x30, 0x01, 0x00]);
         assert!(matches!(
             parse_certs_pem(&bad),

@@ -14,8 +14,7 @@ use x509_parser::certification_request::X509CertificationRequest;
 use x509_parser::extensions::{GeneralName, ParsedExtension};
 use x509_parser::oid_registry::{
     Oid, OID_PKCS1_RSASSAPSS, OID_PKCS1_SHA256WITHRSA, OID_PKCS1_SHA384WITHRSA,
-    OID_PKCS1_SHA512WITHRSA, OID_SIG_ECDSA_WITH_SHA256, OID_SIG_ECDSA_WITH_SHA384,
-    OID_SIG_ED25519,
+    OID_PKCS1_SHA512WITHRSA, OID_SIG_ECDSA_WITH_SHA256, OID_SIG_ECDSA_WITH_SHA384, OID_SIG_ED25519,
 };
 use x509_parser::prelude::FromDer;
 
@@ -155,13 +154,27 @@ fn verification_algorithm(
     let oid = &csr.signature_algorithm.algorithm;
     let unsupported = || CsrError::UnsupportedSignatureAlgorithm(describe_oid(oid));
     let alg: &'static dyn signature::VerificationAlgorithm = match key {
-        KeyKind::EcdsaP256 if *oid == OID_SIG_ECDSA_WITH_SHA256 => &signature::ECDSA_P256_SHA256_ASN1,
-        KeyKind::EcdsaP256 if *oid == OID_SIG_ECDSA_WITH_SHA384 => &signature::ECDSA_P256_SHA384_ASN1,
-        KeyKind::EcdsaP384 if *oid == OID_SIG_ECDSA_WITH_SHA384 => &signature::ECDSA_P384_SHA384_ASN1,
-        KeyKind::EcdsaP384 if *oid == OID_SIG_ECDSA_WITH_SHA256 => &signature::ECDSA_P384_SHA256_ASN1,
-        KeyKind::Rsa(_) if *oid == OID_PKCS1_SHA256WITHRSA => &signature::RSA_PKCS1_2048_8192_SHA256,
-        KeyKind::Rsa(_) if *oid == OID_PKCS1_SHA384WITHRSA => &signature::RSA_PKCS1_2048_8192_SHA384,
-        KeyKind::Rsa(_) if *oid == OID_PKCS1_SHA512WITHRSA => &signature::RSA_PKCS1_2048_8192_SHA512,
+        KeyKind::EcdsaP256 if *oid == OID_SIG_ECDSA_WITH_SHA256 => {
+            &signature::ECDSA_P256_SHA256_ASN1
+        }
+        KeyKind::EcdsaP256 if *oid == OID_SIG_ECDSA_WITH_SHA384 => {
+            &signature::ECDSA_P256_SHA384_ASN1
+        }
+        KeyKind::EcdsaP384 if *oid == OID_SIG_ECDSA_WITH_SHA384 => {
+            &signature::ECDSA_P384_SHA384_ASN1
+        }
+        KeyKind::EcdsaP384 if *oid == OID_SIG_ECDSA_WITH_SHA256 => {
+            &signature::ECDSA_P384_SHA256_ASN1
+        }
+        KeyKind::Rsa(_) if *oid == OID_PKCS1_SHA256WITHRSA => {
+            &signature::RSA_PKCS1_2048_8192_SHA256
+        }
+        KeyKind::Rsa(_) if *oid == OID_PKCS1_SHA384WITHRSA => {
+            &signature::RSA_PKCS1_2048_8192_SHA384
+        }
+        KeyKind::Rsa(_) if *oid == OID_PKCS1_SHA512WITHRSA => {
+            &signature::RSA_PKCS1_2048_8192_SHA512
+        }
         KeyKind::Rsa(_) if *oid == OID_PKCS1_RSASSAPSS => {
             rsa_pss_algorithm(csr).ok_or_else(unsupported)?
         }
@@ -174,7 +187,9 @@ fn verification_algorithm(
 fn rsa_pss_algorithm(
     csr: &X509CertificationRequest<'_>,
 ) -> Option<&'static dyn signature::VerificationAlgorithm> {
-    use x509_parser::oid_registry::{OID_NIST_HASH_SHA256, OID_NIST_HASH_SHA384, OID_NIST_HASH_SHA512};
+    use x509_parser::oid_registry::{
+        OID_NIST_HASH_SHA256, OID_NIST_HASH_SHA384, OID_NIST_HASH_SHA512,
+    };
     use x509_parser::signature_algorithm::RsaSsaPssParams;
     let params = csr.signature_algorithm.parameters.as_ref()?;
     let params = RsaSsaPssParams::try_from(params).ok()?;
@@ -252,7 +267,11 @@ mod tests {
             let csr = VerifiedCsr::from_pem(&build_csr(&key, &id()).unwrap()).unwrap();
             assert_eq!(csr.key_kind(), kind);
             assert_eq!(csr.uri_sans(), &[id()]);
-            assert_eq!(csr.subject_key().spki_der(), key.public_key_spki_der(), "{alg}");
+            assert_eq!(
+                csr.subject_key().spki_der(),
+                key.public_key_spki_der(),
+                "{alg}"
+            );
         }
     }
 
@@ -274,7 +293,9 @@ mod tests {
     fn rejects_a_csr_whose_key_was_swapped() {
         let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
         let other = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
-        let der = pem::parse(build_csr(&key, &id()).unwrap()).unwrap().into_contents();
+        let der = pem::parse(build_csr(&key, &id()).unwrap())
+            .unwrap()
+            .into_contents();
         // Both SPKIs have the same length: splice the other key in.
         let mine = key.public_key_spki_der();
         let theirs = other.public_key_spki_der();
@@ -289,7 +310,10 @@ mod tests {
 
     #[test]
     fn rejects_garbage_and_wrong_pem() {
-        assert_eq!(VerifiedCsr::from_pem("garbage").unwrap_err(), CsrError::NotPem);
+        assert_eq!(
+            VerifiedCsr::from_pem("garbage").unwrap_err(),
+            CsrError::NotPem
+        );
         assert_eq!(VerifiedCsr::from_pem("").unwrap_err(), CsrError::NotPem);
         let cert = pem::encode(&pem::Pem::new("CERTIFICATE", vec![0x30, 0x00]));
         assert_eq!(VerifiedCsr::from_pem(&cert).unwrap_err(), CsrError::NotPem);
@@ -321,7 +345,11 @@ mod tests {
         let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
         let mut params = CertificateParams::default();
         params.subject_alt_names = vec![SanType::URI("https://example.com/x".try_into().unwrap())];
-        let pem_text = params.serialize_request(key.key_pair()).unwrap().pem().unwrap();
+        let pem_text = params
+            .serialize_request(key.key_pair())
+            .unwrap()
+            .pem()
+            .unwrap();
         assert!(matches!(
             VerifiedCsr::from_pem(&pem_text).unwrap_err(),
             CsrError::BadUriSan { .. }

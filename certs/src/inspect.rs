@@ -110,3 +110,10 @@ impl CertSummary {
         })
     }
 }
+
+/// The DER SubjectPublicKeyInfo of a DER certificate.
+pub fn spki_der(cert_der: &[u8]) -> Option<Vec<u8>> {
+    X509Certificate::from_der(cert_der)
+        .ok()
+        .map(|(_, c)| c.public_key().raw.to_vec())
+}

@@ -30,13 +30,17 @@ pub enum KeyError {
         reason: String,
     },
     /// The input is not PEM or holds no private key block.
-    #[error("no private key found: expected a PEM block PRIVATE KEY, EC PRIVATE KEY or RSA PRIVATE KEY")]
+    #[error(
+        "no private key found: expected a PEM block PRIVATE KEY, EC PRIVATE KEY or RSA PRIVATE KEY"
+    )]
     NoPrivateKey,
     /// The PEM is encrypted; meshca needs an unencrypted key.
     #[error("the private key is encrypted; decrypt it first (e.g. openssl pkey -in key.pem -out key-plain.pem)")]
     Encrypted,
     /// The key's DER could not be parsed or its algorithm is not supported.
-    #[error("unsupported or malformed private key: {0} (supported: ECDSA P-256/P-384, RSA 2048-8192)")]
+    #[error(
+        "unsupported or malformed private key: {0} (supported: ECDSA P-256/P-384, RSA 2048-8192)"
+    )]
     Unsupported(String),
 }
 
@@ -127,8 +131,8 @@ impl PrivateKey {
             rsa_alg => {
                 let bits = rsa_alg.rsa_bits().unwrap_or(2048);
                 let mut rng = rand_core::OsRng;
-                let key = rsa::RsaPrivateKey::new(&mut rng, bits)
-                    .map_err(|e| gen_err(e.to_string()))?;
+                let key =
+                    rsa::RsaPrivateKey::new(&mut rng, bits).map_err(|e| gen_err(e.to_string()))?;
                 use rsa::pkcs8::EncodePrivateKey;
                 let der = key.to_pkcs8_der().map_err(|e| gen_err(e.to_string()))?;
                 KeyPair::from_pkcs8_der_and_sign_algo(
@@ -422,7 +426,10 @@ mod tests {
             Err(KeyError::NoPrivateKey)
         ));
         let enc = pem::encode(&pem::Pem::new("ENCRYPTED PRIVATE KEY", vec![1, 2, 3]));
-        assert!(matches!(PrivateKey::from_pem(&enc), Err(KeyError::Encrypted)));
+        assert!(matches!(
+            PrivateKey::from_pem(&enc),
+            Err(KeyError::Encrypted)
+        ));
         let bad = pem::encode(&pem::Pem::new("PRIVATE KEY", vec![1, 2, 3]));
         assert!(matches!(
             PrivateKey::from_pem(&bad),

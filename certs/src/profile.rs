@@ -330,7 +330,11 @@ impl SigningCa {
         self.issue(
             subject,
             &[0x30, 0x00],
-            Profile::EndEntity { uris: &[], dns, ips },
+            Profile::EndEntity {
+                uris: &[],
+                dns,
+                ips,
+            },
             validity,
         )
     }
@@ -474,7 +478,12 @@ fn build_and_sign(
             }
             let mut san = Vec::new();
             der::write_tlv(&mut san, tag::SEQUENCE, &names);
-            der::write_extension(&mut extensions, oid::SUBJECT_ALT_NAME, subject_is_empty, &san);
+            der::write_extension(
+                &mut extensions,
+                oid::SUBJECT_ALT_NAME,
+                subject_is_empty,
+                &san,
+            );
             der::write_extension(&mut extensions, oid::BASIC_CONSTRAINTS, true, &[0x30, 0x00]);
             let ku = if subject.kind().is_rsa() {
                 key_usage_bits(&[KU_DIGITAL_SIGNATURE, KU_KEY_ENCIPHERMENT])
@@ -551,10 +560,12 @@ fn build_and_sign(
 /// Lowercase hex of bytes, for serials and key identifiers in logs.
 pub fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;
-    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
 }
 
 #[cfg(test)]
@@ -574,7 +585,8 @@ mod tests {
             common_name: Some("Root CA".into()),
             ..Default::default()
         };
-        let cert = self_signed_root(&key, &name, Validity::backdated(now(), Duration::days(365))).unwrap();
+        let cert =
+            self_signed_root(&key, &name, Validity::backdated(now(), Duration::days(365))).unwrap();
         SigningCa::new(cert.der, key).unwrap()
     }
 
@@ -585,7 +597,10 @@ mod tests {
     #[test]
     fn workload_certificate_follows_the_svid_profile() {
         let ca = root(KeyAlgorithm::EcdsaP256);
-        for (alg, rsa) in [(KeyAlgorithm::EcdsaP256, false), (KeyAlgorithm::Rsa2048, true)] {
+        for (alg, rsa) in [
+            (KeyAlgorithm::EcdsaP256, false),
+            (KeyAlgorithm::Rsa2048, true),
+        ] {
             let leaf_key = PrivateKey::generate(alg).unwrap();
             let subject = SubjectKey::of(&leaf_key).unwrap();
             let validity = Validity::backdated(now(), Duration::hours(24));
@@ -597,7 +612,10 @@ mod tests {
             assert!(cert.subject().as_raw() == [0x30, 0x00]);
             let san = cert.subject_alternative_name().unwrap().unwrap();
             assert!(san.critical);
-            assert_eq!(san.value.general_names, vec![GeneralName::URI(id().as_str())]);
+            assert_eq!(
+                san.value.general_names,
+                vec![GeneralName::URI(id().as_str())]
+            );
             let bc = cert.basic_constraints().unwrap().unwrap();
             assert!(bc.critical && !bc.value.ca);
             let ku = cert.key_usage().unwrap().unwrap();
@@ -607,21 +625,35 @@ mod tests {
             assert!(!ku.value.key_cert_sign() && !ku.value.crl_sign());
             let eku = cert.extended_key_usage().unwrap().unwrap();
             assert!(eku.value.server_auth && eku.value.client_auth);
-            let ski = cert.extensions().iter().find_map(|e| match e.parsed_extension() {
-                ParsedExtension::SubjectKeyIdentifier(k) => Some(k.0.to_vec()),
-                _ => None,
-            });
+            let ski = cert
+                .extensions()
+                .iter()
+                .find_map(|e| match e.parsed_extension() {
+                    ParsedExtension::SubjectKeyIdentifier(k) => Some(k.0.to_vec()),
+                    _ => None,
+                });
             assert!(ski.is_some());
-            let aki = cert.extensions().iter().find_map(|e| match e.parsed_extension() {
-                ParsedExtension::AuthorityKeyIdentifier(a) => a.key_identifier.as_ref().map(|k| k.0.to_vec()),
-                _ => None,
-            });
+            let aki = cert
+                .extensions()
+                .iter()
+                .find_map(|e| match e.parsed_extension() {
+                    ParsedExtension::AuthorityKeyIdentifier(a) => {
+                        a.key_identifier.as_ref().map(|k| k.0.to_vec())
+                    }
+                    _ => None,
+                });
             assert_eq!(aki.as_deref(), Some(ca.key_identifier.as_slice()));
             // Positive serial with at least 128 bits.
             let serial = cert.raw_serial();
             assert!(serial.len() >= 17 && serial[0] != 0 && serial[0] & 0x80 == 0);
-            assert_eq!(cert.public_key().raw, leaf_key.public_key_spki_der().as_slice());
-            assert_eq!(cert.validity().not_after.timestamp(), validity.not_after.unix_timestamp());
+            assert_eq!(
+                cert.public_key().raw,
+                leaf_key.public_key_spki_der().as_slice()
+            );
+            assert_eq!(
+                cert.validity().not_after.timestamp(),
+                validity.not_after.unix_timestamp()
+            );
             assert_eq!(
                 cert.validity().not_before.timestamp(),
                 validity.not_before.unix_timestamp()
@@ -635,7 +667,11 @@ mod tests {
 
     #[test]
     fn root_and_intermediate_follow_the_ca_profile() {
-        for alg in [KeyAlgorithm::EcdsaP256, KeyAlgorithm::EcdsaP384, KeyAlgorithm::Rsa2048] {
+        for alg in [
+            KeyAlgorithm::EcdsaP256,
+            KeyAlgorithm::EcdsaP384,
+            KeyAlgorithm::Rsa2048,
+        ] {
             let root = root(alg);
             let (_, cert) = X509Certificate::from_der(root.cert_der()).unwrap();
             cert.verify_signature(None).unwrap();
@@ -653,7 +689,12 @@ mod tests {
                 ..Default::default()
             };
             let issued = root
-                .issue_ca(&SubjectKey::of(&key).unwrap(), &name, Some(0), Validity::backdated(now(), Duration::days(30)))
+                .issue_ca(
+                    &SubjectKey::of(&key).unwrap(),
+                    &name,
+                    Some(0),
+                    Validity::backdated(now(), Duration::days(30)),
+                )
                 .unwrap();
             let (_, int) = X509Certificate::from_der(&issued.der).unwrap();
             int.verify_signature(Some(cert.public_key())).unwrap();
@@ -673,14 +714,21 @@ mod tests {
         ));
         let leaf_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
         let leaf = ca
-            .issue_workload(&SubjectKey::of(&leaf_key).unwrap(), &id(), Validity::backdated(now(), Duration::hours(1)))
+            .issue_workload(
+                &SubjectKey::of(&leaf_key).unwrap(),
+                &id(),
+                Validity::backdated(now(), Duration::hours(1)),
+            )
             .unwrap();
         assert!(matches!(
             SigningCa::new(leaf.der, leaf_key),
             Err(ProfileError::NotACa)
         ));
         assert!(matches!(
-            SigningCa::new(vec![1, 2, 3], PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap()),
+            SigningCa::new(
+                vec![1, 2, 3],
+                PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap()
+            ),
             Err(ProfileError::BadCaCertificate(_))
         ));
     }
@@ -709,7 +757,10 @@ mod tests {
         let san = cert.subject_alternative_name().unwrap().unwrap();
         assert_eq!(
             san.value.general_names,
-            vec![GeneralName::DNSName("localhost"), GeneralName::IPAddress(&[127, 0, 0, 1])]
+            vec![
+                GeneralName::DNSName("localhost"),
+                GeneralName::IPAddress(&[127, 0, 0, 1])
+            ]
         );
     }
 
@@ -718,7 +769,10 @@ mod tests {
         let ca = root(KeyAlgorithm::EcdsaP256);
         let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
         let t = now();
-        let v = Validity { not_before: t, not_after: t };
+        let v = Validity {
+            not_before: t,
+            not_after: t,
+        };
         assert!(matches!(
             ca.issue_workload(&SubjectKey::of(&key).unwrap(), &id(), v),
             Err(ProfileError::EmptyValidity { .. })

@@ -46,7 +46,9 @@ pub enum SpiffeIdError {
     #[error("the SPIFFE ID is {0} bytes, longer than the {MAX_SPIFFE_ID_LEN} allowed")]
     TooLong(usize),
     /// A Kubernetes workload ID was expected (`/ns/<ns>/sa/<sa>`).
-    #[error("not a Kubernetes workload identity: the path must be /ns/<namespace>/sa/<service-account>")]
+    #[error(
+        "not a Kubernetes workload identity: the path must be /ns/<namespace>/sa/<service-account>"
+    )]
     NotKubernetesWorkload,
 }
 

@@ -267,10 +267,7 @@ impl TokenIssuer {
 
     /// Mints a token.
     pub fn mint(&self, request: &TokenRequest, now: SystemTime) -> Result<String, TokenError> {
-        let iat = now
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs();
+        let iat = now.duration_since(UNIX_EPOCH).unwrap_or_default().as_secs();
         let claims = ServiceAccountClaims {
             iss: self.issuer.clone(),
             sub: format!(
@@ -347,8 +344,14 @@ mod tests {
             parse_service_account_username("system:serviceaccount:ns:sa"),
             Some(("ns", "sa"))
         );
-        assert_eq!(parse_service_account_username("system:serviceaccount:ns"), None);
-        assert_eq!(parse_service_account_username("system:serviceaccount::sa"), None);
+        assert_eq!(
+            parse_service_account_username("system:serviceaccount:ns"),
+            None
+        );
+        assert_eq!(
+            parse_service_account_username("system:serviceaccount::sa"),
+            None
+        );
         assert_eq!(parse_service_account_username("admin"), None);
     }
 }

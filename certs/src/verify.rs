@@ -128,7 +128,11 @@ pub fn verify_svid(
 }
 
 /// Path validation only (webpki, client-auth usage).
-fn verify_path(chain: &[Vec<u8>], bundle: &TrustBundle, now: SystemTime) -> Result<(), VerifyError> {
+fn verify_path(
+    chain: &[Vec<u8>],
+    bundle: &TrustBundle,
+    now: SystemTime,
+) -> Result<(), VerifyError> {
     if bundle.roots.is_empty() {
         return Err(VerifyError::EmptyBundle);
     }
@@ -151,8 +155,10 @@ fn verify_path(chain: &[Vec<u8>], bundle: &TrustBundle, now: SystemTime) -> Resu
         .map(|c| CertificateDer::from(c.as_slice()))
         .collect();
     let leaf = CertificateDer::from(leaf_der.as_slice());
-    let ee = webpki::EndEntityCert::try_from(&leaf)
-        .map_err(|e| VerifyError::Malformed { index: 1, reason: format!("{e:?}") })?;
+    let ee = webpki::EndEntityCert::try_from(&leaf).map_err(|e| VerifyError::Malformed {
+        index: 1,
+        reason: format!("{e:?}"),
+    })?;
     let since_epoch = now
         .duration_since(SystemTime::UNIX_EPOCH)
         .unwrap_or_default();
@@ -172,11 +178,13 @@ fn verify_path(chain: &[Vec<u8>], bundle: &TrustBundle, now: SystemTime) -> Resu
 fn describe_webpki_error(e: &webpki::Error) -> String {
     match e {
         webpki::Error::CertExpired { .. } => "a certificate in the chain has expired".into(),
-        webpki::Error::CertNotValidYet { .. } => "a certificate in the chain is not valid yet".into(),
-        webpki::Error::UnknownIssuer => {
-            "no path to a root in the bundle (unknown issuer)".into()
+        webpki::Error::CertNotValidYet { .. } => {
+            "a certificate in the chain is not valid yet".into()
         }
-        webpki::Error::InvalidSignatureForPublicKey => "a signature in the chain does not verify".into(),
+        webpki::Error::UnknownIssuer => "no path to a root in the bundle (unknown issuer)".into(),
+        webpki::Error::InvalidSignatureForPublicKey => {
+            "a signature in the chain does not verify".into()
+        }
         webpki::Error::CaUsedAsEndEntity => "the leaf is a CA certificate".into(),
         webpki::Error::RequiredEkuNotFoundContext(_) => {
             "the leaf lacks extKeyUsage clientAuth".into()
@@ -204,7 +212,9 @@ pub fn check_svid_leaf(der: &[u8]) -> Result<VerifiedSvid, VerifyError> {
                 }
             }
             ParsedExtension::BasicConstraints(bc) if bc.ca => {
-                return Err(not_svid("basicConstraints cA is true (a leaf SVID must not be a CA)"))
+                return Err(not_svid(
+                    "basicConstraints cA is true (a leaf SVID must not be a CA)",
+                ))
             }
             ParsedExtension::KeyUsage(ku) => {
                 saw_ku = true;
@@ -234,7 +244,9 @@ pub fn check_svid_leaf(der: &[u8]) -> Result<VerifiedSvid, VerifyError> {
     let spiffe_id = SpiffeId::parse(uri)
         .map_err(|e| VerifyError::NotSvid(format!("URI SAN {uri:?} is not a SPIFFE ID: {e}")))?;
     if spiffe_id.path().is_empty() {
-        return Err(not_svid("the SPIFFE ID has no path (a trust domain ID is not a workload ID)"));
+        return Err(not_svid(
+            "the SPIFFE ID has no path (a trust domain ID is not a workload ID)",
+        ));
     }
     Ok(VerifiedSvid {
         spiffe_id,
@@ -262,7 +274,10 @@ pub fn verify_ca_chain(
         .map(|(i, der)| {
             X509Certificate::from_der(der)
                 .map(|(_, c)| c)
-                .map_err(|e| VerifyError::Malformed { index: i + 1, reason: e.to_string() })
+                .map_err(|e| VerifyError::Malformed {
+                    index: i + 1,
+                    reason: e.to_string(),
+                })
         })
         .collect::<Result<_, _>>()?;
     let bad = |index: usize, cert: &X509Certificate<'_>, reason: String| VerifyError::BadCa {
@@ -278,12 +293,24 @@ pub fn verify_ca_chain(
                 return Err(bad(
                     i,
                     cert,
-                    format!("its issuer is not the subject of certificate #{} ({})", i + 2, issuer.subject()),
+                    format!(
+                        "its issuer is not the subject of certificate #{} ({})",
+                        i + 2,
+                        issuer.subject()
+                    ),
                 ));
             }
-            cert.verify_signature(Some(issuer.public_key())).map_err(|_| {
-                bad(i, cert, format!("its signature does not verify with the key of certificate #{}", i + 2))
-            })?;
+            cert.verify_signature(Some(issuer.public_key()))
+                .map_err(|_| {
+                    bad(
+                        i,
+                        cert,
+                        format!(
+                            "its signature does not verify with the key of certificate #{}",
+                            i + 2
+                        ),
+                    )
+                })?;
         }
     }
     let last_index = parsed.len() - 1;
@@ -358,7 +385,12 @@ mod tests {
             common_name: Some("Root".into()),
             ..Default::default()
         };
-        let cert = self_signed_root(&key, &name, Validity::backdated(OffsetDateTime::now_utc(), Duration::days(10))).unwrap();
+        let cert = self_signed_root(
+            &key,
+            &name,
+            Validity::backdated(OffsetDateTime::now_utc(), Duration::days(10)),
+        )
+        .unwrap();
         SigningCa::new(cert.der, key).unwrap()
     }
 
@@ -369,15 +401,26 @@ mod tests {
     fn leaf(ca: &SigningCa, validity: Validity) -> Vec<u8> {
         let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
         let csr = VerifiedCsr::from_pem(&build_csr(&key, &id()).unwrap()).unwrap();
-        ca.issue_workload(csr.subject_key(), &id(), validity).unwrap().der
+        ca.issue_workload(csr.subject_key(), &id(), validity)
+            .unwrap()
+            .der
     }
 
     #[test]
     fn verifies_a_good_chain_and_refuses_a_foreign_root() {
         let ca = root();
-        let der = leaf(&ca, Validity::backdated(OffsetDateTime::now_utc(), Duration::hours(1)));
+        let der = leaf(
+            &ca,
+            Validity::backdated(OffsetDateTime::now_utc(), Duration::hours(1)),
+        );
         let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
-        let svid = verify_svid(&[der.clone(), ca.cert_der().to_vec()], &bundle, SystemTime::now(), Some(&id())).unwrap();
+        let svid = verify_svid(
+            &[der.clone(), ca.cert_der().to_vec()],
+            &bundle,
+            SystemTime::now(),
+            Some(&id()),
+        )
+        .unwrap();
         assert_eq!(svid.spiffe_id, id());
         let other = root();
         let foreign = TrustBundle::new(vec![other.cert_der().to_vec()]);
@@ -419,14 +462,20 @@ mod tests {
         let int = ca
             .issue_ca(
                 &SubjectKey::of(&key).unwrap(),
-                &SubjectName { common_name: Some("Int".into()), ..Default::default() },
+                &SubjectName {
+                    common_name: Some("Int".into()),
+                    ..Default::default()
+                },
                 Some(0),
                 Validity::backdated(OffsetDateTime::now_utc(), Duration::days(1)),
             )
             .unwrap();
         let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
         let now = OffsetDateTime::now_utc();
-        assert_eq!(verify_ca_chain(&[int.der.clone()], &bundle, now).unwrap(), ca.cert_der());
+        assert_eq!(
+            verify_ca_chain(&[int.der.clone()], &bundle, now).unwrap(),
+            ca.cert_der()
+        );
         assert!(verify_ca_chain(&[int.der.clone(), ca.cert_der().to_vec()], &bundle, now).is_ok());
         let foreign = TrustBundle::new(vec![root().cert_der().to_vec()]);
         assert!(verify_ca_chain(&[int.der.clone()], &foreign, now).is_err());
@@ -434,6 +483,9 @@ mod tests {
         let err = verify_ca_chain(&[int.der], &bundle, later).unwrap_err();
         assert!(err.to_string().contains("expired"), "{err}");
         let l = leaf(&ca, Validity::backdated(now, Duration::hours(1)));
-        assert!(verify_ca_chain(&[l], &bundle, now).unwrap_err().to_string().contains("not a CA"));
+        assert!(verify_ca_chain(&[l], &bundle, now)
+            .unwrap_err()
+            .to_string()
+            .contains("not a CA"));
     }
 }

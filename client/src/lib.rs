@@ -1,1 +1,33 @@
-//! placeholder
+//! # meshca-client
+//!
+//! The agent side of meshca: generate a key and CSR, ask the CA (meshca or
+//! istiod, the wire is the same), verify the answer, write the files.
+//!
+//! - [`caclient`]: [`CaClient`], the gRPC client that verifies every answer;
+//! - [`output`]: Istio's `cert-chain.pem`, `key.pem`, `root-cert.pem`, written atomically.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use meshca_certs::{KeyAlgorithm, SpiffeId};
+//! use meshca_client::caclient::{CaClient, CaClientConfig};
+//!
+//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! let client = CaClient::new(CaClientConfig {
+//!     ca_addr: "https://127.0.0.1:15012".into(),
+//!     root_cert: "meshca-data/root-cert.pem".into(),
+//!     server_name: None,
+//!     token_file: Some("token".into()),
+//!     cluster_id: None,
+//!     timeout: Duration::from_secs(10),
+//! })?;
+//! let id = SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web")?;
+//! let svid = client.fetch(&id, KeyAlgorithm::EcdsaP256, None, false).await?;
+//! println!("serial {} until {}", svid.leaf.serial_hex, svid.leaf.not_after);
+//! # Ok(())
+//! # }
+//! ```
+
+pub mod caclient;
+pub mod output;
+
+pub use caclient::{CaClient, CaClientConfig, ClientError, Svid};

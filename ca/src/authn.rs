@@ -1,0 +1,534 @@
+//! Authentication (DESIGN §4.2): who is calling.
+//!
+//! An [`AuthenticatorChain`] asks each [`Authenticator`] in order; the first
+//! that recognises the credential decides (accepts or refuses). Authenticators:
+//! - [`ClientCertAuthenticator`]: an SVID presented over mTLS that chains to
+//!   this CA's trust bundle (renewal without a token);
+//! - [`JwtAuthenticator`]: a Kubernetes-style service-account token checked
+//!   offline against an issuer's keys (the local issuer of the embedded mode,
+//!   or `--jwks` with `--jwt-issuer`).
+//!
+//! Tokens and keys never appear in errors or logs.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use base64::Engine;
+use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use meshca_certs::token::ServiceAccountClaims;
+use meshca_certs::{SpiffeId, TrustDomain};
+use rustls_pki_types::CertificateDer;
+
+use crate::authority::Authority;
+
+/// Leeway for `nbf`/`iat` against clock skew with the token issuer. `exp`
+/// gets none: an expired token is refused from its expiry second on.
+pub const NOT_BEFORE_LEEWAY_SECS: u64 = 60;
+/// Longest bearer token considered (Kubernetes tokens are ~1 KiB).
+pub const MAX_TOKEN_LEN: usize = 16 * 1024;
+
+/// What the caller presented.
+#[derive(Debug, Clone, Default)]
+pub struct Credentials {
+    /// The bearer token from `authorization: Bearer <token>`.
+    pub bearer: Option<String>,
+    /// The client certificate chain from the TLS handshake (leaf first).
+    pub peer_chain: Option<Arc<Vec<CertificateDer<'static>>>>,
+}
+
+/// How the caller proved who it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallerKind {
+    /// A service-account token from this issuer.
+    Token {
+        /// The token's `iss`.
+        issuer: String,
+    },
+    /// A client certificate (an SVID this CA's bundle trusts).
+    ClientCertificate {
+        /// Its serial, hex.
+        serial: String,
+    },
+}
+
+/// An authenticated caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    /// The SPIFFE identity the caller proved.
+    pub identity: SpiffeId,
+    /// How it proved it.
+    pub kind: CallerKind,
+    /// Pod name, if the credential names one.
+    pub pod_name: Option<String>,
+    /// Pod UID, if the credential names one.
+    pub pod_uid: Option<String>,
+}
+
+/// Why authentication failed (gRPC `UNAUTHENTICATED`, except
+/// [`AuthnError::Unavailable`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthnError {
+    /// Neither a token nor a client certificate was presented.
+    #[error("no credentials: send \"authorization: Bearer <service-account token>\" or a client certificate issued by this CA")]
+    NoCredentials,
+    /// The token is not a well-formed JWT.
+    #[error("the bearer token is not a well-formed JWT")]
+    MalformedToken,
+    /// No configured authenticator trusts the token's issuer.
+    #[error("the token's issuer {0:?} is not trusted by this CA")]
+    UntrustedIssuer(String),
+    /// The token failed validation.
+    #[error("the token is invalid: {0}")]
+    InvalidToken(String),
+    /// The token has expired.
+    #[error("the token expired at {0} (unix seconds)")]
+    Expired(u64),
+    /// The token is not valid yet.
+    #[error("the token is not valid before {0} (unix seconds)")]
+    NotYetValid(u64),
+    /// The token's audience is not one this CA accepts.
+    #[error("the token's audience does not include any of {0:?}")]
+    WrongAudience(Vec<String>),
+    /// The token is not a service-account token.
+    #[error("the token is not a Kubernetes service-account token: {0}")]
+    NotServiceAccount(String),
+    /// The client certificate is not acceptable.
+    #[error("the client certificate is not accepted: {0}")]
+    BadClientCertificate(String),
+    /// An external dependency (e.g. the Kubernetes API) is unreachable
+    /// (gRPC `UNAVAILABLE`).
+    #[error("authentication is unavailable: {0}")]
+    Unavailable(String),
+}
+
+/// One way of authenticating callers.
+#[async_trait]
+pub trait Authenticator: Send + Sync {
+    /// A short name for logs and metrics.
+    fn name(&self) -> &'static str;
+    /// `Ok(None)` when the credential is not one this authenticator knows;
+    /// otherwise the caller, or why it is refused.
+    async fn authenticate(&self, credentials: &Credentials) -> Result<Option<Caller>, AuthnError>;
+}
+
+/// Authenticators asked in order; the first that recognises decides.
+#[derive(Clone, Default)]
+pub struct AuthenticatorChain {
+    authenticators: Vec<Arc<dyn Authenticator>>,
+}
+
+impl std::fmt::Debug for AuthenticatorChain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list()
+            .entries(self.authenticators.iter().map(|a| a.name()))
+            .finish()
+    }
+}
+
+impl AuthenticatorChain {
+    /// An empty chain.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Appends an authenticator.
+    pub fn with(mut self, authenticator: Arc<dyn Authenticator>) -> Self {
+        self.authenticators.push(authenticator);
+        self
+    }
+
+    /// Authenticates the caller.
+    pub async fn authenticate(&self, credentials: &Credentials) -> Result<Caller, AuthnError> {
+        if credentials.bearer.is_none() && credentials.peer_chain.is_none() {
+            return Err(AuthnError::NoCredentials);
+        }
+        for authenticator in &self.authenticators {
+            if let Some(caller) = authenticator.authenticate(credentials).await? {
+                return Ok(caller);
+            }
+        }
+        match &credentials.bearer {
+            Some(token) => Err(match peek_issuer(token) {
+                Ok(iss) => AuthnError::UntrustedIssuer(truncate(&iss, 128)),
+                Err(e) => e,
+            }),
+            None => Err(AuthnError::BadClientCertificate(
+                "no authenticator accepts client certificates".into(),
+            )),
+        }
+    }
+}
+
+fn truncate(s: &str, max: usize) -> String {
+    s.chars().take(max).collect()
+}
+
+/// Reads `iss` from a JWT without verifying it (to route the token to the
+/// authenticator of its issuer).
+fn peek_issuer(token: &str) -> Result<String, AuthnError> {
+    #[derive(serde::Deserialize)]
+    struct Iss {
+        iss: Option<String>,
+    }
+    if token.len() > MAX_TOKEN_LEN {
+        return Err(AuthnError::MalformedToken);
+    }
+    let mut parts = token.split('.');
+    let (Some(_), Some(payload), Some(_), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(AuthnError::MalformedToken);
+    };
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(payload.trim_end_matches('='))
+        .map_err(|_| AuthnError::MalformedToken)?;
+    let iss: Iss = serde_json::from_slice(&bytes).map_err(|_| AuthnError::MalformedToken)?;
+    iss.iss
+        .ok_or_else(|| AuthnError::InvalidToken("it has no \"iss\" claim".into()))
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Errors loading a JWKS.
+#[derive(Debug, thiserror::Error)]
+pub enum JwksError {
+    /// The JWKS is not valid JSON of the JWKS shape.
+    #[error("not a valid JWKS document: {0}")]
+    Parse(String),
+    /// The JWKS holds no usable key.
+    #[error("the JWKS holds no usable RS256/ES256 key")]
+    NoKeys,
+}
+
+struct JwtKey {
+    kid: Option<String>,
+    algorithm: Algorithm,
+    key: DecodingKey,
+}
+
+/// Offline validation of service-account tokens from one issuer.
+pub struct JwtAuthenticator {
+    name: &'static str,
+    issuer: String,
+    keys: Vec<JwtKey>,
+    audiences: Vec<String>,
+    trust_domain: TrustDomain,
+}
+
+impl std::fmt::Debug for JwtAuthenticator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("JwtAuthenticator")
+            .field("name", &self.name)
+            .field("issuer", &self.issuer)
+            .field("keys", &self.keys.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl JwtAuthenticator {
+    /// An authenticator for tokens with `iss == issuer`, signed by a key of
+    /// the JWKS document `jwks_json`, with one of `audiences`.
+    pub fn from_jwks(
+        name: &'static str,
+        issuer: &str,
+        jwks_json: &str,
+        audiences: Vec<String>,
+        trust_domain: TrustDomain,
+    ) -> Result<Self, JwksError> {
+        let set: jsonwebtoken::jwk::JwkSet =
+            serde_json::from_str(jwks_json).map_err(|e| JwksError::Parse(e.to_string()))?;
+        let mut keys = Vec::new();
+        for jwk in &set.keys {
+            use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve};
+            let algorithm = match &jwk.algorithm {
+                AlgorithmParameters::EllipticCurve(ec) if ec.curve == EllipticCurve::P256 => {
+                    Algorithm::ES256
+                }
+                AlgorithmParameters::EllipticCurve(ec) if ec.curve == EllipticCurve::P384 => {
+                    Algorithm::ES384
+                }
+                AlgorithmParameters::RSA(_) => match jwk.common.key_algorithm {
+                    Some(jsonwebtoken::jwk::KeyAlgorithm::RS384) => Algorithm::RS384,
+                    Some(jsonwebtoken::jwk::KeyAlgorithm::RS512) => Algorithm::RS512,
+                    _ => Algorithm::RS256,
+                },
+                _ => continue,
+            };
+            let Ok(key) = DecodingKey::from_jwk(jwk) else {
+                continue;
+            };
+            keys.push(JwtKey {
+                kid: jwk.common.key_id.clone(),
+                algorithm,
+                key,
+            });
+        }
+        if keys.is_empty() {
+            return Err(JwksError::NoKeys);
+        }
+        Ok(Self {
+            name,
+            issuer: issuer.to_string(),
+            keys,
+            audiences,
+            trust_domain,
+        })
+    }
+
+    /// Validates a token of this issuer and returns the caller.
+    pub fn validate(&self, token: &str) -> Result<Caller, AuthnError> {
+        let header = jsonwebtoken::decode_header(token).map_err(|_| AuthnError::MalformedToken)?;
+        let candidates: Vec<&JwtKey> = self
+            .keys
+            .iter()
+            .filter(|k| k.algorithm == header.alg)
+            .filter(|k| match (&header.kid, &k.kid) {
+                (Some(want), Some(have)) => want == have,
+                _ => true,
+            })
+            .collect();
+        if candidates.is_empty() {
+            return Err(AuthnError::InvalidToken(format!(
+                "no key of issuer {:?} matches its key ID and algorithm {:?}",
+                self.issuer, header.alg
+            )));
+        }
+        let mut validation = Validation::new(header.alg);
+        validation.set_issuer(&[&self.issuer]);
+        validation.set_audience(&self.audiences);
+        validation.validate_exp = false;
+        validation.validate_nbf = false;
+        validation.leeway = 0;
+        validation.set_required_spec_claims(&["exp", "iss", "aud"]);
+        let mut last_err = None;
+        for candidate in candidates {
+            match jsonwebtoken::decode::<ServiceAccountClaims>(token, &candidate.key, &validation) {
+                Ok(data) => return self.caller_from_claims(data.claims),
+                Err(e) => last_err = Some(e),
+            }
+        }
+        use jsonwebtoken::errors::ErrorKind;
+        Err(match last_err.as_ref().map(|e| e.kind()) {
+            Some(ErrorKind::InvalidAudience) => AuthnError::WrongAudience(self.audiences.clone()),
+            Some(ErrorKind::InvalidIssuer) => AuthnError::UntrustedIssuer(self.issuer.clone()),
+            Some(ErrorKind::InvalidSignature) => {
+                AuthnError::InvalidToken("its signature does not verify".into())
+            }
+            Some(ErrorKind::MissingRequiredClaim(c)) => {
+                AuthnError::InvalidToken(format!("it has no {c:?} claim"))
+            }
+            Some(ErrorKind::Json(_)) => AuthnError::InvalidToken(
+                "its claims are not those of a service-account token".into(),
+            ),
+            _ => AuthnError::InvalidToken("it cannot be verified".into()),
+        })
+    }
+
+    fn caller_from_claims(&self, claims: ServiceAccountClaims) -> Result<Caller, AuthnError> {
+        let now = now_unix();
+        if now >= claims.exp {
+            return Err(AuthnError::Expired(claims.exp));
+        }
+        if let Some(nbf) = claims.nbf {
+            if nbf > now + NOT_BEFORE_LEEWAY_SECS {
+                return Err(AuthnError::NotYetValid(nbf));
+            }
+        }
+        let (ns, sa) = claims.service_account().ok_or_else(|| {
+            AuthnError::NotServiceAccount(
+                "no kubernetes.io claim and \"sub\" is not system:serviceaccount:<namespace>:<name>".into(),
+            )
+        })?;
+        let identity = SpiffeId::for_workload(&self.trust_domain, ns, sa).map_err(|e| {
+            AuthnError::NotServiceAccount(format!(
+                "namespace/service account do not form a SPIFFE ID: {e}"
+            ))
+        })?;
+        let pod = claims.kubernetes.as_ref().and_then(|k| k.pod.clone());
+        Ok(Caller {
+            identity,
+            kind: CallerKind::Token {
+                issuer: claims.iss.clone(),
+            },
+            pod_name: pod.as_ref().map(|p| p.name.clone()),
+            pod_uid: pod.map(|p| p.uid).filter(|u| !u.is_empty()),
+        })
+    }
+}
+
+#[async_trait]
+impl Authenticator for JwtAuthenticator {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    async fn authenticate(&self, credentials: &Credentials) -> Result<Option<Caller>, AuthnError> {
+        let Some(token) = &credentials.bearer else {
+            return Ok(None);
+        };
+        if peek_issuer(token)? != self.issuer {
+            return Ok(None);
+        }
+        self.validate(token).map(Some)
+    }
+}
+
+/// Callers that present an SVID chaining to this CA's trust bundle.
+pub struct ClientCertAuthenticator {
+    authority: Arc<Authority>,
+    trust_domain: TrustDomain,
+}
+
+impl ClientCertAuthenticator {
+    /// Trusts SVIDs of `trust_domain` that chain to `authority`'s bundle.
+    pub fn new(authority: Arc<Authority>, trust_domain: TrustDomain) -> Self {
+        Self {
+            authority,
+            trust_domain,
+        }
+    }
+
+    fn verify(&self, chain: &[CertificateDer<'static>]) -> Result<Caller, AuthnError> {
+        let ders: Vec<Vec<u8>> = chain.iter().map(|c| c.to_vec()).collect();
+        let svid = meshca_certs::verify::verify_svid(
+            &ders,
+            &self.authority.bundle(),
+            SystemTime::now(),
+            None,
+        )
+        .map_err(|e| AuthnError::BadClientCertificate(e.to_string()))?;
+        if svid.spiffe_id.trust_domain_name() != self.trust_domain.as_str() {
+            return Err(AuthnError::BadClientCertificate(format!(
+                "its trust domain {:?} is not this CA's {:?}",
+                svid.spiffe_id.trust_domain_name(),
+                self.trust_domain.as_str()
+            )));
+        }
+        Ok(Caller {
+            identity: svid.spiffe_id,
+            kind: CallerKind::ClientCertificate {
+                serial: svid.serial_hex,
+            },
+            pod_name: None,
+            pod_uid: None,
+        })
+    }
+}
+
+#[async_trait]
+impl Authenticator for ClientCertAuthenticator {
+    fn name(&self) -> &'static str {
+        "client-certificate"
+    }
+
+    async fn authenticate(&self, credentials: &Credentials) -> Result<Option<Caller>, AuthnError> {
+        let Some(chain) = &credentials.peer_chain else {
+            return Ok(None);
+        };
+        match self.verify(chain) {
+            Ok(caller) => Ok(Some(caller)),
+            // A token is there too: let the token decide.
+            Err(_) if credentials.bearer.is_some() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshca_certs::token::{TokenIssuer, TokenRequest};
+    use std::time::Duration;
+
+    fn issuer_and_authn(audiences: &[&str]) -> (TokenIssuer, JwtAuthenticator) {
+        let issuer = TokenIssuer::generate().unwrap();
+        let authn = JwtAuthenticator::from_jwks(
+            "local",
+            issuer.issuer(),
+            &issuer.jwks_json(),
+            audiences.iter().map(|s| s.to_string()).collect(),
+            TrustDomain::default(),
+        )
+        .unwrap();
+        (issuer, authn)
+    }
+
+    fn mint(issuer: &TokenIssuer, aud: &str, ttl: u64, at: SystemTime) -> String {
+        issuer
+            .mint(
+                &TokenRequest {
+                    namespace: "default".into(),
+                    service_account: "web".into(),
+                    audiences: vec![aud.into()],
+                    ttl: Duration::from_secs(ttl),
+                    pod: None,
+                },
+                at,
+            )
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn accepts_a_good_token_and_refuses_bad_ones() {
+        let (issuer, authn) = issuer_and_authn(&["istio-ca"]);
+        let chain = AuthenticatorChain::new().with(Arc::new(authn));
+        let creds = |t: String| Credentials {
+            bearer: Some(t),
+            peer_chain: None,
+        };
+        let caller = chain
+            .authenticate(&creds(mint(&issuer, "istio-ca", 600, SystemTime::now())))
+            .await
+            .unwrap();
+        assert_eq!(
+            caller.identity.as_str(),
+            "spiffe://cluster.local/ns/default/sa/web"
+        );
+
+        let err = chain
+            .authenticate(&creds(mint(&issuer, "other", 600, SystemTime::now())))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AuthnError::WrongAudience(_)), "{err}");
+
+        let past = SystemTime::now() - Duration::from_secs(3600);
+        let err = chain
+            .authenticate(&creds(mint(&issuer, "istio-ca", 60, past)))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AuthnError::Expired(_)), "{err}");
+
+        let (foreign, _) = issuer_and_authn(&["istio-ca"]);
+        // Same issuer name, different key: signature does not verify.
+        let err = chain
+            .authenticate(&creds(mint(&foreign, "istio-ca", 600, SystemTime::now())))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AuthnError::InvalidToken(_)), "{err}");
+
+        let err = chain
+            .authenticate(&creds("garbage".into()))
+            .await
+            .unwrap_err();
+        assert_eq!(err, AuthnError::MalformedToken);
+        let err = chain
+            .authenticate(&Credentials::default())
+            .await
+            .unwrap_err();
+        assert_eq!(err, AuthnError::NoCredentials);
+    }
+
+    #[test]
+    fn errors_never_contain_the_token() {
+        let (issuer, authn) = issuer_and_authn(&["istio-ca"]);
+        let token = mint(&issuer, "other", 600, SystemTime::now());
+        let err = authn.validate(&token).unwrap_err().to_string();
+        assert!(!err.contains(&token[..20]));
+    }
+}

@@ -1,0 +1,265 @@
+//! The signing authority: the current CA material (swappable while serving)
+//! and the lifetime rules, turned into signed chains.
+//!
+//! [`Authority::sign_workload`] is the whole signing path after
+//! authentication and authorization, so benchmarks can call it directly.
+
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use meshca_certs::profile::{ProfileError, SubjectKey, Validity};
+use meshca_certs::{SpiffeId, TrustBundle};
+use time::OffsetDateTime;
+
+use crate::config::TtlPolicy;
+use crate::store::CaMaterial;
+
+/// Why a certificate was not signed.
+#[derive(Debug, thiserror::Error)]
+pub enum SignError {
+    /// The requested lifetime is above the maximum (`INVALID_ARGUMENT`).
+    #[error("requested validity_duration {requested_secs}s is longer than the maximum {max_secs}s allowed by this CA")]
+    TtlTooLong {
+        /// What was asked.
+        requested_secs: i64,
+        /// The maximum.
+        max_secs: u64,
+    },
+    /// The CA cannot sign now (`UNAVAILABLE`).
+    #[error(
+        "the CA cannot sign: its signing certificate is valid from {not_before} until {not_after}"
+    )]
+    CaOutsideValidity {
+        /// CA notBefore.
+        not_before: OffsetDateTime,
+        /// CA notAfter.
+        not_after: OffsetDateTime,
+    },
+    /// Signing failed (`INTERNAL`).
+    #[error("signing failed: {0}")]
+    Signing(#[from] ProfileError),
+}
+
+/// A signed certificate and its chain.
+#[derive(Debug, Clone)]
+pub struct IssuedChain {
+    /// PEM certificates, one per element: `[leaf, intermediates..., root]`.
+    pub chain_pem: Vec<String>,
+    /// The leaf's serial, hex.
+    pub serial_hex: String,
+    /// The leaf's notAfter.
+    pub not_after: OffsetDateTime,
+}
+
+/// The CA material in use and what is derived from it once.
+#[derive(Debug)]
+pub struct SigningState {
+    /// The material.
+    pub material: CaMaterial,
+    tail_pem: Vec<String>,
+}
+
+/// The signing authority.
+#[derive(Debug)]
+pub struct Authority {
+    state: ArcSwap<SigningState>,
+    ttl: TtlPolicy,
+}
+
+impl Authority {
+    /// An authority signing with `material` under the `ttl` rules.
+    pub fn new(material: CaMaterial, ttl: TtlPolicy) -> Self {
+        Self {
+            state: ArcSwap::from_pointee(Self::state_for(material)),
+            ttl,
+        }
+    }
+
+    fn state_for(material: CaMaterial) -> SigningState {
+        let tail_pem = material.response_tail_pem();
+        SigningState { material, tail_pem }
+    }
+
+    /// Swaps in new CA material; requests in flight finish with the old.
+    pub fn replace(&self, material: CaMaterial) {
+        self.state.store(Arc::new(Self::state_for(material)));
+    }
+
+    /// The material in use now.
+    pub fn current(&self) -> Arc<SigningState> {
+        self.state.load_full()
+    }
+
+    /// The trust bundle in use now.
+    pub fn bundle(&self) -> TrustBundle {
+        self.state.load().material.bundle.clone()
+    }
+
+    /// The lifetime rules.
+    pub fn ttl_policy(&self) -> TtlPolicy {
+        self.ttl
+    }
+
+    /// Whether the CA can sign at `now` (its certificate is inside its validity).
+    pub fn can_sign(&self, now: OffsetDateTime) -> bool {
+        let v = self.state.load().material.signing.validity();
+        v.not_before <= now && now < v.not_after
+    }
+
+    /// The lifetime to give a workload certificate that asked for
+    /// `requested_secs` (0 or less: the default).
+    pub fn workload_ttl(&self, requested_secs: i64) -> Result<Duration, SignError> {
+        if requested_secs <= 0 {
+            return Ok(self.ttl.default);
+        }
+        let requested = requested_secs as u64;
+        if requested > self.ttl.max.as_secs() {
+            return Err(SignError::TtlTooLong {
+                requested_secs,
+                max_secs: self.ttl.max.as_secs(),
+            });
+        }
+        Ok(Duration::from_secs(requested))
+    }
+
+    /// Signs an X509-SVID for `identity` with `subject`'s key and returns
+    /// the chain. notAfter is `now + ttl`, never past the CA's own notAfter.
+    pub fn sign_workload(
+        &self,
+        subject: &SubjectKey,
+        identity: &SpiffeId,
+        requested_ttl_secs: i64,
+        now: OffsetDateTime,
+    ) -> Result<IssuedChain, SignError> {
+        let ttl = self.workload_ttl(requested_ttl_secs)?;
+        let state = self.state.load();
+        let ca = &state.material.signing;
+        let ca_validity = ca.validity();
+        if now < ca_validity.not_before || now >= ca_validity.not_after {
+            return Err(SignError::CaOutsideValidity {
+                not_before: ca_validity.not_before,
+                not_after: ca_validity.not_after,
+            });
+        }
+        let validity =
+            Validity::backdated(now, to_time_duration(ttl)).capped_at(ca_validity.not_after);
+        let issued = ca.issue_workload(subject, identity, validity)?;
+        let mut chain_pem = Vec::with_capacity(1 + state.tail_pem.len());
+        chain_pem.push(issued.to_pem());
+        chain_pem.extend(state.tail_pem.iter().cloned());
+        Ok(IssuedChain {
+            chain_pem,
+            serial_hex: issued.serial_hex,
+            not_after: issued.validity.not_after,
+        })
+    }
+
+    /// Issues the server's own TLS certificate: returns the chain as DER,
+    /// `[leaf, intermediates...]` (no root), and the leaf's notAfter.
+    pub fn issue_server_cert(
+        &self,
+        subject: &SubjectKey,
+        dns: &[String],
+        ips: &[IpAddr],
+        ttl: Duration,
+        now: OffsetDateTime,
+    ) -> Result<(Vec<Vec<u8>>, OffsetDateTime), SignError> {
+        let state = self.state.load();
+        let ca = &state.material.signing;
+        let ca_validity = ca.validity();
+        if now < ca_validity.not_before || now >= ca_validity.not_after {
+            return Err(SignError::CaOutsideValidity {
+                not_before: ca_validity.not_before,
+                not_after: ca_validity.not_after,
+            });
+        }
+        let validity =
+            Validity::backdated(now, to_time_duration(ttl)).capped_at(ca_validity.not_after);
+        let issued = ca.issue_server(subject, dns, ips, validity)?;
+        let mut chain = vec![issued.der];
+        chain.extend(state.material.chain.iter().cloned());
+        Ok((chain, validity.not_after))
+    }
+}
+
+fn to_time_duration(d: Duration) -> time::Duration {
+    time::Duration::try_from(d).unwrap_or(time::Duration::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::load_or_create_data_dir;
+    use meshca_certs::keys::{KeyAlgorithm, PrivateKey};
+    use x509_parser_check::parse_not_after;
+
+    mod x509_parser_check {
+        pub(super) fn parse_not_after(pem_text: &str) -> i64 {
+            let certs = meshca_certs::bundle::parse_certs_pem(pem_text).unwrap();
+            let summary = meshca_certs::inspect::CertSummary::from_der(&certs[0]).unwrap();
+            summary.not_after.unix_timestamp()
+        }
+    }
+
+    fn authority(dir: &std::path::Path) -> Authority {
+        let material =
+            load_or_create_data_dir(dir, &Default::default(), OffsetDateTime::now_utc()).unwrap();
+        Authority::new(material, TtlPolicy::default())
+    }
+
+    fn subject() -> SubjectKey {
+        SubjectKey::of(&PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap()).unwrap()
+    }
+
+    fn id() -> SpiffeId {
+        SpiffeId::parse("spiffe://cluster.local/ns/a/sa/b").unwrap()
+    }
+
+    #[test]
+    fn ttl_rules() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = authority(dir.path());
+        let now = OffsetDateTime::now_utc();
+        let issued = a.sign_workload(&subject(), &id(), 0, now).unwrap();
+        let now_s = now.unix_timestamp();
+        assert_eq!(issued.chain_pem.len(), 2);
+        assert_eq!(parse_not_after(&issued.chain_pem[0]), now_s + 24 * 3600);
+        let issued = a.sign_workload(&subject(), &id(), -5, now).unwrap();
+        assert_eq!(parse_not_after(&issued.chain_pem[0]), now_s + 24 * 3600);
+        let issued = a.sign_workload(&subject(), &id(), 3600, now).unwrap();
+        assert_eq!(parse_not_after(&issued.chain_pem[0]), now_s + 3600);
+        let max = 90 * 24 * 3600;
+        assert!(a.sign_workload(&subject(), &id(), max, now).is_ok());
+        assert!(matches!(
+            a.sign_workload(&subject(), &id(), max + 1, now),
+            Err(SignError::TtlTooLong { .. })
+        ));
+    }
+
+    #[test]
+    fn not_after_is_capped_at_the_ca() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = authority(dir.path());
+        let ca_not_after = a.current().material.signing.validity().not_after;
+        // Ten days before the CA expires, a 30-day certificate is capped.
+        let now = ca_not_after - time::Duration::days(10);
+        let issued = a.sign_workload(&subject(), &id(), 30 * 86400, now).unwrap();
+        assert_eq!(
+            parse_not_after(&issued.chain_pem[0]),
+            ca_not_after.unix_timestamp()
+        );
+        // After it expires, nothing is signed.
+        assert!(matches!(
+            a.sign_workload(
+                &subject(),
+                &id(),
+                0,
+                ca_not_after + time::Duration::seconds(1)
+            ),
+            Err(SignError::CaOutsideValidity { .. })
+        ));
+        assert!(!a.can_sign(ca_not_after));
+    }
+}

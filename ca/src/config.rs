@@ -1,0 +1,327 @@
+//! Configuration of `meshca serve`: the command line (every flag also as a
+//! `MESHCA_<FLAG>` environment variable) parsed once into [`Config`].
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use meshca_certs::{parse_duration, TrustDomain};
+
+/// Default gRPC+TLS address (istiod's port).
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:15012";
+/// Default monitoring address (istiod's port).
+pub const DEFAULT_MONITORING_LISTEN: &str = "127.0.0.1:15014";
+/// Default data directory of the embedded mode.
+pub const DEFAULT_DATA_DIR: &str = "./meshca-data";
+/// Default workload certificate lifetime.
+pub const DEFAULT_WORKLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Default longest workload certificate lifetime (Istio's 90 days).
+pub const DEFAULT_MAX_WORKLOAD_TTL: Duration = Duration::from_secs(90 * 24 * 3600);
+/// DNS names always on the server's own certificate.
+pub const DEFAULT_SERVER_DNS: [&str; 2] = ["istiod.istio-system.svc", "localhost"];
+/// Default cluster ID, as Istio's.
+pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
+
+/// Flags of `meshca serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// gRPC+TLS address.
+    #[arg(long, env = "MESHCA_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+
+    /// Address of /metrics, /ready and /healthz.
+    #[arg(long, env = "MESHCA_MONITORING_LISTEN", default_value = DEFAULT_MONITORING_LISTEN)]
+    pub monitoring_listen: SocketAddr,
+
+    /// Embedded state: self-signed root, local token issuer, root-cert.pem.
+    #[arg(long, env = "MESHCA_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
+    pub data_dir: PathBuf,
+
+    /// Plugged-in CA directory (ca-cert.pem ca-key.pem cert-chain.pem
+    /// root-cert.pem, or tls.crt tls.key ca.crt).
+    #[arg(long, env = "MESHCA_CA_DIR")]
+    pub ca_dir: Option<PathBuf>,
+
+    /// Trust domain of issued SPIFFE IDs.
+    #[arg(long, env = "MESHCA_TRUST_DOMAIN", default_value = meshca_certs::spiffe::DEFAULT_TRUST_DOMAIN)]
+    pub trust_domain: TrustDomain,
+
+    /// Default workload certificate lifetime (when a request asks for 0).
+    #[arg(long, env = "MESHCA_WORKLOAD_CERT_TTL", default_value = "24h", value_parser = parse_duration)]
+    pub workload_cert_ttl: Duration,
+
+    /// Longest workload certificate lifetime a request may ask for.
+    #[arg(long, env = "MESHCA_MAX_WORKLOAD_CERT_TTL", default_value = "90d", value_parser = parse_duration)]
+    pub max_workload_cert_ttl: Duration,
+
+    /// Accepted token audience; repeatable (env: comma-separated).
+    #[arg(
+        long = "token-audience",
+        env = "MESHCA_TOKEN_AUDIENCE",
+        value_delimiter = ',',
+        default_value = "istio-ca"
+    )]
+    pub token_audiences: Vec<String>,
+
+    /// JWKS file of an external token issuer (offline validation); needs --jwt-issuer.
+    #[arg(long, env = "MESHCA_JWKS", requires = "jwt_issuer")]
+    pub jwks: Option<PathBuf>,
+
+    /// The `iss` of tokens validated with --jwks.
+    #[arg(long, env = "MESHCA_JWT_ISSUER", requires = "jwks")]
+    pub jwt_issuer: Option<String>,
+
+    /// Extra DNS SANs for the server's own TLS certificate; repeatable.
+    #[arg(long = "server-dns", env = "MESHCA_SERVER_DNS", value_delimiter = ',')]
+    pub server_dns: Vec<String>,
+
+    /// This cluster's ID; requests naming another cluster in the
+    /// `clusterid` header are refused.
+    #[arg(long, env = "MESHCA_CLUSTER_ID", default_value = DEFAULT_CLUSTER_ID)]
+    pub cluster_id: String,
+
+    /// Most CreateCertificate requests handled at once; more wait briefly,
+    /// then get RESOURCE_EXHAUSTED.
+    #[arg(long, env = "MESHCA_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
+    pub max_concurrent_requests: usize,
+
+    /// Time allowed for in-flight requests to finish on SIGTERM/SIGINT.
+    #[arg(long, env = "MESHCA_SHUTDOWN_GRACE", default_value = "15s", value_parser = parse_duration)]
+    pub shutdown_grace: Duration,
+
+    /// Log format: text or json.
+    #[arg(long, env = "MESHCA_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
+    pub log_format: String,
+}
+
+/// Errors in a configuration that parsed but does not make sense.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The default TTL is above the maximum.
+    #[error("--workload-cert-ttl ({default:?}) is longer than --max-workload-cert-ttl ({max:?})")]
+    DefaultAboveMax {
+        /// --workload-cert-ttl
+        default: Duration,
+        /// --max-workload-cert-ttl
+        max: Duration,
+    },
+    /// A TTL of zero.
+    #[error("{flag} must be more than zero")]
+    ZeroTtl {
+        /// Which flag.
+        flag: &'static str,
+    },
+    /// No audience.
+    #[error("--token-audience must name at least one audience")]
+    NoAudience,
+    /// A concurrency limit of zero.
+    #[error("--max-concurrent-requests must be at least 1")]
+    ZeroConcurrency,
+    /// An invalid DNS name.
+    #[error("--server-dns {0:?} is not a valid DNS name")]
+    BadDnsName(String),
+}
+
+/// Validated configuration of the CA server.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// gRPC+TLS address.
+    pub listen: SocketAddr,
+    /// Monitoring address.
+    pub monitoring_listen: SocketAddr,
+    /// Data directory.
+    pub data_dir: PathBuf,
+    /// Plugged-in CA directory, if any.
+    pub ca_dir: Option<PathBuf>,
+    /// Trust domain.
+    pub trust_domain: TrustDomain,
+    /// Default and maximum workload certificate lifetimes.
+    pub ttl: TtlPolicy,
+    /// Accepted token audiences.
+    pub token_audiences: Vec<String>,
+    /// External JWKS and its issuer.
+    pub external_jwt: Option<(PathBuf, String)>,
+    /// All DNS names of the server certificate.
+    pub server_dns: Vec<String>,
+    /// This cluster's ID.
+    pub cluster_id: String,
+    /// Concurrency limit of CreateCertificate.
+    pub max_concurrent_requests: usize,
+    /// Drain time on shutdown.
+    pub shutdown_grace: Duration,
+}
+
+/// Workload certificate lifetime rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TtlPolicy {
+    /// Used when a request asks for 0 or less.
+    pub default: Duration,
+    /// Requests above this are refused.
+    pub max: Duration,
+}
+
+impl Default for TtlPolicy {
+    fn default() -> Self {
+        Self {
+            default: DEFAULT_WORKLOAD_TTL,
+            max: DEFAULT_MAX_WORKLOAD_TTL,
+        }
+    }
+}
+
+impl TryFrom<ServeArgs> for Config {
+    type Error = ConfigError;
+
+    fn try_from(args: ServeArgs) -> Result<Self, ConfigError> {
+        if args.workload_cert_ttl.is_zero() {
+            return Err(ConfigError::ZeroTtl {
+                flag: "--workload-cert-ttl",
+            });
+        }
+        if args.max_workload_cert_ttl.is_zero() {
+            return Err(ConfigError::ZeroTtl {
+                flag: "--max-workload-cert-ttl",
+            });
+        }
+        if args.workload_cert_ttl > args.max_workload_cert_ttl {
+            return Err(ConfigError::DefaultAboveMax {
+                default: args.workload_cert_ttl,
+                max: args.max_workload_cert_ttl,
+            });
+        }
+        let token_audiences: Vec<String> = args
+            .token_audiences
+            .into_iter()
+            .map(|a| a.trim().to_string())
+            .filter(|a| !a.is_empty())
+            .collect();
+        if token_audiences.is_empty() {
+            return Err(ConfigError::NoAudience);
+        }
+        if args.max_concurrent_requests == 0 {
+            return Err(ConfigError::ZeroConcurrency);
+        }
+        let mut server_dns: Vec<String> =
+            DEFAULT_SERVER_DNS.iter().map(|s| s.to_string()).collect();
+        for name in args.server_dns {
+            let name = name.trim().to_ascii_lowercase();
+            if name.is_empty() {
+                continue;
+            }
+            if !is_dns_name(&name) {
+                return Err(ConfigError::BadDnsName(name));
+            }
+            if !server_dns.contains(&name) {
+                server_dns.push(name);
+            }
+        }
+        Ok(Self {
+            listen: args.listen,
+            monitoring_listen: args.monitoring_listen,
+            data_dir: args.data_dir,
+            ca_dir: args.ca_dir,
+            trust_domain: args.trust_domain,
+            ttl: TtlPolicy {
+                default: args.workload_cert_ttl,
+                max: args.max_workload_cert_ttl,
+            },
+            token_audiences,
+            external_jwt: args.jwks.zip(args.jwt_issuer),
+            server_dns,
+            cluster_id: args.cluster_id,
+            max_concurrent_requests: args.max_concurrent_requests,
+            shutdown_grace: args.shutdown_grace,
+        })
+    }
+}
+
+fn is_dns_name(name: &str) -> bool {
+    name.len() <= 253
+        && name.split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+                && label
+                    .chars()
+                    .enumerate()
+                    .all(|(i, c)| c.is_ascii_alphanumeric() || c == '-' || (i == 0 && c == '*'))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<Config, String> {
+        let cli = Cli::try_parse_from(std::iter::once("meshca").chain(args.iter().copied()))
+            .map_err(|e| e.to_string())?;
+        Config::try_from(cli.serve).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defaults() {
+        let c = parse(&[]).unwrap();
+        assert_eq!(c.listen.to_string(), DEFAULT_LISTEN);
+        assert_eq!(c.monitoring_listen.to_string(), DEFAULT_MONITORING_LISTEN);
+        assert_eq!(c.ttl, TtlPolicy::default());
+        assert_eq!(c.token_audiences, vec!["istio-ca"]);
+        assert_eq!(c.trust_domain.as_str(), "cluster.local");
+        assert!(c
+            .server_dns
+            .contains(&"istiod.istio-system.svc".to_string()));
+        assert!(c.server_dns.contains(&"localhost".to_string()));
+    }
+
+    #[test]
+    fn durations_and_lists() {
+        let c = parse(&[
+            "--workload-cert-ttl",
+            "1h",
+            "--max-workload-cert-ttl",
+            "2d",
+            "--token-audience",
+            "a",
+            "--token-audience",
+            "b",
+            "--server-dns",
+            "ca.example.com",
+        ])
+        .unwrap();
+        assert_eq!(c.ttl.default, Duration::from_secs(3600));
+        assert_eq!(c.ttl.max, Duration::from_secs(2 * 86400));
+        assert_eq!(c.token_audiences, vec!["a", "b"]);
+        assert!(c.server_dns.contains(&"ca.example.com".to_string()));
+    }
+
+    #[test]
+    fn bad_values_are_clear() {
+        assert!(parse(&["--workload-cert-ttl", "soon"])
+            .unwrap_err()
+            .contains("soon"));
+        assert!(parse(&[
+            "--workload-cert-ttl",
+            "10d",
+            "--max-workload-cert-ttl",
+            "1d"
+        ])
+        .unwrap_err()
+        .contains("longer than"));
+        assert!(parse(&["--trust-domain", "Bad TD"]).is_err());
+        assert!(
+            parse(&["--jwks", "/x"]).is_err(),
+            "--jwks needs --jwt-issuer"
+        );
+        assert!(parse(&["--server-dns", "bad name"])
+            .unwrap_err()
+            .contains("bad name"));
+    }
+}

@@ -1,0 +1,237 @@
+//! Prometheus metrics with Istio's exact names (DESIGN §4.4), so existing
+//! Istio dashboards and alerts work against meshca.
+//!
+//! Istio's counters have no `_total` suffix. OpenMetrics requires one on
+//! counters, so these are exposed in the classic Prometheus text format
+//! (`text/plain; version=0.0.4`), where counter names are free; see
+//! [`IstioCounter`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use time::OffsetDateTime;
+
+/// A monotonic counter exposed under its exact name (no `_total`).
+#[derive(Debug, Clone, Default)]
+pub struct IstioCounter(Arc<AtomicU64>);
+
+impl IstioCounter {
+    /// Adds one.
+    pub fn inc(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The current value.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+impl prometheus_client::metrics::TypedMetric for IstioCounter {
+    const TYPE: MetricType = MetricType::Counter;
+}
+
+impl EncodeMetric for IstioCounter {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        // Written like a gauge so the encoder adds no `_total`; typed as a
+        // counter in the TYPE line.
+        encoder.encode_gauge(&self.get())
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Counter
+    }
+}
+
+/// Label of `citadel_server_csr_sign_err_count`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SignErrorLabels {
+    /// What kind of error.
+    pub error: String,
+}
+
+/// Every metric of the CA.
+#[derive(Debug, Clone)]
+pub struct Metrics {
+    /// CSRs received.
+    pub csr_count: IstioCounter,
+    /// Authentication failures.
+    pub authentication_failure_count: IstioCounter,
+    /// CSRs that could not be parsed or verified.
+    pub csr_parsing_err_count: IstioCounter,
+    /// Identity could not be determined or was not allowed.
+    pub id_extraction_err_count: IstioCounter,
+    /// Signing failures, by error.
+    pub csr_sign_err_count: Family<SignErrorLabels, IstioCounter>,
+    /// Certificates issued.
+    pub success_cert_issuance_count: IstioCounter,
+    /// Root certificate notAfter (unix seconds).
+    pub root_cert_expiry_timestamp: Gauge<f64, AtomicU64>,
+    /// Root certificate time left (seconds).
+    pub root_cert_expiry_seconds: Gauge<f64, AtomicU64>,
+    /// Signing chain notAfter (earliest in the chain, unix seconds).
+    pub cert_chain_expiry_timestamp: Gauge<f64, AtomicU64>,
+    /// Signing chain time left (seconds).
+    pub cert_chain_expiry_seconds: Gauge<f64, AtomicU64>,
+    /// 1 when the CA can sign, 0 otherwise.
+    pub ready: Gauge<i64>,
+    /// CreateCertificate latency, successful issuances.
+    pub issuance_duration_seconds: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            csr_count: Default::default(),
+            authentication_failure_count: Default::default(),
+            csr_parsing_err_count: Default::default(),
+            id_extraction_err_count: Default::default(),
+            csr_sign_err_count: Default::default(),
+            success_cert_issuance_count: Default::default(),
+            root_cert_expiry_timestamp: Default::default(),
+            root_cert_expiry_seconds: Default::default(),
+            cert_chain_expiry_timestamp: Default::default(),
+            cert_chain_expiry_seconds: Default::default(),
+            ready: Default::default(),
+            issuance_duration_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
+        }
+    }
+}
+
+impl Metrics {
+    /// Registers every metric in a new registry.
+    pub fn register(&self) -> Registry {
+        let mut r = Registry::default();
+        r.register(
+            "citadel_server_csr_count",
+            "The number of CSRs received by Citadel server",
+            self.csr_count.clone(),
+        );
+        r.register(
+            "citadel_server_authentication_failure_count",
+            "The number of authentication failures",
+            self.authentication_failure_count.clone(),
+        );
+        r.register(
+            "citadel_server_csr_parsing_err_count",
+            "The number of errors occurred when parsing the CSR",
+            self.csr_parsing_err_count.clone(),
+        );
+        r.register(
+            "citadel_server_id_extraction_err_count",
+            "The number of errors occurred when extracting the ID from CSR",
+            self.id_extraction_err_count.clone(),
+        );
+        r.register(
+            "citadel_server_csr_sign_err_count",
+            "The number of errors occurred when signing the CSR",
+            self.csr_sign_err_count.clone(),
+        );
+        r.register(
+            "citadel_server_success_cert_issuance_count",
+            "The number of certificates issuances that have succeeded",
+            self.success_cert_issuance_count.clone(),
+        );
+        r.register(
+            "citadel_server_root_cert_expiry_timestamp",
+            "The unix timestamp, in seconds, when Citadel root cert will expire",
+            self.root_cert_expiry_timestamp.clone(),
+        );
+        r.register(
+            "citadel_server_root_cert_expiry_seconds",
+            "The time remaining, in seconds, before the root cert will expire",
+            self.root_cert_expiry_seconds.clone(),
+        );
+        r.register(
+            "citadel_server_cert_chain_expiry_timestamp",
+            "The unix timestamp, in seconds, when Citadel cert chain will expire",
+            self.cert_chain_expiry_timestamp.clone(),
+        );
+        r.register(
+            "citadel_server_cert_chain_expiry_seconds",
+            "The time remaining, in seconds, before the cert chain will expire",
+            self.cert_chain_expiry_seconds.clone(),
+        );
+        r.register(
+            "meshca_ready",
+            "1 when the CA can sign certificates, else 0",
+            self.ready.clone(),
+        );
+        r.register(
+            "meshca_issuance_duration_seconds",
+            "Time to handle a successful CreateCertificate, from receipt to signed chain",
+            self.issuance_duration_seconds.clone(),
+        );
+        r
+    }
+
+    /// Counts a signing error of the given kind.
+    pub fn sign_error(&self, kind: &str) {
+        self.csr_sign_err_count
+            .get_or_create(&SignErrorLabels {
+                error: kind.to_string(),
+            })
+            .inc();
+    }
+
+    /// Sets the expiry gauges from the root's and the chain's notAfter.
+    pub fn set_expiry(
+        &self,
+        root_not_after: OffsetDateTime,
+        chain_not_after: OffsetDateTime,
+        now: OffsetDateTime,
+    ) {
+        let ts = |t: OffsetDateTime| t.unix_timestamp() as f64;
+        self.root_cert_expiry_timestamp.set(ts(root_not_after));
+        self.root_cert_expiry_seconds
+            .set((root_not_after - now).as_seconds_f64());
+        self.cert_chain_expiry_timestamp.set(ts(chain_not_after));
+        self.cert_chain_expiry_seconds
+            .set((chain_not_after - now).as_seconds_f64());
+    }
+}
+
+/// Encodes a registry in the classic Prometheus text format.
+pub fn encode_text(registry: &Registry) -> String {
+    let mut out = String::new();
+    if prometheus_client::encoding::text::encode(&mut out, registry).is_err() {
+        return String::new();
+    }
+    // Drop the OpenMetrics terminator, which the classic format does not have.
+    if let Some(stripped) = out.strip_suffix("# EOF\n") {
+        out.truncate(stripped.len());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counters_keep_istio_names() {
+        let m = Metrics::default();
+        let r = m.register();
+        m.csr_count.inc();
+        m.csr_count.inc();
+        m.sign_error("expired");
+        let text = encode_text(&r);
+        assert!(
+            text.contains("# TYPE citadel_server_csr_count counter\n"),
+            "{text}"
+        );
+        assert!(text.contains("\ncitadel_server_csr_count 2\n"), "{text}");
+        assert!(
+            text.contains("citadel_server_csr_sign_err_count{error=\"expired\"} 1\n"),
+            "{text}"
+        );
+        assert!(!text.contains("_total"), "{text}");
+        assert!(!text.contains("# EOF"));
+    }
+}

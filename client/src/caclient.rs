@@ -1,0 +1,234 @@
+//! [`CaClient`]: a gRPC client of `IstioCertificateService` (meshca or
+//! istiod) that generates a key and CSR, sends them with the caller's
+//! bearer token, and verifies the answer before anyone uses it.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, SystemTime};
+
+use meshca_certs::bundle::{self, FileError};
+use meshca_certs::verify::verify_svid;
+use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle, VerifiedSvid};
+use meshca_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient;
+use meshca_proto::{IstioCertificateRequest, IMPERSONATED_IDENTITY_KEY};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+
+/// Default CA address.
+pub const DEFAULT_CA_ADDR: &str = "https://127.0.0.1:15012";
+/// Default token file (Istio's projected token path).
+pub const DEFAULT_TOKEN_FILE: &str = "/var/run/secrets/tokens/istio-token";
+
+/// Errors of the CA client.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The configuration is unusable.
+    #[error("{0}")]
+    Config(String),
+    /// The root bundle could not be read.
+    #[error("root bundle: {0}")]
+    RootBundle(#[from] FileError),
+    /// The token file could not be read.
+    #[error("cannot read the token file {path}: {source}")]
+    Token {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Generating the key or CSR failed.
+    #[error("generating the key or CSR failed: {0}")]
+    Csr(String),
+    /// The CA answered with an error.
+    #[error("the CA refused: {code:?}: {message}")]
+    Rpc {
+        /// gRPC status code.
+        code: tonic::Code,
+        /// The CA's message.
+        message: String,
+    },
+    /// The CA's answer is not a valid certificate for us.
+    #[error("the CA's answer is not acceptable: {0}")]
+    BadAnswer(String),
+}
+
+impl From<tonic::Status> for ClientError {
+    fn from(s: tonic::Status) -> Self {
+        Self::Rpc {
+            code: s.code(),
+            message: s.message().to_string(),
+        }
+    }
+}
+
+/// How to reach the CA.
+#[derive(Debug, Clone)]
+pub struct CaClientConfig {
+    /// `https://host:port` of the CA.
+    pub ca_addr: String,
+    /// PEM bundle the CA's TLS certificate (and the issued chains) must chain to.
+    pub root_cert: PathBuf,
+    /// Name to verify the CA's certificate against (default: the address host).
+    pub server_name: Option<String>,
+    /// Bearer token file, read on every request; `None` sends no token.
+    pub token_file: Option<PathBuf>,
+    /// `clusterid` header, if any.
+    pub cluster_id: Option<String>,
+    /// Per-call timeout.
+    pub timeout: Duration,
+}
+
+/// A certificate from the CA, verified, with its key.
+#[derive(Debug)]
+pub struct Svid {
+    /// The private key (ours, never sent).
+    pub key: PrivateKey,
+    /// The chain as the CA sent it: leaf first, root last, PEM.
+    pub chain_pem: Vec<String>,
+    /// The trust bundle it was verified against.
+    pub bundle: TrustBundle,
+    /// What the leaf says.
+    pub leaf: VerifiedSvid,
+}
+
+/// The client.
+#[derive(Debug, Clone)]
+pub struct CaClient {
+    client: IstioCertificateServiceClient<Channel>,
+    config: CaClientConfig,
+    bundle: TrustBundle,
+}
+
+impl CaClient {
+    /// Prepares a connection (made lazily, on the first call).
+    pub fn new(config: CaClientConfig) -> Result<Self, ClientError> {
+        let roots = bundle::read_certs_file(&config.root_cert)?;
+        let bundle = TrustBundle::new(roots);
+        let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(bundle.to_pem()));
+        if let Some(name) = &config.server_name {
+            tls = tls.domain_name(name.clone());
+        }
+        let endpoint = Endpoint::from_shared(config.ca_addr.clone())
+            .map_err(|e| ClientError::Config(format!("--ca-addr {:?}: {e}", config.ca_addr)))?
+            .tls_config(tls)
+            .map_err(|e| ClientError::Config(format!("TLS configuration: {e}")))?
+            .timeout(config.timeout)
+            .connect_timeout(config.timeout);
+        let channel = endpoint.connect_lazy();
+        Ok(Self {
+            client: IstioCertificateServiceClient::new(channel),
+            config,
+            bundle,
+        })
+    }
+
+    /// Requests a certificate for `identity` with a new `algorithm` key.
+    /// `ttl` is the requested lifetime (None: the CA's default).
+    /// `impersonate` sends `ImpersonatedIdentity` (node-agent mode).
+    pub async fn fetch(
+        &self,
+        identity: &SpiffeId,
+        algorithm: KeyAlgorithm,
+        ttl: Option<Duration>,
+        impersonate: bool,
+    ) -> Result<Svid, ClientError> {
+        let key = PrivateKey::generate(algorithm).map_err(|e| ClientError::Csr(e.to_string()))?;
+        let csr = build_csr(&key, identity).map_err(|e| ClientError::Csr(e.to_string()))?;
+        let metadata = impersonate.then(|| prost_types::Struct {
+            fields: BTreeMap::from([(
+                IMPERSONATED_IDENTITY_KEY.to_string(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::StringValue(identity.to_string())),
+                },
+            )]),
+        });
+        let mut request = tonic::Request::new(IstioCertificateRequest {
+            csr,
+            validity_duration: ttl.map(|d| d.as_secs() as i64).unwrap_or(0),
+            metadata,
+        });
+        if let Some(path) = &self.config.token_file {
+            let token = std::fs::read_to_string(path).map_err(|source| ClientError::Token {
+                path: path.clone(),
+                source,
+            })?;
+            let value = format!("Bearer {}", token.trim()).parse().map_err(|_| {
+                ClientError::Config(format!(
+                    "token file {} holds invalid characters",
+                    path.display()
+                ))
+            })?;
+            request.metadata_mut().insert("authorization", value);
+        }
+        if let Some(cluster) = &self.config.cluster_id {
+            let value = cluster.parse().map_err(|_| {
+                ClientError::Config(format!(
+                    "cluster ID {cluster:?} is not a valid header value"
+                ))
+            })?;
+            request.metadata_mut().insert("clusterid", value);
+        }
+        let response = self
+            .client
+            .clone()
+            .create_certificate(request)
+            .await?
+            .into_inner();
+        let leaf = check_answer(
+            &key,
+            identity,
+            &response.cert_chain,
+            &self.bundle,
+            SystemTime::now(),
+        )?;
+        Ok(Svid {
+            key,
+            chain_pem: response.cert_chain,
+            bundle: self.bundle.clone(),
+            leaf,
+        })
+    }
+}
+
+/// Checks a CA answer: at least leaf and root, the leaf's key is `key`, its
+/// only URI SAN is `identity`, it is not a CA, the chain verifies to
+/// `bundle` at `now`.
+pub fn check_answer(
+    key: &PrivateKey,
+    identity: &SpiffeId,
+    chain_pem: &[String],
+    bundle: &TrustBundle,
+    now: SystemTime,
+) -> Result<VerifiedSvid, ClientError> {
+    if chain_pem.is_empty() {
+        return Err(ClientError::BadAnswer(
+            "the certificate chain is empty".into(),
+        ));
+    }
+    let mut ders = Vec::new();
+    for (i, pem) in chain_pem.iter().enumerate() {
+        let certs = bundle::parse_certs_pem(pem)
+            .map_err(|e| ClientError::BadAnswer(format!("chain element #{}: {e}", i + 1)))?;
+        ders.extend(certs);
+    }
+    let summary = meshca_certs::inspect::CertSummary::from_der(&ders[0])
+        .map_err(|e| ClientError::BadAnswer(e.to_string()))?;
+    let leaf_spki = x509_spki(&ders[0])
+        .ok_or_else(|| ClientError::BadAnswer("leaf has no public key".into()))?;
+    if leaf_spki != key.public_key_spki_der() {
+        return Err(ClientError::BadAnswer(
+            "the leaf certificate's public key is not the key we sent".into(),
+        ));
+    }
+    let verified = verify_svid(&ders, bundle, now, Some(identity))
+        .map_err(|e| ClientError::BadAnswer(e.to_string()))?;
+    if summary.not_after <= summary.not_before {
+        return Err(ClientError::BadAnswer(
+            "the leaf's validity is empty".into(),
+        ));
+    }
+    Ok(verified)
+}
+
+fn x509_spki(der: &[u8]) -> Option<Vec<u8>> {
+    meshca_certs::inspect::spki_der(der)
+}
