@@ -195,6 +195,13 @@ impl TokenIssuer {
         })
     }
 
+    /// The same key under another issuer name (`iss`), e.g. to stand in
+    /// for an external issuer validated with `--jwks` in tests.
+    pub fn with_issuer(mut self, issuer: impl Into<String>) -> Self {
+        self.issuer = issuer.into();
+        self
+    }
+
     /// Loads the issuer from `<data_dir>/token-issuer-key.pem`.
     pub fn load(data_dir: &Path) -> Result<Self, TokenError> {
         let path = data_dir.join(ISSUER_KEY_FILE);

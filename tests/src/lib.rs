@@ -1,1 +1,370 @@
-//! placeholder
+//! Helpers for meshca's end-to-end tests: build and start the real
+//! binaries, talk to them over real TLS and gRPC, make CSRs (good, forged,
+//! weak) and tokens.
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use meshca_certs::token::{TokenIssuer, TokenRequest};
+use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId};
+use meshca_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient;
+use meshca_proto::IstioCertificateRequest;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity};
+
+/// The binaries under test, built once per test process.
+#[derive(Debug)]
+pub struct Binaries {
+    /// `meshca`.
+    pub meshca: PathBuf,
+    /// `meshca-certs`.
+    pub meshca_certs: PathBuf,
+    /// `meshca-agent`.
+    pub meshca_agent: PathBuf,
+}
+
+fn build(package: &str, bin: &str) -> PathBuf {
+    escargot::CargoBuild::new()
+        .package(package)
+        .bin(bin)
+        .current_release()
+        .current_target()
+        .run()
+        .unwrap_or_else(|e| panic!("building {bin}: {e}"))
+        .path()
+        .to_path_buf()
+}
+
+/// Builds (if needed) and returns the binaries.
+pub fn binaries() -> &'static Binaries {
+    static BINARIES: OnceLock<Binaries> = OnceLock::new();
+    BINARIES.get_or_init(|| Binaries {
+        meshca: build("meshca-ca", "meshca"),
+        meshca_certs: build("meshca-certs", "meshca-certs"),
+        meshca_agent: build("meshca-client", "meshca-agent"),
+    })
+}
+
+/// A free TCP port on 127.0.0.1 (released before returning; a small race).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or(0)
+}
+
+/// A running `meshca serve`.
+#[derive(Debug)]
+pub struct MeshcaServer {
+    child: Option<Child>,
+    /// gRPC+TLS address.
+    pub grpc: SocketAddr,
+    /// Monitoring address.
+    pub monitoring: SocketAddr,
+    /// The data directory.
+    pub data_dir: PathBuf,
+    /// Where stderr goes.
+    pub log_path: PathBuf,
+}
+
+/// Why a server did not come up.
+#[derive(Debug)]
+pub struct StartFailure {
+    /// Exit status, if it exited.
+    pub status: Option<ExitStatus>,
+    /// What it wrote to stderr.
+    pub stderr: String,
+}
+
+impl MeshcaServer {
+    /// Starts `meshca serve` with `data_dir` and `extra` flags on free
+    /// ports and waits until /healthz answers.
+    pub fn start(data_dir: &Path, extra: &[&str]) -> Result<Self, StartFailure> {
+        Self::start_with_env(data_dir, extra, &[])
+    }
+
+    /// As [`MeshcaServer::start`], with extra environment variables.
+    pub fn start_with_env(
+        data_dir: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Self, StartFailure> {
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port())
+            .parse()
+            .expect("address");
+        let monitoring: SocketAddr = format!("127.0.0.1:{}", free_port())
+            .parse()
+            .expect("address");
+        let log_path = data_dir.with_extension(format!("{}.log", grpc.port()));
+        let log = std::fs::File::create(&log_path).expect("log file");
+        let mut command = Command::new(&binaries().meshca);
+        command
+            .arg("serve")
+            .arg("--listen")
+            .arg(grpc.to_string())
+            .arg("--monitoring-listen")
+            .arg(monitoring.to_string())
+            .arg("--data-dir")
+            .arg(data_dir)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log);
+        for (k, v) in env {
+            command.env(k, v);
+        }
+        let child = command.spawn().expect("spawning meshca");
+        let mut server = Self {
+            child: Some(child),
+            grpc,
+            monitoring,
+            data_dir: data_dir.to_path_buf(),
+            log_path,
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(child) = server.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    server.child = None;
+                    return Err(StartFailure {
+                        status: Some(status),
+                        stderr: server.log(),
+                    });
+                }
+            }
+            if http_get(monitoring, "/healthz").is_ok_and(|(code, _)| code == 200) {
+                return Ok(server);
+            }
+            if Instant::now() > deadline {
+                let stderr = server.log();
+                return Err(StartFailure {
+                    status: None,
+                    stderr,
+                });
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The server's stderr so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log_path).unwrap_or_default()
+    }
+
+    /// `root-cert.pem` of the data directory.
+    pub fn root_pem(&self) -> String {
+        std::fs::read_to_string(self.data_dir.join("root-cert.pem")).expect("root-cert.pem")
+    }
+
+    /// Mints a token with the local issuer.
+    pub fn token(&self, namespace: &str, service_account: &str) -> String {
+        mint_token(
+            &self.data_dir,
+            namespace,
+            service_account,
+            "istio-ca",
+            Duration::from_secs(600),
+        )
+    }
+
+    /// A gRPC client over TLS trusting `root-cert.pem`, verifying the
+    /// server as `istiod.istio-system.svc`.
+    pub async fn client(&self) -> IstioCertificateServiceClient<Channel> {
+        self.client_with_identity(None).await
+    }
+
+    /// A gRPC client presenting a client certificate.
+    pub async fn client_with_identity(
+        &self,
+        identity: Option<(String, String)>,
+    ) -> IstioCertificateServiceClient<Channel> {
+        let mut tls = ClientTlsConfig::new()
+            .ca_certificate(Certificate::from_pem(self.root_pem()))
+            .domain_name("istiod.istio-system.svc");
+        if let Some((chain, key)) = identity {
+            tls = tls.identity(Identity::from_pem(chain, key));
+        }
+        let channel = Endpoint::from_shared(format!("https://{}", self.grpc))
+            .expect("endpoint")
+            .tls_config(tls)
+            .expect("tls")
+            .connect()
+            .await
+            .expect("connecting to meshca");
+        IstioCertificateServiceClient::new(channel)
+    }
+
+    /// Sends SIGTERM and waits for the exit status.
+    pub fn terminate(&mut self) -> Option<ExitStatus> {
+        let mut child = self.child.take()?;
+        let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                return child.wait().ok();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for MeshcaServer {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+/// Mints a token with the data directory's local issuer.
+pub fn mint_token(
+    data_dir: &Path,
+    namespace: &str,
+    service_account: &str,
+    audience: &str,
+    ttl: Duration,
+) -> String {
+    let issuer = TokenIssuer::load(data_dir).expect("local issuer");
+    issuer
+        .mint(
+            &TokenRequest {
+                namespace: namespace.into(),
+                service_account: service_account.into(),
+                audiences: vec![audience.into()],
+                ttl,
+                pod: None,
+            },
+            std::time::SystemTime::now(),
+        )
+        .expect("minting")
+}
+
+/// A minimal HTTP/1.0 GET: (status code, body).
+pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(stream, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let code = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Ok((code, body))
+}
+
+/// A request with a fresh key of `alg` asking for `id`; returns the key too.
+pub fn csr_request(
+    alg: KeyAlgorithm,
+    id: &str,
+    ttl_secs: i64,
+) -> (PrivateKey, IstioCertificateRequest) {
+    let key = PrivateKey::generate(alg).expect("key");
+    let id = SpiffeId::parse(id).expect("spiffe id");
+    let csr = build_csr(&key, &id).expect("csr");
+    (
+        key,
+        IstioCertificateRequest {
+            csr,
+            validity_duration: ttl_secs,
+            metadata: None,
+        },
+    )
+}
+
+/// Adds `authorization: Bearer <token>`.
+pub fn with_token<T>(message: T, token: &str) -> tonic::Request<T> {
+    let mut request = tonic::Request::new(message);
+    request.metadata_mut().insert(
+        "authorization",
+        format!("Bearer {token}").parse().expect("header"),
+    );
+    request
+}
+
+/// An RSA key of any size (1024 included) that can sign CSRs, for testing
+/// the CA's refusal of weak keys (ring will not sign with one).
+pub struct WeakRsaKey {
+    key: rsa::RsaPrivateKey,
+    public_der: Vec<u8>,
+}
+
+impl WeakRsaKey {
+    /// Generates a key of `bits`.
+    pub fn generate(bits: usize) -> Self {
+        use rsa::pkcs1::EncodeRsaPublicKey;
+        let key = rsa::RsaPrivateKey::new(&mut rand_core::OsRng, bits).expect("rsa key");
+        let public_der = key
+            .to_public_key()
+            .to_pkcs1_der()
+            .expect("pkcs1")
+            .as_bytes()
+            .to_vec();
+        Self { key, public_der }
+    }
+
+    /// A PEM CSR for `id` signed with this key.
+    pub fn csr(&self, id: &str) -> String {
+        let mut params = rcgen::CertificateParams::default();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        params.subject_alt_names = vec![rcgen::SanType::URI(id.try_into().expect("uri"))];
+        params
+            .serialize_request(self)
+            .expect("csr")
+            .pem()
+            .expect("pem")
+    }
+}
+
+impl rcgen::PublicKeyData for WeakRsaKey {
+    fn der_bytes(&self) -> &[u8] {
+        &self.public_der
+    }
+    fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
+        &rcgen::PKCS_RSA_SHA256
+    }
+}
+
+impl rcgen::SigningKey for WeakRsaKey {
+    fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
+        use rsa::signature::{SignatureEncoding, Signer};
+        let signer = rsa::pkcs1v15::SigningKey::<rsa::sha2::Sha256>::new(self.key.clone());
+        Ok(signer.sign(msg).to_vec())
+    }
+}
+
+/// Whether `openssl` is on PATH.
+pub fn have_openssl() -> bool {
+    Command::new("openssl")
+        .arg("version")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+/// Runs a command, panicking with its output if it fails.
+pub fn run_ok(command: &mut Command) -> String {
+    let output = command.output().expect("running command");
+    assert!(
+        output.status.success(),
+        "{command:?} failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
