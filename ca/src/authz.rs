@@ -146,7 +146,7 @@ mod tests {
         assert_eq!(authz.authorize(&caller(ME), None, &[]).await.unwrap(), me);
         assert_eq!(
             authz
-                .authorize(&caller(ME), Some(""), &[me.clone()])
+                .authorize(&caller(ME), Some(""), std::slice::from_ref(&me))
                 .await
                 .unwrap(),
             me

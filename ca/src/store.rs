@@ -317,10 +317,12 @@ pub fn load_or_create_data_dir(
         source,
     })?;
     let bundle = TrustBundle::new(vec![root.clone()]);
-    verify_ca_chain(&[root.clone()], &bundle, now).map_err(|source| StoreError::Chain {
-        dir: dir.to_path_buf(),
-        files: CA_CERT_FILE.to_string(),
-        source,
+    verify_ca_chain(std::slice::from_ref(&root), &bundle, now).map_err(|source| {
+        StoreError::Chain {
+            dir: dir.to_path_buf(),
+            files: CA_CERT_FILE.to_string(),
+            source,
+        }
     })?;
     publish_bundle(dir, &bundle)?;
     Ok(CaMaterial {

@@ -84,7 +84,7 @@ pub fn parse_certs_pem(text: &str) -> Result<Vec<Vec<u8>>, BundleError> {
         let der = block.into_contents();
         let index = certs.len() + 1;
         match X509Certificate::from_der(&der) {
-            Ok((rest, _)) if rest.is_empty() => certs.push(der),
+            Ok(([], _)) => certs.push(der),
             Ok(_) => {
                 return Err(BundleError::BadCertificate {
                     index,

@@ -425,7 +425,12 @@ mod tests {
         let other = root();
         let foreign = TrustBundle::new(vec![other.cert_der().to_vec()]);
         assert!(matches!(
-            verify_svid(&[der.clone()], &foreign, SystemTime::now(), None),
+            verify_svid(
+                std::slice::from_ref(&der),
+                &foreign,
+                SystemTime::now(),
+                None
+            ),
             Err(VerifyError::Untrusted(_))
         ));
         let wrong = SpiffeId::parse("spiffe://cluster.local/ns/a/sa/c").unwrap();
@@ -473,12 +478,12 @@ mod tests {
         let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
         let now = OffsetDateTime::now_utc();
         assert_eq!(
-            verify_ca_chain(&[int.der.clone()], &bundle, now).unwrap(),
+            verify_ca_chain(std::slice::from_ref(&int.der), &bundle, now).unwrap(),
             ca.cert_der()
         );
         assert!(verify_ca_chain(&[int.der.clone(), ca.cert_der().to_vec()], &bundle, now).is_ok());
         let foreign = TrustBundle::new(vec![root().cert_der().to_vec()]);
-        assert!(verify_ca_chain(&[int.der.clone()], &foreign, now).is_err());
+        assert!(verify_ca_chain(std::slice::from_ref(&int.der), &foreign, now).is_err());
         let later = now + Duration::days(3);
         let err = verify_ca_chain(&[int.der], &bundle, later).unwrap_err();
         assert!(err.to_string().contains("expired"), "{err}");
