@@ -13,27 +13,18 @@ use std::fs;
 use std::path::{Path, PathBuf};
 
 use meshca_certs::bundle::{self, BundleError, FileError};
-use meshca_certs::keys::{KeyAlgorithm, KeyError, PrivateKey};
-use meshca_certs::profile::{self_signed_root, ProfileError, SigningCa, SubjectName, Validity};
+use meshca_certs::cadir::{self, CaDirError};
+use meshca_certs::keys::{KeyAlgorithm, PrivateKey};
+use meshca_certs::profile::{self_signed_root, SigningCa, SubjectName, Validity};
 use meshca_certs::token::{TokenError, TokenIssuer};
-use meshca_certs::verify::{verify_ca_chain, VerifyError};
+use meshca_certs::verify::verify_ca_chain;
 use meshca_certs::{TrustBundle, TrustDomain};
 use time::OffsetDateTime;
 
-/// `cacerts` file: the signing certificate.
-pub const CA_CERT_FILE: &str = "ca-cert.pem";
-/// `cacerts` file: the signing key.
-pub const CA_KEY_FILE: &str = "ca-key.pem";
-/// `cacerts` file: signing certificate up to the root.
-pub const CERT_CHAIN_FILE: &str = "cert-chain.pem";
-/// `cacerts` file (and data-dir file): the trusted roots.
-pub const ROOT_CERT_FILE: &str = "root-cert.pem";
-/// TLS-secret file: certificate (and chain).
-pub const TLS_CERT_FILE: &str = "tls.crt";
-/// TLS-secret file: key.
-pub const TLS_KEY_FILE: &str = "tls.key";
-/// TLS-secret file: roots.
-pub const TLS_CA_FILE: &str = "ca.crt";
+pub use meshca_certs::cadir::{
+    CA_CERT_FILE, CA_KEY_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE, TLS_CA_FILE, TLS_CERT_FILE,
+    TLS_KEY_FILE,
+};
 
 /// Lifetime of the embedded mode's self-signed root.
 pub const SELF_SIGNED_ROOT_TTL: time::Duration = time::Duration::days(3650);
@@ -42,58 +33,12 @@ pub const SELF_SIGNED_ROOT_TTL: time::Duration = time::Duration::days(3650);
 /// file and the problem.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    /// A required file of a plugged-in CA is missing.
-    #[error("{dir}: incomplete CA: {file} is missing (a plugged-in CA needs {needed})")]
-    MissingFile {
-        /// The CA directory.
-        dir: PathBuf,
-        /// The missing file.
-        file: &'static str,
-        /// The whole set that is needed.
-        needed: &'static str,
-    },
-    /// The directory holds none of the CA files.
-    #[error("{0}: no CA files found: expected ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem (or tls.crt, tls.key, ca.crt)")]
-    NoCaFiles(PathBuf),
+    /// The CA directory (or the data directory's root) is unusable.
+    #[error(transparent)]
+    CaDir(#[from] CaDirError),
     /// A certificate file is unreadable or malformed.
     #[error(transparent)]
     CertFile(#[from] FileError),
-    /// The key file is unreadable.
-    #[error("{path}: {source}")]
-    ReadKey {
-        /// The key file.
-        path: PathBuf,
-        /// The read error.
-        source: BundleError,
-    },
-    /// The key file holds no usable key.
-    #[error("{path}: {source}")]
-    Key {
-        /// The key file.
-        path: PathBuf,
-        /// What is wrong.
-        source: KeyError,
-    },
-    /// The certificate and key do not form a signing CA.
-    #[error("{cert} with {key}: {source}")]
-    NotSigningCa {
-        /// The certificate file.
-        cert: PathBuf,
-        /// The key file.
-        key: PathBuf,
-        /// What is wrong.
-        source: ProfileError,
-    },
-    /// The chain check failed.
-    #[error("{dir}: CA chain check failed ({files}): {source}")]
-    Chain {
-        /// The CA directory.
-        dir: PathBuf,
-        /// The files the chain came from.
-        files: String,
-        /// What is wrong.
-        source: VerifyError,
-    },
     /// The data directory holds a certificate without its key or the reverse.
     #[error("{dir}: {present} exists but {missing} does not; refusing to generate a new root over a partial one (restore {missing} or move {present} aside)")]
     PartialDataDir {
@@ -162,91 +107,13 @@ impl CaMaterial {
 
 /// Loads and checks a plugged-in CA directory.
 pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<CaMaterial, StoreError> {
-    const ISTIO_SET: &str = "ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem";
-    const TLS_SET: &str = "tls.crt, tls.key, ca.crt";
-    let exists = |f: &str| dir.join(f).exists();
-    let istio_files = [CA_CERT_FILE, CA_KEY_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE];
-    let tls_files = [TLS_CERT_FILE, TLS_KEY_FILE, TLS_CA_FILE];
-    let (cert_file, key_file, chain_file, root_file) = if istio_files.iter().any(|f| exists(f)) {
-        if let Some(missing) = istio_files.iter().find(|f| !exists(f)) {
-            return Err(StoreError::MissingFile {
-                dir: dir.to_path_buf(),
-                file: missing,
-                needed: ISTIO_SET,
-            });
-        }
-        (
-            CA_CERT_FILE,
-            CA_KEY_FILE,
-            Some(CERT_CHAIN_FILE),
-            ROOT_CERT_FILE,
-        )
-    } else if tls_files.iter().any(|f| exists(f)) {
-        if let Some(missing) = tls_files.iter().find(|f| !exists(f)) {
-            return Err(StoreError::MissingFile {
-                dir: dir.to_path_buf(),
-                file: missing,
-                needed: TLS_SET,
-            });
-        }
-        (TLS_CERT_FILE, TLS_KEY_FILE, None, TLS_CA_FILE)
-    } else {
-        return Err(StoreError::NoCaFiles(dir.to_path_buf()));
-    };
-
-    let cert_path = dir.join(cert_file);
-    let key_path = dir.join(key_file);
-    let certs = bundle::read_certs_file(&cert_path)?;
-    let key = read_key(&key_path)?;
-    let roots = bundle::read_certs_file(&dir.join(root_file))?;
-    let bundle = TrustBundle::new(roots);
-
-    // The full chain: signing cert first, then whatever chain file says
-    // (which usually repeats the signing cert and ends with the root).
-    let mut full = vec![certs[0].clone()];
-    let mut rest: Vec<Vec<u8>> = certs[1..].to_vec();
-    if let Some(chain_file) = chain_file {
-        let chain = bundle::read_certs_file(&dir.join(chain_file))?;
-        rest.extend(chain);
-    }
-    for der in rest {
-        if !full.contains(&der) {
-            full.push(der);
-        }
-    }
-    let files = match chain_file {
-        Some(chain_file) => format!("{cert_file}, {chain_file}, {root_file}"),
-        None => format!("{cert_file}, {root_file}"),
-    };
-    let signing =
-        SigningCa::new(full[0].clone(), key).map_err(|source| StoreError::NotSigningCa {
-            cert: cert_path.clone(),
-            key: key_path.clone(),
-            source,
-        })?;
-    let anchor_root = verify_ca_chain(&full, &bundle, now).map_err(|source| StoreError::Chain {
-        dir: dir.to_path_buf(),
-        files,
-        source,
-    })?;
-    let chain: Vec<Vec<u8>> = full.into_iter().filter(|c| !bundle.contains(c)).collect();
+    let loaded = cadir::load_ca_dir(dir, now)?;
     Ok(CaMaterial {
-        signing,
-        chain,
-        anchor_root,
-        bundle,
+        signing: loaded.signing,
+        chain: loaded.chain,
+        anchor_root: loaded.anchor_root,
+        bundle: loaded.bundle,
         source: CaSource::PluggedIn(dir.to_path_buf()),
-    })
-}
-
-fn read_key(path: &Path) -> Result<PrivateKey, StoreError> {
-    let text = bundle::read_text(path).map_err(|source| StoreError::ReadKey {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    PrivateKey::from_pem(&text).map_err(|source| StoreError::Key {
-        path: path.to_path_buf(),
-        source,
     })
 }
 
@@ -309,16 +176,16 @@ pub fn load_or_create_data_dir(
         }
     }
     let certs = bundle::read_certs_file(&cert_path)?;
-    let key = read_key(&key_path)?;
+    let key = cadir::read_key(&key_path)?;
     let root = certs[0].clone();
-    let signing = SigningCa::new(root.clone(), key).map_err(|source| StoreError::NotSigningCa {
+    let signing = SigningCa::new(root.clone(), key).map_err(|source| CaDirError::NotSigningCa {
         cert: cert_path.clone(),
         key: key_path.clone(),
         source,
     })?;
     let bundle = TrustBundle::new(vec![root.clone()]);
     verify_ca_chain(std::slice::from_ref(&root), &bundle, now).map_err(|source| {
-        StoreError::Chain {
+        CaDirError::Chain {
             dir: dir.to_path_buf(),
             files: CA_CERT_FILE.to_string(),
             source,

@@ -39,6 +39,10 @@ pub struct CertSummary {
     pub key: String,
     /// Whether issuer == subject and the signature verifies with its own key.
     pub self_signed: bool,
+    /// keyUsage bits set, by RFC 5280 name.
+    pub key_usage: Vec<String>,
+    /// extKeyUsage purposes, by name (or OID).
+    pub ext_key_usage: Vec<String>,
     /// Subject key identifier, hex.
     pub subject_key_id: Option<String>,
     /// Authority key identifier, hex.
@@ -60,6 +64,8 @@ impl CertSummary {
         let mut subject_key_id = None;
         let mut authority_key_id = None;
         let mut is_ca = false;
+        let mut key_usage = Vec::new();
+        let mut ext_key_usage = Vec::new();
         let mut path_len = None;
         for ext in cert.extensions() {
             match ext.parsed_extension() {
@@ -83,6 +89,41 @@ impl CertSummary {
                 ParsedExtension::AuthorityKeyIdentifier(a) => {
                     authority_key_id = a.key_identifier.as_ref().map(|k| hex(k.0))
                 }
+                ParsedExtension::KeyUsage(ku) => {
+                    let bits = [
+                        (ku.digital_signature(), "digitalSignature"),
+                        (ku.non_repudiation(), "contentCommitment"),
+                        (ku.key_encipherment(), "keyEncipherment"),
+                        (ku.data_encipherment(), "dataEncipherment"),
+                        (ku.key_agreement(), "keyAgreement"),
+                        (ku.key_cert_sign(), "keyCertSign"),
+                        (ku.crl_sign(), "cRLSign"),
+                        (ku.encipher_only(), "encipherOnly"),
+                        (ku.decipher_only(), "decipherOnly"),
+                    ];
+                    key_usage = bits
+                        .iter()
+                        .filter(|(set, _)| *set)
+                        .map(|(_, n)| n.to_string())
+                        .collect();
+                }
+                ParsedExtension::ExtendedKeyUsage(eku) => {
+                    let named = [
+                        (eku.any, "any"),
+                        (eku.server_auth, "serverAuth"),
+                        (eku.client_auth, "clientAuth"),
+                        (eku.code_signing, "codeSigning"),
+                        (eku.email_protection, "emailProtection"),
+                        (eku.time_stamping, "timeStamping"),
+                        (eku.ocsp_signing, "OCSPSigning"),
+                    ];
+                    ext_key_usage = named
+                        .iter()
+                        .filter(|(set, _)| *set)
+                        .map(|(_, n)| n.to_string())
+                        .chain(eku.other.iter().map(|o| o.to_id_string()))
+                        .collect();
+                }
                 ParsedExtension::BasicConstraints(bc) => {
                     is_ca = bc.ca;
                     path_len = bc.path_len_constraint;
@@ -105,6 +146,8 @@ impl CertSummary {
             path_len,
             key: KeyKind::from_spki(cert.public_key()).to_string(),
             self_signed,
+            key_usage,
+            ext_key_usage,
             subject_key_id,
             authority_key_id,
         })

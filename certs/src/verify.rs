@@ -183,7 +183,7 @@ fn describe_webpki_error(e: &webpki::Error) -> String {
         }
         webpki::Error::UnknownIssuer => "no path to a root in the bundle (unknown issuer)".into(),
         webpki::Error::InvalidSignatureForPublicKey => {
-            "a signature in the chain does not verify".into()
+            "a signature in the chain does not verify (is a root of the same name but another key in the bundle?)".into()
         }
         webpki::Error::CaUsedAsEndEntity => "the leaf is a CA certificate".into(),
         webpki::Error::RequiredEkuNotFoundContext(_) => {
@@ -343,6 +343,181 @@ pub fn verify_ca_chain(
         last,
         "does not chain to any root in the trust bundle".to_string(),
     ))
+}
+
+/// One problem found by [`audit_svid_chain`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Problem {
+    /// 1-based position of the certificate in the chain (leaf = 1).
+    pub index: usize,
+    /// How the certificate is named in messages (SPIFFE ID or subject).
+    pub name: String,
+    /// The rule broken.
+    pub rule: String,
+}
+
+impl std::fmt::Display for Problem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "certificate #{} ({}): {}",
+            self.index, self.name, self.rule
+        )
+    }
+}
+
+/// Every problem of an X509-SVID chain, not just the first: the X509-SVID
+/// leaf rules, the expected ID, each certificate's validity at `now`, and
+/// path validation to `bundle`. Empty means the chain is good.
+pub fn audit_svid_chain(
+    chain: &[Vec<u8>],
+    bundle: &TrustBundle,
+    now: SystemTime,
+    expected: Option<&SpiffeId>,
+) -> Vec<Problem> {
+    let mut problems = Vec::new();
+    let Some(leaf_der) = chain.first() else {
+        problems.push(Problem {
+            index: 0,
+            name: "chain".into(),
+            rule: "the chain holds no certificate".into(),
+        });
+        return problems;
+    };
+    let now_dt = OffsetDateTime::from(now);
+    let mut names = Vec::new();
+    for (i, der) in chain.iter().enumerate() {
+        match X509Certificate::from_der(der) {
+            Ok((_, cert)) => {
+                let uris: Vec<String> = cert
+                    .subject_alternative_name()
+                    .ok()
+                    .flatten()
+                    .map(|san| {
+                        san.value
+                            .general_names
+                            .iter()
+                            .filter_map(|n| match n {
+                                GeneralName::URI(u) => Some(u.to_string()),
+                                _ => None,
+                            })
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                let name = match (i, uris.first()) {
+                    (0, Some(u)) => u.clone(),
+                    _ if cert.subject().as_raw() == [0x30, 0x00] => "empty subject".to_string(),
+                    _ => cert.subject().to_string(),
+                };
+                if let Err(rule) = check_time(&cert, now_dt) {
+                    problems.push(Problem {
+                        index: i + 1,
+                        name: name.clone(),
+                        rule,
+                    });
+                }
+                names.push(name);
+            }
+            Err(e) => {
+                problems.push(Problem {
+                    index: i + 1,
+                    name: "unparsable".into(),
+                    rule: format!("not valid X.509: {e}"),
+                });
+                return problems;
+            }
+        }
+    }
+    let leaf_name = names.first().cloned().unwrap_or_default();
+    for rule in svid_leaf_violations(leaf_der) {
+        problems.push(Problem {
+            index: 1,
+            name: leaf_name.clone(),
+            rule,
+        });
+    }
+    if let (Some(expected), Ok(svid)) = (expected, check_svid_leaf(leaf_der)) {
+        if svid.spiffe_id != *expected {
+            problems.push(Problem {
+                index: 1,
+                name: leaf_name.clone(),
+                rule: format!(
+                    "its SPIFFE ID is {}, not the expected {expected}",
+                    svid.spiffe_id
+                ),
+            });
+        }
+    }
+    let time_problem = problems
+        .iter()
+        .any(|p| p.rule.contains("expired") || p.rule.contains("not valid before"));
+    if let Err(e) = verify_path(chain, bundle, now) {
+        let rule = match e {
+            VerifyError::Untrusted(reason) => reason,
+            other => other.to_string(),
+        };
+        // Expiry is already reported per certificate.
+        if !(time_problem && (rule.contains("expired") || rule.contains("not valid yet"))) {
+            problems.push(Problem {
+                index: 1,
+                name: leaf_name,
+                rule: format!("path validation to the bundle failed: {rule}"),
+            });
+        }
+    }
+    problems
+}
+
+/// Every X509-SVID leaf rule `der` breaks.
+fn svid_leaf_violations(der: &[u8]) -> Vec<String> {
+    let Ok((_, cert)) = X509Certificate::from_der(der) else {
+        return vec!["not valid X.509".into()];
+    };
+    let mut out = Vec::new();
+    let mut uris = Vec::new();
+    let mut saw_ku = false;
+    for ext in cert.extensions() {
+        match ext.parsed_extension() {
+            ParsedExtension::SubjectAlternativeName(san) => {
+                for name in &san.general_names {
+                    if let GeneralName::URI(u) = name {
+                        uris.push(u.to_string());
+                    }
+                }
+            }
+            ParsedExtension::BasicConstraints(bc) if bc.ca => {
+                out.push("basicConstraints cA is true (a leaf SVID must not be a CA)".to_string())
+            }
+            ParsedExtension::KeyUsage(ku) => {
+                saw_ku = true;
+                if !ku.digital_signature() {
+                    out.push("keyUsage lacks digitalSignature".to_string());
+                }
+                if ku.key_cert_sign() || ku.crl_sign() {
+                    out.push("keyUsage has keyCertSign or cRLSign".to_string());
+                }
+            }
+            _ => {}
+        }
+    }
+    if !saw_ku {
+        out.push("no keyUsage extension".to_string());
+    }
+    match uris.as_slice() {
+        [] => out.push("no URI SAN (an X509-SVID has exactly one, its SPIFFE ID)".to_string()),
+        [one] => match SpiffeId::parse(one) {
+            Ok(id) if id.path().is_empty() => out.push(
+                "the SPIFFE ID has no path (a trust domain ID is not a workload ID)".to_string(),
+            ),
+            Ok(_) => {}
+            Err(e) => out.push(format!("URI SAN {one:?} is not a SPIFFE ID: {e}")),
+        },
+        many => out.push(format!(
+            "{} URI SANs; an X509-SVID has exactly one",
+            many.len()
+        )),
+    }
+    out
 }
 
 fn check_ca_bits(cert: &X509Certificate<'_>) -> Result<(), String> {

@@ -1,15 +1,27 @@
-//! `meshca-certs`: CA material and test credentials for meshca.
+//! `meshca-certs`: CA material and test credentials for meshca and Istio.
+//!
+//! Istio's `tools/certs` flow in one binary: a root, per-cluster
+//! intermediates in the `cacerts` layout, offline workload SVIDs, tokens for
+//! the embedded issuer, and inspection and verification of chains.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, SystemTime};
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
+use meshca_certs::bundle::{self, read_certs_file};
+use meshca_certs::cadir::{
+    self, CA_CERT_FILE, CA_KEY_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE, ROOT_KEY_FILE,
+};
+use meshca_certs::inspect::CertSummary;
+use meshca_certs::profile::{self_signed_root, SubjectKey, SubjectName, Validity};
 use meshca_certs::token::{TokenIssuer, TokenRequest, DEFAULT_AUDIENCE};
-use meshca_certs::SpiffeId;
+use meshca_certs::verify::audit_svid_chain;
+use meshca_certs::{parse_duration, KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle};
+use time::OffsetDateTime;
 
-/// CA material and test credentials for meshca.
+/// CA material and test credentials for meshca and Istio.
 #[derive(Parser)]
 #[command(name = "meshca-certs", version, about)]
 struct Cli {
@@ -19,6 +31,73 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
+    /// Make a self-signed root CA: DIR/root-cert.pem and DIR/root-key.pem (0600).
+    RootCa {
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Key algorithm: ecdsa-p256, ecdsa-p384, rsa-2048, rsa-3072, rsa-4096.
+        #[arg(long, default_value = "ecdsa-p256")]
+        key: KeyAlgorithm,
+        /// Lifetime in days.
+        #[arg(long, default_value_t = 3650, value_parser = clap::value_parser!(u32).range(1..=36500))]
+        days: u32,
+        /// Organization (O=).
+        #[arg(long, default_value = "Istio")]
+        org: String,
+        /// Common name (CN=).
+        #[arg(long, default_value = "Root CA")]
+        common_name: String,
+        /// Overwrite existing files, including the key.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Make an intermediate CA for one cluster, in Istio's cacerts layout:
+    /// OUT/CLUSTER/{ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem}.
+    IntermediateCa {
+        /// Directory of the root (root-cert.pem, root-key.pem).
+        #[arg(long)]
+        root: PathBuf,
+        /// Cluster name (a directory under --out, and L= in the subject).
+        #[arg(long)]
+        cluster: String,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Key algorithm.
+        #[arg(long, default_value = "ecdsa-p256")]
+        key: KeyAlgorithm,
+        /// Lifetime in days (never past the root's own expiry).
+        #[arg(long, default_value_t = 730, value_parser = clap::value_parser!(u32).range(1..=36500))]
+        days: u32,
+        /// Organization (O=).
+        #[arg(long, default_value = "Istio")]
+        org: String,
+        /// Overwrite existing files, including the key.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Issue a workload SVID offline: OUT/{cert-chain.pem, key.pem, root-cert.pem}.
+    Workload {
+        /// CA directory (cacerts layout, tls.crt/tls.key/ca.crt, or a root-ca directory).
+        #[arg(long)]
+        ca: PathBuf,
+        /// The SPIFFE ID.
+        #[arg(long)]
+        spiffe_id: SpiffeId,
+        /// Output directory.
+        #[arg(long)]
+        out: PathBuf,
+        /// Key algorithm.
+        #[arg(long, default_value = "ecdsa-p256")]
+        key: KeyAlgorithm,
+        /// Lifetime.
+        #[arg(long, default_value = "24h", value_parser = parse_duration)]
+        ttl: Duration,
+        /// Overwrite existing files, including the key.
+        #[arg(long)]
+        force: bool,
+    },
     /// Print a service-account token that `meshca serve` (embedded mode) accepts.
     Token {
         /// meshca's data directory (holds the local token issuer key).
@@ -34,7 +113,7 @@ enum Command {
         #[arg(long = "audience", default_value = DEFAULT_AUDIENCE)]
         audiences: Vec<String>,
         /// Lifetime, e.g. 10m, 1h.
-        #[arg(long, default_value = "1h", value_parser = meshca_certs::parse_duration)]
+        #[arg(long, default_value = "1h", value_parser = parse_duration)]
         ttl: Duration,
         /// Bind the token to a pod name (optional).
         #[arg(long)]
@@ -43,12 +122,31 @@ enum Command {
         #[arg(long, default_value = "")]
         pod_uid: String,
     },
+    /// Show every certificate in a PEM file: names, SPIFFE IDs, key, validity, CA bits.
+    Inspect {
+        /// PEM file (a chain or a bundle).
+        file: PathBuf,
+        /// Print JSON for scripts.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Verify an X509-SVID chain against a bundle under the SPIFFE rules.
+    Verify {
+        /// PEM bundle of trusted roots.
+        #[arg(long)]
+        bundle: PathBuf,
+        /// PEM chain, leaf first.
+        chain_file: PathBuf,
+        /// The SPIFFE ID the leaf must carry.
+        #[arg(long)]
+        spiffe_id: Option<SpiffeId>,
+    },
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match run(cli) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("meshca-certs: error: {e:#}");
             ExitCode::FAILURE
@@ -56,8 +154,132 @@ fn main() -> ExitCode {
     }
 }
 
-fn run(cli: Cli) -> anyhow::Result<()> {
+fn run(cli: Cli) -> anyhow::Result<ExitCode> {
+    let now = OffsetDateTime::now_utc();
     match cli.command {
+        Command::RootCa {
+            out,
+            key,
+            days,
+            org,
+            common_name,
+            force,
+        } => {
+            let cert_path = out.join(ROOT_CERT_FILE);
+            let key_path = out.join(ROOT_KEY_FILE);
+            refuse_overwrite(&[&key_path, &cert_path], force)?;
+            let key = PrivateKey::generate(key).context("generating the root key")?;
+            let name = SubjectName {
+                organization: Some(org),
+                common_name: Some(common_name),
+                ..Default::default()
+            };
+            let root = self_signed_root(
+                &key,
+                &name,
+                Validity::backdated(now, time::Duration::days(days.into())),
+            )
+            .context("making the root certificate")?;
+            create_dir(&out)?;
+            write_key(&key_path, &key)?;
+            write_public(&cert_path, &root.to_pem())?;
+            println!(
+                "wrote {} and {} (serial {}, valid until {})",
+                cert_path.display(),
+                key_path.display(),
+                root.serial_hex,
+                root.validity.not_after
+            );
+        }
+        Command::IntermediateCa {
+            root,
+            cluster,
+            out,
+            key,
+            days,
+            org,
+            force,
+        } => {
+            if cluster.is_empty()
+                || cluster.contains(['/', '\\'])
+                || cluster == "."
+                || cluster == ".."
+            {
+                bail!("--cluster {cluster:?} must be a plain name (it becomes a directory under --out)");
+            }
+            let root_ca = load_signing(&root)?;
+            let dir = out.join(&cluster);
+            let paths =
+                [CA_KEY_FILE, CA_CERT_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE].map(|f| dir.join(f));
+            refuse_overwrite(&paths.iter().collect::<Vec<_>>(), force)?;
+            let key = PrivateKey::generate(key).context("generating the intermediate key")?;
+            let name = SubjectName {
+                organization: Some(org),
+                locality: Some(cluster.clone()),
+                common_name: Some("Intermediate CA".to_string()),
+                ..Default::default()
+            };
+            let validity = Validity::backdated(now, time::Duration::days(days.into()))
+                .capped_at(root_ca.signing.validity().not_after);
+            let subject = SubjectKey::of(&key).context("the intermediate key")?;
+            let cert = root_ca
+                .signing
+                .issue_ca(&subject, &name, Some(0), validity)
+                .context("signing the intermediate certificate")?;
+            let mut chain = vec![cert.der.clone()];
+            chain.extend(root_ca.chain.iter().cloned());
+            chain.push(root_ca.anchor_root.clone());
+            create_dir(&dir)?;
+            write_key(&paths[0], &key)?;
+            write_public(&paths[1], &cert.to_pem())?;
+            write_public(&paths[2], &bundle::encode_certs_pem(&chain))?;
+            write_public(&paths[3], &root_ca.bundle.to_pem())?;
+            println!(
+                "wrote {} (ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem; serial {}, valid until {})",
+                dir.display(),
+                cert.serial_hex,
+                cert.validity.not_after
+            );
+        }
+        Command::Workload {
+            ca,
+            spiffe_id,
+            out,
+            key,
+            ttl,
+            force,
+        } => {
+            if spiffe_id.path().is_empty() {
+                bail!("--spiffe-id {spiffe_id} has no path; a workload ID looks like spiffe://cluster.local/ns/NS/sa/SA");
+            }
+            if ttl.is_zero() {
+                bail!("--ttl must be more than zero");
+            }
+            let ca_loaded = load_signing(&ca)?;
+            let paths = ["key.pem", "cert-chain.pem", "root-cert.pem"].map(|f| out.join(f));
+            refuse_overwrite(&paths.iter().collect::<Vec<_>>(), force)?;
+            let key = PrivateKey::generate(key).context("generating the workload key")?;
+            let ttl = time::Duration::try_from(ttl).context("--ttl is too long")?;
+            let validity =
+                Validity::backdated(now, ttl).capped_at(ca_loaded.signing.validity().not_after);
+            let subject = SubjectKey::of(&key).context("the workload key")?;
+            let cert = ca_loaded
+                .signing
+                .issue_workload(&subject, &spiffe_id, validity)
+                .context("signing the workload certificate")?;
+            let mut chain = vec![cert.der.clone()];
+            chain.extend(ca_loaded.chain.iter().cloned());
+            create_dir(&out)?;
+            write_key(&paths[0], &key)?;
+            write_public(&paths[1], &bundle::encode_certs_pem(&chain))?;
+            write_public(&paths[2], &ca_loaded.bundle.to_pem())?;
+            println!(
+                "wrote {} (identity {spiffe_id}, serial {}, valid until {})",
+                out.display(),
+                cert.serial_hex,
+                cert.validity.not_after
+            );
+        }
         Command::Token {
             data_dir,
             namespace,
@@ -67,13 +289,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             pod_name,
             pod_uid,
         } => {
-            // Validate the names the way the CA will use them.
             SpiffeId::for_workload(&Default::default(), &namespace, &service_account)
                 .with_context(|| {
                     format!("--namespace {namespace:?} / --service-account {service_account:?}")
                 })?;
             if ttl.is_zero() {
-                anyhow::bail!("--ttl must be more than zero");
+                bail!("--ttl must be more than zero");
             }
             let issuer = TokenIssuer::load(&data_dir).with_context(|| {
                 format!(
@@ -93,7 +314,203 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 SystemTime::now(),
             )?;
             println!("{token}");
-            Ok(())
+        }
+        Command::Inspect { file, json } => {
+            let certs = read_certs_file(&file)?;
+            let summaries: Vec<CertSummary> = certs
+                .iter()
+                .enumerate()
+                .map(|(i, der)| {
+                    CertSummary::from_der(der)
+                        .with_context(|| format!("{}: certificate #{}", file.display(), i + 1))
+                })
+                .collect::<Result<_, _>>()?;
+            if json {
+                let items: Vec<serde_json::Value> =
+                    summaries.iter().map(|s| summary_json(s, now)).collect();
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&serde_json::json!({ "certificates": items }))?
+                );
+            } else {
+                for (i, s) in summaries.iter().enumerate() {
+                    print_summary(i + 1, s, now);
+                }
+            }
+        }
+        Command::Verify {
+            bundle: bundle_file,
+            chain_file,
+            spiffe_id,
+        } => {
+            let roots = read_certs_file(&bundle_file)?;
+            let chain = read_certs_file(&chain_file)?;
+            let problems = audit_svid_chain(
+                &chain,
+                &TrustBundle::new(roots),
+                SystemTime::now(),
+                spiffe_id.as_ref(),
+            );
+            if problems.is_empty() {
+                let leaf = CertSummary::from_der(&chain[0])?;
+                println!(
+                    "OK: {} is a valid X509-SVID for {} until {}",
+                    chain_file.display(),
+                    leaf.uris.first().map(String::as_str).unwrap_or("?"),
+                    leaf.not_after
+                );
+            } else {
+                for p in &problems {
+                    println!("{}: {p}", chain_file.display());
+                }
+                return Ok(ExitCode::FAILURE);
+            }
         }
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn load_signing(dir: &Path) -> anyhow::Result<cadir::LoadedCa> {
+    if !dir.is_dir() {
+        bail!("{} is not a directory", dir.display());
+    }
+    Ok(cadir::load_ca_dir(dir, OffsetDateTime::now_utc())?)
+}
+
+fn refuse_overwrite(paths: &[&PathBuf], force: bool) -> anyhow::Result<()> {
+    if force {
+        return Ok(());
+    }
+    if let Some(existing) = paths.iter().find(|p| p.exists()) {
+        bail!(
+            "{} already exists; refusing to overwrite CA material (pass --force to replace it)",
+            existing.display()
+        );
+    }
+    Ok(())
+}
+
+fn create_dir(dir: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))
+}
+
+fn write_key(path: &Path, key: &PrivateKey) -> anyhow::Result<()> {
+    bundle::write_file_atomic(
+        path,
+        key.to_pkcs8_pem().as_bytes(),
+        bundle::PRIVATE_KEY_MODE,
+    )?;
+    Ok(())
+}
+
+fn write_public(path: &Path, text: &str) -> anyhow::Result<()> {
+    bundle::write_file_atomic(path, text.as_bytes(), bundle::PUBLIC_FILE_MODE)?;
+    Ok(())
+}
+
+fn time_left(s: &CertSummary, now: OffsetDateTime) -> (i64, String) {
+    let left = (s.not_after - now).whole_seconds();
+    let text = if left <= 0 {
+        format!("EXPIRED {} ago", rough_duration(left.unsigned_abs()))
+    } else if now < s.not_before {
+        format!(
+            "NOT YET VALID, starts in {}",
+            rough_duration((s.not_before - now).whole_seconds().unsigned_abs())
+        )
+    } else {
+        format!("{} left", rough_duration(left.unsigned_abs()))
+    };
+    (left, text)
+}
+
+/// A duration as a person reads it: "3d 4h", "5h 12m", "42s".
+fn rough_duration(secs: u64) -> String {
+    let (d, h, m, s) = (
+        secs / 86400,
+        secs % 86400 / 3600,
+        secs % 3600 / 60,
+        secs % 60,
+    );
+    match (d, h, m) {
+        (0, 0, 0) => format!("{s}s"),
+        (0, 0, _) => format!("{m}m {s}s"),
+        (0, _, _) => format!("{h}h {m}m"),
+        _ => format!("{d}d {h}h"),
+    }
+}
+
+fn summary_json(s: &CertSummary, now: OffsetDateTime) -> serde_json::Value {
+    let (left, _) = time_left(s, now);
+    let mut v = serde_json::to_value(s).unwrap_or_default();
+    if let Some(obj) = v.as_object_mut() {
+        obj.insert("spiffe_ids".into(), serde_json::json!(spiffe_ids(s)));
+        obj.insert("seconds_left".into(), serde_json::json!(left));
+        obj.insert("expired".into(), serde_json::json!(left <= 0));
+    }
+    v
+}
+
+fn spiffe_ids(s: &CertSummary) -> Vec<String> {
+    s.uris
+        .iter()
+        .filter(|u| u.starts_with("spiffe://"))
+        .cloned()
+        .collect()
+}
+
+fn print_summary(index: usize, s: &CertSummary, now: OffsetDateTime) {
+    let (_, left) = time_left(s, now);
+    let or_none = |v: &[String]| {
+        if v.is_empty() {
+            "-".to_string()
+        } else {
+            v.join(", ")
+        }
+    };
+    println!("Certificate #{index}");
+    println!(
+        "  Subject:        {}",
+        if s.subject.is_empty() {
+            "(empty)"
+        } else {
+            &s.subject
+        }
+    );
+    println!("  Issuer:         {}", s.issuer);
+    println!("  Serial:         {}", s.serial);
+    println!("  SPIFFE IDs:     {}", or_none(&spiffe_ids(s)));
+    let other_uris: Vec<String> = s
+        .uris
+        .iter()
+        .filter(|u| !u.starts_with("spiffe://"))
+        .cloned()
+        .collect();
+    if !other_uris.is_empty() {
+        println!("  Other URIs:     {}", other_uris.join(", "));
+    }
+    println!("  DNS names:      {}", or_none(&s.dns_names));
+    let ips: Vec<String> = s.ip_addresses.iter().map(|i| i.to_string()).collect();
+    println!("  IP addresses:   {}", or_none(&ips));
+    println!("  Key:            {}", s.key);
+    println!("  Not before:     {}", s.not_before);
+    println!("  Not after:      {} ({left})", s.not_after);
+    let ca = match (s.is_ca, s.path_len) {
+        (false, _) => "no".to_string(),
+        (true, Some(n)) => format!("yes, path length {n}"),
+        (true, None) => "yes".to_string(),
+    };
+    println!(
+        "  CA:             {ca}{}",
+        if s.self_signed { " (self-signed)" } else { "" }
+    );
+    println!("  Key usage:      {}", or_none(&s.key_usage));
+    println!("  Ext key usage:  {}", or_none(&s.ext_key_usage));
+    println!(
+        "  Subject key ID: {}",
+        s.subject_key_id.as_deref().unwrap_or("-")
+    );
+    println!(
+        "  Auth. key ID:   {}",
+        s.authority_key_id.as_deref().unwrap_or("-")
+    );
 }

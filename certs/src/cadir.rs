@@ -1,0 +1,198 @@
+//! CA directories on disk: Istio's `cacerts` layout (`ca-cert.pem`,
+//! `ca-key.pem`, `cert-chain.pem`, `root-cert.pem`), the Kubernetes
+//! TLS-secret layout (`tls.crt`, `tls.key`, `ca.crt`), and the root layout
+//! that `meshca-certs root-ca` writes (`root-cert.pem`, `root-key.pem`).
+//!
+//! [`load_ca_dir`] loads one and checks it before anything signs with it:
+//! every file present, key matches certificate, every certificate a CA with
+//! keyCertSign inside its validity, chain linked up to a root of the bundle.
+
+use std::path::{Path, PathBuf};
+
+use time::OffsetDateTime;
+
+use crate::bundle::{self, BundleError, FileError};
+use crate::keys::{KeyError, PrivateKey};
+use crate::profile::{ProfileError, SigningCa};
+use crate::verify::{verify_ca_chain, TrustBundle, VerifyError};
+
+/// `cacerts` file: the signing certificate.
+pub const CA_CERT_FILE: &str = "ca-cert.pem";
+/// `cacerts` file: the signing key.
+pub const CA_KEY_FILE: &str = "ca-key.pem";
+/// `cacerts` file: signing certificate up to the root.
+pub const CERT_CHAIN_FILE: &str = "cert-chain.pem";
+/// `cacerts` file: the trusted roots.
+pub const ROOT_CERT_FILE: &str = "root-cert.pem";
+/// Root layout: the root's key.
+pub const ROOT_KEY_FILE: &str = "root-key.pem";
+/// TLS-secret file: certificate (and chain).
+pub const TLS_CERT_FILE: &str = "tls.crt";
+/// TLS-secret file: key.
+pub const TLS_KEY_FILE: &str = "tls.key";
+/// TLS-secret file: roots.
+pub const TLS_CA_FILE: &str = "ca.crt";
+
+/// Why a CA directory could not be used. Each message names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum CaDirError {
+    /// A required file is missing.
+    #[error("{dir}: incomplete CA: {file} is missing (needed: {needed})")]
+    MissingFile {
+        /// The directory.
+        dir: PathBuf,
+        /// The missing file.
+        file: &'static str,
+        /// The whole set that is needed.
+        needed: &'static str,
+    },
+    /// The directory holds none of the CA files.
+    #[error("{0}: no CA files found: expected ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem (or tls.crt, tls.key, ca.crt; or root-cert.pem, root-key.pem)")]
+    NoCaFiles(PathBuf),
+    /// A certificate file is unreadable or malformed.
+    #[error(transparent)]
+    CertFile(#[from] FileError),
+    /// The key file is unreadable.
+    #[error("{path}: {source}")]
+    ReadKey {
+        /// The key file.
+        path: PathBuf,
+        /// The read error.
+        source: BundleError,
+    },
+    /// The key file holds no usable key.
+    #[error("{path}: {source}")]
+    Key {
+        /// The key file.
+        path: PathBuf,
+        /// What is wrong.
+        source: KeyError,
+    },
+    /// The certificate and key do not form a signing CA.
+    #[error("{cert} with {key}: {source}")]
+    NotSigningCa {
+        /// The certificate file.
+        cert: PathBuf,
+        /// The key file.
+        key: PathBuf,
+        /// What is wrong.
+        source: ProfileError,
+    },
+    /// The chain check failed.
+    #[error("{dir}: CA chain check failed ({files}): {source}")]
+    Chain {
+        /// The directory.
+        dir: PathBuf,
+        /// The files the chain came from.
+        files: String,
+        /// What is wrong.
+        source: VerifyError,
+    },
+}
+
+/// A checked CA directory.
+#[derive(Debug)]
+pub struct LoadedCa {
+    /// The signing certificate and key.
+    pub signing: SigningCa,
+    /// The signing certificate and intermediates above it (DER), no roots.
+    pub chain: Vec<Vec<u8>>,
+    /// The root the chain is anchored at.
+    pub anchor_root: Vec<u8>,
+    /// Every trusted root.
+    pub bundle: TrustBundle,
+}
+
+/// Loads and checks a CA directory in any of the three layouts.
+pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirError> {
+    const ISTIO_SET: &str = "ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem";
+    const TLS_SET: &str = "tls.crt, tls.key, ca.crt";
+    const ROOT_SET: &str = "root-cert.pem, root-key.pem";
+    let exists = |f: &str| dir.join(f).exists();
+    let require = |files: &[&'static str], needed: &'static str| -> Result<(), CaDirError> {
+        match files.iter().find(|f| !exists(f)) {
+            Some(missing) => Err(CaDirError::MissingFile {
+                dir: dir.to_path_buf(),
+                file: missing,
+                needed,
+            }),
+            None => Ok(()),
+        }
+    };
+    let istio_files = [CA_CERT_FILE, CA_KEY_FILE, CERT_CHAIN_FILE];
+    let tls_files = [TLS_CERT_FILE, TLS_KEY_FILE, TLS_CA_FILE];
+    let (cert_file, key_file, chain_file, root_file) = if istio_files.iter().any(|f| exists(f)) {
+        require(
+            &[CA_CERT_FILE, CA_KEY_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE],
+            ISTIO_SET,
+        )?;
+        (
+            CA_CERT_FILE,
+            CA_KEY_FILE,
+            Some(CERT_CHAIN_FILE),
+            ROOT_CERT_FILE,
+        )
+    } else if tls_files.iter().any(|f| exists(f)) {
+        require(&tls_files, TLS_SET)?;
+        (TLS_CERT_FILE, TLS_KEY_FILE, None, TLS_CA_FILE)
+    } else if exists(ROOT_KEY_FILE) {
+        require(&[ROOT_CERT_FILE, ROOT_KEY_FILE], ROOT_SET)?;
+        (ROOT_CERT_FILE, ROOT_KEY_FILE, None, ROOT_CERT_FILE)
+    } else {
+        return Err(CaDirError::NoCaFiles(dir.to_path_buf()));
+    };
+
+    let cert_path = dir.join(cert_file);
+    let key_path = dir.join(key_file);
+    let certs = bundle::read_certs_file(&cert_path)?;
+    let key = read_key(&key_path)?;
+    let roots = bundle::read_certs_file(&dir.join(root_file))?;
+    let bundle = TrustBundle::new(roots);
+
+    // The full chain: signing cert first, then whatever the chain file says
+    // (which usually repeats the signing cert and ends with the root).
+    let mut full = vec![certs[0].clone()];
+    let mut rest: Vec<Vec<u8>> = certs[1..].to_vec();
+    if let Some(chain_file) = chain_file {
+        rest.extend(bundle::read_certs_file(&dir.join(chain_file))?);
+    }
+    for der in rest {
+        if !full.contains(&der) {
+            full.push(der);
+        }
+    }
+    let files = match chain_file {
+        Some(chain_file) => format!("{cert_file}, {chain_file}, {root_file}"),
+        None => format!("{cert_file}, {root_file}"),
+    };
+    let signing =
+        SigningCa::new(full[0].clone(), key).map_err(|source| CaDirError::NotSigningCa {
+            cert: cert_path.clone(),
+            key: key_path.clone(),
+            source,
+        })?;
+    let anchor_root = verify_ca_chain(&full, &bundle, now).map_err(|source| CaDirError::Chain {
+        dir: dir.to_path_buf(),
+        files,
+        source,
+    })?;
+    let chain: Vec<Vec<u8>> = full.into_iter().filter(|c| !bundle.contains(c)).collect();
+    Ok(LoadedCa {
+        signing,
+        chain,
+        anchor_root,
+        bundle,
+    })
+}
+
+/// Reads a private key file; errors name the file.
+pub fn read_key(path: &Path) -> Result<PrivateKey, CaDirError> {
+    let text = bundle::read_text(path).map_err(|source| CaDirError::ReadKey {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    PrivateKey::from_pem(&text).map_err(|source| CaDirError::Key {
+        path: path.to_path_buf(),
+        source,
+    })
+}
