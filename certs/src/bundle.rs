@@ -138,6 +138,47 @@ pub fn encode_certs_pem<D: AsRef<[u8]>>(ders: &[D]) -> String {
 /// `path`, fsync of the directory. A reader sees the old file or the new
 /// one, never a mix.
 pub fn write_file_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), BundleError> {
+    stage_file(path, contents, mode)?.commit()
+}
+
+/// A file written and synced next to its destination, not yet renamed into
+/// place. Several staged files can be committed back to back, so the window
+/// in which a reader sees some new and some old files is a few renames.
+/// Dropping it uncommitted removes the temporary file.
+#[derive(Debug)]
+pub struct StagedFile {
+    tmp: PathBuf,
+    path: PathBuf,
+    dir: PathBuf,
+    committed: bool,
+}
+
+impl StagedFile {
+    /// Renames the staged file over its destination and syncs the directory.
+    pub fn commit(mut self) -> Result<(), BundleError> {
+        fs::rename(&self.tmp, &self.path).map_err(|source| BundleError::Write {
+            path: self.path.clone(),
+            source,
+        })?;
+        self.committed = true;
+        if let Ok(d) = fs::File::open(&self.dir) {
+            let _ = d.sync_all();
+        }
+        Ok(())
+    }
+}
+
+impl Drop for StagedFile {
+    fn drop(&mut self) {
+        if !self.committed {
+            let _ = fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// Writes and syncs `contents` to a temporary file next to `path` (with
+/// `mode` from creation on) without touching `path` yet.
+pub fn stage_file(path: &Path, contents: &[u8], mode: u32) -> Result<StagedFile, BundleError> {
     let err = |source| BundleError::Write {
         path: path.to_path_buf(),
         source,
@@ -152,35 +193,30 @@ pub fn write_file_atomic(path: &Path, contents: &[u8], mode: u32) -> Result<(), 
     let mut tmp_name = std::ffi::OsString::from(".");
     tmp_name.push(file_name);
     tmp_name.push(format!(".tmp.{}.{}", std::process::id(), unique_suffix()));
-    let tmp = dir.join(tmp_name);
-    let result = (|| {
-        let mut options = fs::OpenOptions::new();
-        options.write(true).create_new(true);
-        #[cfg(unix)]
-        {
-            use std::os::unix::fs::OpenOptionsExt;
-            options.mode(mode);
-        }
-        let mut file = options.open(&tmp)?;
-        #[cfg(unix)]
-        {
-            // The umask may have cleared bits we want (0644); set exactly.
-            use std::os::unix::fs::PermissionsExt;
-            file.set_permissions(fs::Permissions::from_mode(mode))?;
-        }
-        file.write_all(contents)?;
-        file.sync_all()?;
-        drop(file);
-        fs::rename(&tmp, path)?;
-        if let Ok(d) = fs::File::open(&dir) {
-            let _ = d.sync_all();
-        }
-        Ok(())
-    })();
-    if result.is_err() {
-        let _ = fs::remove_file(&tmp);
+    let staged = StagedFile {
+        tmp: dir.join(tmp_name),
+        path: path.to_path_buf(),
+        dir,
+        committed: false,
+    };
+    let mut options = fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        options.mode(mode);
     }
-    result.map_err(err)
+    let mut file = options.open(&staged.tmp).map_err(err)?;
+    #[cfg(unix)]
+    {
+        // The umask may have cleared bits we want (0644); set exactly.
+        use std::os::unix::fs::PermissionsExt;
+        file.set_permissions(fs::Permissions::from_mode(mode))
+            .map_err(err)?;
+    }
+    file.write_all(contents).map_err(err)?;
+    file.sync_all().map_err(err)?;
+    Ok(staged)
 }
 
 fn unique_suffix() -> u64 {

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use meshca_certs::bundle::{self, FileError};
@@ -75,6 +76,52 @@ pub struct CaClientConfig {
     pub cluster_id: Option<String>,
     /// Per-call timeout.
     pub timeout: Duration,
+    /// What to ask for on each request.
+    pub request: RequestOptions,
+}
+
+/// What a request asks for.
+#[derive(Debug, Clone)]
+pub struct RequestOptions {
+    /// Key algorithm of the new key.
+    pub algorithm: KeyAlgorithm,
+    /// Requested lifetime (None: the CA's default).
+    pub ttl: Option<Duration>,
+    /// Send `ImpersonatedIdentity` (node-agent mode).
+    pub impersonate: bool,
+    /// Attempts per call for retryable codes (UNAVAILABLE,
+    /// DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED); at least 1.
+    pub attempts: u32,
+    /// Delay before the first retry; doubles each time.
+    pub retry_backoff: Duration,
+}
+
+impl Default for RequestOptions {
+    fn default() -> Self {
+        Self {
+            algorithm: KeyAlgorithm::EcdsaP256,
+            ttl: None,
+            impersonate: false,
+            attempts: 3,
+            retry_backoff: Duration::from_millis(200),
+        }
+    }
+}
+
+/// Whether a status code is worth retrying.
+pub fn is_retryable(code: tonic::Code) -> bool {
+    matches!(
+        code,
+        tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::ResourceExhausted
+    )
+}
+
+/// The channel and bundle built from one version of the root file.
+#[derive(Debug)]
+struct Connection {
+    client: IstioCertificateServiceClient<Channel>,
+    bundle: TrustBundle,
+    stamp: Option<(std::time::SystemTime, u64)>,
 }
 
 /// A certificate from the CA, verified, with its key.
@@ -90,17 +137,30 @@ pub struct Svid {
     pub leaf: VerifiedSvid,
 }
 
-/// The client.
+/// The client. Cloning is cheap and shares the connection.
 #[derive(Debug, Clone)]
 pub struct CaClient {
-    client: IstioCertificateServiceClient<Channel>,
-    config: CaClientConfig,
-    bundle: TrustBundle,
+    config: Arc<CaClientConfig>,
+    connection: Arc<Mutex<Arc<Connection>>>,
+}
+
+fn file_stamp(path: &std::path::Path) -> Option<(std::time::SystemTime, u64)> {
+    let meta = std::fs::metadata(path).ok()?;
+    Some((meta.modified().ok()?, meta.len()))
 }
 
 impl CaClient {
     /// Prepares a connection (made lazily, on the first call).
     pub fn new(config: CaClientConfig) -> Result<Self, ClientError> {
+        let connection = Self::connect(&config)?;
+        Ok(Self {
+            config: Arc::new(config),
+            connection: Arc::new(Mutex::new(Arc::new(connection))),
+        })
+    }
+
+    fn connect(config: &CaClientConfig) -> Result<Connection, ClientError> {
+        let stamp = file_stamp(&config.root_cert);
         let roots = bundle::read_certs_file(&config.root_cert)?;
         let bundle = TrustBundle::new(roots);
         let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(bundle.to_pem()));
@@ -108,17 +168,48 @@ impl CaClient {
             tls = tls.domain_name(name.clone());
         }
         let endpoint = Endpoint::from_shared(config.ca_addr.clone())
-            .map_err(|e| ClientError::Config(format!("--ca-addr {:?}: {e}", config.ca_addr)))?
+            .map_err(|e| ClientError::Config(format!("CA address {:?}: {e}", config.ca_addr)))?
             .tls_config(tls)
             .map_err(|e| ClientError::Config(format!("TLS configuration: {e}")))?
             .timeout(config.timeout)
             .connect_timeout(config.timeout);
         let channel = endpoint.connect_lazy();
-        Ok(Self {
+        Ok(Connection {
             client: IstioCertificateServiceClient::new(channel),
-            config,
             bundle,
+            stamp,
         })
+    }
+
+    /// The connection for the current root file: rebuilt when the file
+    /// changed (a rotated bundle), kept when the new file is unreadable.
+    fn current(&self) -> Arc<Connection> {
+        let mut guard = self.connection.lock().unwrap_or_else(|e| e.into_inner());
+        let stamp = file_stamp(&self.config.root_cert);
+        if stamp.is_some() && stamp != guard.stamp {
+            match Self::connect(&self.config) {
+                Ok(fresh) => {
+                    tracing::info!(root_cert = %self.config.root_cert.display(), "root bundle changed; reconnecting");
+                    *guard = Arc::new(fresh);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "root bundle changed but cannot be used; keeping the previous one")
+                }
+            }
+        }
+        guard.clone()
+    }
+
+    /// The trust bundle in use.
+    pub fn bundle(&self) -> TrustBundle {
+        self.current().bundle.clone()
+    }
+
+    /// Requests a certificate for `identity` with the configured options.
+    pub async fn fetch_default(&self, identity: &SpiffeId) -> Result<Svid, ClientError> {
+        let o = &self.config.request;
+        self.fetch(identity, o.algorithm, o.ttl, o.impersonate)
+            .await
     }
 
     /// Requests a certificate for `identity` with a new `algorithm` key.
@@ -167,23 +258,35 @@ impl CaClient {
             })?;
             request.metadata_mut().insert("clusterid", value);
         }
-        let response = self
-            .client
-            .clone()
-            .create_certificate(request)
-            .await?
-            .into_inner();
+        let connection = self.current();
+        let attempts = self.config.request.attempts.max(1);
+        let mut backoff = self.config.request.retry_backoff;
+        let mut attempt = 1;
+        let response = loop {
+            let mut again = tonic::Request::new(request.get_ref().clone());
+            *again.metadata_mut() = request.metadata().clone();
+            match connection.client.clone().create_certificate(again).await {
+                Ok(response) => break response.into_inner(),
+                Err(status) if attempt < attempts && is_retryable(status.code()) => {
+                    tracing::debug!(identity = %identity, code = ?status.code(), attempt, "retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff *= 2;
+                    attempt += 1;
+                }
+                Err(status) => return Err(status.into()),
+            }
+        };
         let leaf = check_answer(
             &key,
             identity,
             &response.cert_chain,
-            &self.bundle,
+            &connection.bundle,
             SystemTime::now(),
         )?;
         Ok(Svid {
             key,
             chain_pem: response.cert_chain,
-            bundle: self.bundle.clone(),
+            bundle: connection.bundle.clone(),
             leaf,
         })
     }
@@ -231,4 +334,11 @@ pub fn check_answer(
 
 fn x509_spki(der: &[u8]) -> Option<Vec<u8>> {
     meshca_certs::inspect::spki_der(der)
+}
+
+#[async_trait::async_trait]
+impl crate::manager::CertificateIssuer for CaClient {
+    async fn fetch(&self, identity: &SpiffeId) -> Result<Svid, ClientError> {
+        self.fetch_default(identity).await
+    }
 }

@@ -4,6 +4,7 @@
 //! istiod, the wire is the same), verify the answer, write the files.
 //!
 //! - [`caclient`]: [`CaClient`], the gRPC client that verifies every answer;
+//! - [`manager`]: [`CertManager`], rotation for one identity or thousands;
 //! - [`output`]: Istio's `cert-chain.pem`, `key.pem`, `root-cert.pem`, written atomically.
 //!
 //! ```no_run
@@ -19,6 +20,7 @@
 //!     token_file: Some("token".into()),
 //!     cluster_id: None,
 //!     timeout: Duration::from_secs(10),
+//!     request: Default::default(),
 //! })?;
 //! let id = SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web")?;
 //! let svid = client.fetch(&id, KeyAlgorithm::EcdsaP256, None, false).await?;
@@ -28,6 +30,8 @@
 //! ```
 
 pub mod caclient;
+pub mod manager;
 pub mod output;
 
-pub use caclient::{CaClient, CaClientConfig, ClientError, Svid};
+pub use caclient::{CaClient, CaClientConfig, ClientError, RequestOptions, Svid};
+pub use manager::{CertManager, CertState, CertificateIssuer, ManagerConfig};

@@ -15,31 +15,39 @@ pub const KEY_FILE: &str = "key.pem";
 /// Root bundle file name.
 pub const ROOT_CERT_FILE: &str = "root-cert.pem";
 
-/// Writes the credentials into `dir` (created if needed). The key is
-/// written before the chain, so a reader that sees the new chain also sees
-/// the new key.
+/// Writes the credentials into `dir` (created if needed). All three files
+/// are written and synced first, then renamed into place back to back
+/// (root, key, chain), so no reader sees half a file and the window in
+/// which key and chain differ is two renames.
 pub fn write_credentials(dir: &Path, svid: &Svid) -> Result<(), BundleError> {
     std::fs::create_dir_all(dir).map_err(|source| BundleError::Write {
         path: dir.to_path_buf(),
         source,
     })?;
-    // Istio's convention: the last element is the root; the rest is the chain.
-    let chain_len = svid.chain_pem.len().saturating_sub(1).max(1);
-    let chain: String = svid.chain_pem[..chain_len.min(svid.chain_pem.len())].concat();
-    bundle::write_file_atomic(
+    let root = bundle::stage_file(
         &dir.join(ROOT_CERT_FILE),
         svid.bundle.to_pem().as_bytes(),
         bundle::PUBLIC_FILE_MODE,
     )?;
-    bundle::write_file_atomic(
+    let key = bundle::stage_file(
         &dir.join(KEY_FILE),
         svid.key.to_pkcs8_pem().as_bytes(),
         bundle::PRIVATE_KEY_MODE,
     )?;
-    bundle::write_file_atomic(
+    let chain = bundle::stage_file(
         &dir.join(CERT_CHAIN_FILE),
-        chain.as_bytes(),
+        chain_pem(svid).as_bytes(),
         bundle::PUBLIC_FILE_MODE,
     )?;
-    Ok(())
+    root.commit()?;
+    key.commit()?;
+    chain.commit()
+}
+
+/// `cert-chain.pem`: every element of the CA's answer but the last (the
+/// root), as Istio's agent writes it; the leaf alone if that is all there is.
+pub fn chain_pem(svid: &Svid) -> String {
+    let n = svid.chain_pem.len();
+    let keep = if n > 1 { n - 1 } else { n };
+    svid.chain_pem[..keep].concat()
 }

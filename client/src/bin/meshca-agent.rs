@@ -3,13 +3,17 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
 use clap::Parser;
 use meshca_certs::{parse_duration, KeyAlgorithm, SpiffeId, TrustDomain};
-use meshca_client::caclient::{CaClient, CaClientConfig, DEFAULT_CA_ADDR, DEFAULT_TOKEN_FILE};
+use meshca_client::caclient::{
+    CaClient, CaClientConfig, RequestOptions, DEFAULT_CA_ADDR, DEFAULT_TOKEN_FILE,
+};
 use meshca_client::output::write_credentials;
+use meshca_client::{CertManager, CertState, ManagerConfig};
 use tracing_subscriber::EnvFilter;
 
 /// Gets a SPIFFE certificate from the CA and keeps it fresh in --out.
@@ -102,50 +106,90 @@ async fn run(args: Args) -> anyhow::Result<()> {
         token_file: Some(args.token_file.clone()),
         cluster_id: args.cluster_id.clone(),
         timeout: Duration::from_secs(10),
-    })?;
-    let mut backoff = Duration::from_secs(1);
+        request: RequestOptions {
+            algorithm: args.key,
+            ttl: args.ttl,
+            ..Default::default()
+        },
+    })
+    .with_context(|| format!("--root-cert {}", args.root_cert.display()))?;
+
+    if args.once {
+        let svid = client.fetch_default(&identity).await.with_context(|| {
+            format!(
+                "fetching a certificate for {identity} from {}",
+                args.ca_addr
+            )
+        })?;
+        write_credentials(&args.out, &svid)
+            .with_context(|| format!("writing credentials to --out {}", args.out.display()))?;
+        println!(
+            "identity={} serial={} not_after={} out={}",
+            svid.leaf.spiffe_id,
+            svid.leaf.serial_hex,
+            svid.leaf.not_after,
+            args.out.display()
+        );
+        return Ok(());
+    }
+
+    let manager = CertManager::new(Arc::new(client), ManagerConfig::default());
+    let mut updates = manager.add(identity.clone());
+    let mut last_serial = None;
+    let shutdown = shutdown_signal();
+    tokio::pin!(shutdown);
     loop {
-        match client.fetch(&identity, args.key, args.ttl, false).await {
-            Ok(svid) => {
-                write_credentials(&args.out, &svid).with_context(|| {
-                    format!("writing credentials to --out {}", args.out.display())
-                })?;
-                println!(
-                    "identity={} serial={} not_after={} out={}",
-                    svid.leaf.spiffe_id,
-                    svid.leaf.serial_hex,
-                    svid.leaf.not_after,
-                    args.out.display()
-                );
-                tracing::info!(identity = %svid.leaf.spiffe_id, serial = %svid.leaf.serial_hex, not_after = %svid.leaf.not_after, "certificate written");
-                if args.once {
-                    return Ok(());
-                }
-                backoff = Duration::from_secs(1);
-                let life: time::Duration = svid.leaf.not_after - svid.leaf.not_before;
-                let renew_at = svid.leaf.not_before + life / 2i32;
-                let until: time::Duration = renew_at - time::OffsetDateTime::now_utc();
-                let wait = until.max(time::Duration::seconds(1));
-                let wait = Duration::try_from(wait).unwrap_or(Duration::from_secs(1));
-                tokio::select! {
-                    _ = tokio::time::sleep(wait) => {}
-                    _ = tokio::signal::ctrl_c() => return Ok(()),
+        tokio::select! {
+            changed = updates.changed() => {
+                if changed.is_err() {
+                    anyhow::bail!("the certificate manager stopped");
                 }
             }
-            Err(e) if args.once => {
-                return Err(e).context(format!(
-                    "fetching a certificate for {identity} from {}",
-                    args.ca_addr
-                ))
-            }
-            Err(e) => {
-                tracing::warn!(identity = %identity, error = %e, retry_in = ?backoff, "fetching a certificate failed");
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = tokio::signal::ctrl_c() => return Ok(()),
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(60));
+            _ = &mut shutdown => {
+                tracing::info!("shutting down");
+                return Ok(());
             }
         }
+        let state = updates.borrow_and_update().clone();
+        match state {
+            CertState::Available(svid) if last_serial.as_ref() != Some(&svid.leaf.serial_hex) => {
+                match write_credentials(&args.out, &svid) {
+                    Ok(()) => {
+                        tracing::info!(
+                            identity = %svid.leaf.spiffe_id,
+                            serial = %svid.leaf.serial_hex,
+                            not_after = %svid.leaf.not_after,
+                            out = %args.out.display(),
+                            rotation = last_serial.is_some(),
+                            "certificate written"
+                        );
+                        last_serial = Some(svid.leaf.serial_hex.clone());
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "writing credentials failed; will retry with the next certificate")
+                    }
+                }
+            }
+            CertState::Unavailable(error) => {
+                tracing::warn!(identity = %identity, error = %error, "no valid certificate");
+            }
+            _ => {}
+        }
     }
+}
+
+/// Completes on SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
 }
