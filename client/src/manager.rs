@@ -578,7 +578,12 @@ mod tests {
         let calls = issuer.calls();
         // The three renewals already in flight finish first; every fetch
         // started after the additions is a first fetch of a new identity.
-        let next: Vec<&SpiffeId> = calls[before..].iter().map(|(i, _)| i).skip(3).take(10).collect();
+        let next: Vec<&SpiffeId> = calls[before..]
+            .iter()
+            .map(|(i, _)| i)
+            .skip(3)
+            .take(10)
+            .collect();
         let new_ids: Vec<SpiffeId> = (100..110).map(id).collect();
         let served_new = next.iter().filter(|i| new_ids.contains(i)).count();
         assert_eq!(served_new, 10, "new identities first: {next:?}");

@@ -2,6 +2,8 @@
 //! binaries, talk to them over real TLS and gRPC, make CSRs (good, forged,
 //! weak) and tokens.
 
+pub mod fake_ca;
+
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -97,6 +99,17 @@ impl MeshcaServer {
         let monitoring: SocketAddr = format!("127.0.0.1:{}", free_port())
             .parse()
             .expect("address");
+        Self::start_on(data_dir, grpc, monitoring, extra, env)
+    }
+
+    /// Starts on the given addresses (e.g. to restart where a server was).
+    pub fn start_on(
+        data_dir: &Path,
+        grpc: SocketAddr,
+        monitoring: SocketAddr,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Self, StartFailure> {
         let log_path = data_dir.with_extension(format!("{}.log", grpc.port()));
         let log = std::fs::File::create(&log_path).expect("log file");
         let mut command = Command::new(&binaries().meshca);
