@@ -313,7 +313,8 @@ pub fn check_answer(
             .map_err(|e| ClientError::BadAnswer(format!("chain element #{}: {e}", i + 1)))?;
         ders.extend(certs);
     }
-    meshca_certs::verify::check_svid_leaf(&ders[0]).map_err(|e| ClientError::BadAnswer(e.to_string()))?;
+    meshca_certs::verify::check_svid_leaf(&ders[0])
+        .map_err(|e| ClientError::BadAnswer(e.to_string()))?;
     let summary = meshca_certs::inspect::CertSummary::from_der(&ders[0])
         .map_err(|e| ClientError::BadAnswer(e.to_string()))?;
     let leaf_spki = x509_spki(&ders[0])

@@ -27,12 +27,14 @@ pub struct Binaries {
     pub meshca_agent: PathBuf,
 }
 
-fn build(package: &str, bin: &str) -> PathBuf {
+/// Builds `bin` with the workspace's feature set (`--workspace`, no
+/// `--target`), so the artifacts `cargo test --workspace` already built are
+/// reused and only the binary itself is linked.
+fn build(bin: &str) -> PathBuf {
     escargot::CargoBuild::new()
-        .package(package)
+        .arg("--workspace")
         .bin(bin)
         .current_release()
-        .current_target()
         .run()
         .unwrap_or_else(|e| panic!("building {bin}: {e}"))
         .path()
@@ -43,9 +45,9 @@ fn build(package: &str, bin: &str) -> PathBuf {
 pub fn binaries() -> &'static Binaries {
     static BINARIES: OnceLock<Binaries> = OnceLock::new();
     BINARIES.get_or_init(|| Binaries {
-        meshca: build("meshca-ca", "meshca"),
-        meshca_certs: build("meshca-certs", "meshca-certs"),
-        meshca_agent: build("meshca-client", "meshca-agent"),
+        meshca: build("meshca"),
+        meshca_certs: build("meshca-certs"),
+        meshca_agent: build("meshca-agent"),
     })
 }
 
