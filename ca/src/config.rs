@@ -72,6 +72,24 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_JWT_ISSUER", requires = "jwks")]
     pub jwt_issuer: Option<String>,
 
+    /// Kubernetes API access (TokenReview). In a pod, the in-cluster
+    /// service account is used without this flag.
+    #[arg(long, env = "MESHCA_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+
+    /// How long a positive TokenReview result is reused (never past the
+    /// token's expiry); 0 turns the cache off.
+    #[arg(long, env = "MESHCA_TOKEN_REVIEW_CACHE_TTL", default_value = "30s", value_parser = parse_duration)]
+    pub token_review_cache_ttl: Duration,
+
+    /// Timeout of each Kubernetes API call.
+    #[arg(long, env = "MESHCA_KUBE_API_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
+    pub kube_api_timeout: Duration,
+
+    /// Most Kubernetes API calls in flight at once.
+    #[arg(long, env = "MESHCA_KUBE_API_MAX_IN_FLIGHT", default_value_t = 64)]
+    pub kube_api_max_in_flight: usize,
+
     /// Extra DNS SANs for the server's own TLS certificate; repeatable.
     #[arg(long = "server-dns", env = "MESHCA_SERVER_DNS", value_delimiter = ',')]
     pub server_dns: Vec<String>,
@@ -144,12 +162,27 @@ pub struct Config {
     pub external_jwt: Option<(PathBuf, String)>,
     /// All DNS names of the server certificate.
     pub server_dns: Vec<String>,
+    /// Kubernetes API access.
+    pub kubernetes: KubernetesConfig,
     /// This cluster's ID.
     pub cluster_id: String,
     /// Concurrency limit of CreateCertificate.
     pub max_concurrent_requests: usize,
     /// Drain time on shutdown.
     pub shutdown_grace: Duration,
+}
+
+/// How meshca reaches the Kubernetes API.
+#[derive(Debug, Clone)]
+pub struct KubernetesConfig {
+    /// Explicit kubeconfig; without it, in-cluster config when in a pod.
+    pub kubeconfig: Option<PathBuf>,
+    /// TokenReview positive cache lifetime.
+    pub token_review_cache_ttl: Duration,
+    /// Per-call timeout.
+    pub api_timeout: Duration,
+    /// Calls in flight.
+    pub api_max_in_flight: usize,
 }
 
 /// Workload certificate lifetime rules.
@@ -229,6 +262,12 @@ impl TryFrom<ServeArgs> for Config {
             token_audiences,
             external_jwt: args.jwks.zip(args.jwt_issuer),
             server_dns,
+            kubernetes: KubernetesConfig {
+                kubeconfig: args.kubeconfig,
+                token_review_cache_ttl: args.token_review_cache_ttl,
+                api_timeout: args.kube_api_timeout,
+                api_max_in_flight: args.kube_api_max_in_flight.max(1),
+            },
             cluster_id: args.cluster_id,
             max_concurrent_requests: args.max_concurrent_requests,
             shutdown_grace: args.shutdown_grace,

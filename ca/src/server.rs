@@ -17,7 +17,11 @@ use time::OffsetDateTime;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
-use crate::authn::{AuthenticatorChain, ClientCertAuthenticator, JwksError, JwtAuthenticator};
+use crate::authn::token_review::kube_client;
+use crate::authn::{
+    AuthenticatorChain, ClientCertAuthenticator, JwksError, JwtAuthenticator,
+    TokenReviewAuthenticator, TokenReviewConfig,
+};
 use crate::authority::Authority;
 use crate::authz::Authorizer;
 use crate::config::Config;
@@ -43,6 +47,9 @@ pub enum ServeError {
         /// What is wrong.
         reason: String,
     },
+    /// The Kubernetes API configuration is unusable.
+    #[error("{0}")]
+    Kubernetes(String),
     /// The server's TLS identity could not be made.
     #[error(transparent)]
     Tls(#[from] TlsError),
@@ -82,7 +89,7 @@ pub fn load_material(config: &Config) -> Result<CaMaterial, StoreError> {
     }
 }
 
-fn build_authenticators(
+async fn build_authenticators(
     config: &Config,
     authority: &Arc<Authority>,
 ) -> Result<AuthenticatorChain, ServeError> {
@@ -90,19 +97,28 @@ fn build_authenticators(
         authority.clone(),
         config.trust_domain.clone(),
     )));
-    let local = store::load_or_create_token_issuer(&config.data_dir)?;
-    let local_authn = JwtAuthenticator::from_jwks(
-        "local-issuer",
-        local.issuer(),
-        &local.jwks_json(),
-        config.token_audiences.clone(),
-        config.trust_domain.clone(),
+    let kube = kube_client(
+        config.kubernetes.kubeconfig.as_deref(),
+        config.kubernetes.api_timeout,
     )
-    .map_err(|e: JwksError| ServeError::Jwks {
-        path: config.data_dir.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    chain = chain.with(Arc::new(local_authn));
+    .await
+    .map_err(ServeError::Kubernetes)?;
+    // The local issuer is the embedded mode's: off when a cluster is configured.
+    if kube.is_none() {
+        let local = store::load_or_create_token_issuer(&config.data_dir)?;
+        let local_authn = JwtAuthenticator::from_jwks(
+            "local-issuer",
+            local.issuer(),
+            &local.jwks_json(),
+            config.token_audiences.clone(),
+            config.trust_domain.clone(),
+        )
+        .map_err(|e: JwksError| ServeError::Jwks {
+            path: config.data_dir.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        chain = chain.with(Arc::new(local_authn));
+    }
     if let Some((path, issuer)) = &config.external_jwt {
         let text = std::fs::read_to_string(path).map_err(|e| ServeError::Jwks {
             path: path.display().to_string(),
@@ -120,6 +136,18 @@ fn build_authenticators(
             reason: e.to_string(),
         })?;
         chain = chain.with(Arc::new(authn));
+    }
+    if let Some(client) = kube {
+        chain = chain.with(Arc::new(TokenReviewAuthenticator::new(
+            client,
+            TokenReviewConfig {
+                audiences: config.token_audiences.clone(),
+                trust_domain: config.trust_domain.clone(),
+                cache_ttl: config.kubernetes.token_review_cache_ttl,
+                timeout: config.kubernetes.api_timeout,
+                max_in_flight: config.kubernetes.api_max_in_flight,
+            },
+        )));
     }
     Ok(chain)
 }
@@ -212,7 +240,7 @@ pub async fn run(
         "CA material loaded"
     );
     let authority = Arc::new(Authority::new(material, config.ttl));
-    let authn = build_authenticators(&config, &authority)?;
+    let authn = build_authenticators(&config, &authority).await?;
     tracing::info!(authenticators = ?authn, "authentication configured");
     let metrics = Metrics::default();
     let registry = Arc::new(metrics.register());

@@ -1,6 +1,9 @@
 //! End-to-end tests of the agent library and `meshca-agent`: a scripted
 //! fake CA for bad answers, the real `meshca` for rotation and recovery.
 
+// Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
+#![allow(clippy::unwrap_used)]
+
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

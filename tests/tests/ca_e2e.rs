@@ -1,5 +1,8 @@
 //! End-to-end tests of `meshca serve`: the real binary, real TLS, real gRPC.
 
+// Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
+#![allow(clippy::unwrap_used)]
+
 use std::collections::HashSet;
 use std::process::Command;
 use std::time::{Duration, SystemTime};
@@ -131,26 +134,7 @@ async fn bad_csrs_are_invalid_argument_and_the_server_keeps_serving() {
 }
 
 fn parse_pem_block(text: &str) -> Vec<u8> {
-    let body: String = text.lines().filter(|l| !l.starts_with("-----")).collect();
-    base64_decode(&body)
-}
-
-fn base64_decode(s: &str) -> Vec<u8> {
-    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = Vec::new();
-    let mut buf = 0u32;
-    let mut bits = 0;
-    for c in s.bytes().filter(|c| *c != b'=') {
-        let v = ALPHABET.iter().position(|a| *a == c).expect("base64") as u32;
-        buf = (buf << 6) | v;
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((buf >> bits) as u8);
-            buf &= (1 << bits) - 1;
-        }
-    }
-    out
+    pem::parse(text).unwrap().into_contents()
 }
 
 fn pem_block(tag: &str, der: &[u8]) -> String {

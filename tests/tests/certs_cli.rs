@@ -1,5 +1,8 @@
 //! End-to-end tests of the `meshca-certs` CLI, as processes.
 
+// Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
+#![allow(clippy::unwrap_used)]
+
 use std::path::Path;
 use std::process::{Command, Output};
 

@@ -8,7 +8,14 @@
 //!   offline against an issuer's keys (the local issuer of the embedded mode,
 //!   or `--jwks` with `--jwt-issuer`).
 //!
+//! - [`TokenReviewAuthenticator`]: a service-account token checked by the
+//!   Kubernetes API server (`TokenReview`), with a short positive cache.
+//!
 //! Tokens and keys never appear in errors or logs.
+
+pub mod token_review;
+
+pub use token_review::{TokenReviewAuthenticator, TokenReviewConfig};
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};

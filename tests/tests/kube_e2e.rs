@@ -1,0 +1,192 @@
+//! End-to-end tests of Kubernetes authentication: the real `meshca` with
+//! `--kubeconfig` pointing at a fake API server that speaks the real JSON.
+
+// Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use meshca_certs::inspect::CertSummary;
+use meshca_certs::KeyAlgorithm;
+use meshca_tests::fake_kube::{FakeKube, FakeUser};
+use meshca_tests::*;
+use tonic::Code;
+
+const WEB: &str = "spiffe://cluster.local/ns/default/sa/web";
+
+async fn setup(extra: &[&str]) -> (tempfile::TempDir, FakeKube, MeshcaServer) {
+    let dir = tempfile::tempdir().unwrap();
+    let kube = FakeKube::start(dir.path()).await;
+    let kubeconfig = kube.kubeconfig.display().to_string();
+    let mut args = vec!["--kubeconfig", kubeconfig.as_str()];
+    args.extend_from_slice(extra);
+    let server =
+        MeshcaServer::start(&dir.path().join("data"), &args).unwrap_or_else(|f| panic!("{f:?}"));
+    (dir, kube, server)
+}
+
+async fn ask(server: &MeshcaServer, token: &str, id: &str) -> Result<Vec<String>, tonic::Status> {
+    let mut client = server.client().await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, id, 0);
+    client
+        .create_certificate(with_token(request, token))
+        .await
+        .map(|r| r.into_inner().cert_chain)
+}
+
+#[tokio::test]
+async fn token_review_rules() {
+    let (_dir, kube, server) = setup(&[]).await;
+    kube.add_token("good", FakeUser::service_account("default", "web"));
+    let chain = ask(&server, "good", WEB)
+        .await
+        .expect("a reviewed service-account token");
+    let leaf = CertSummary::from_der(&meshca_certs::bundle::parse_certs_pem(&chain[0]).unwrap()[0])
+        .unwrap();
+    assert_eq!(leaf.uris, vec![WEB.to_string()]);
+    assert!(
+        server.log().contains("web-pod"),
+        "the audit line names the pod from user.extra"
+    );
+
+    let status = ask(&server, "unknown", WEB).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+
+    let mut other_audience = FakeUser::service_account("default", "web");
+    other_audience.audiences = vec!["vault".into()];
+    kube.add_token("wrong-audience", other_audience);
+    let status = ask(&server, "wrong-audience", WEB).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+
+    kube.add_token(
+        "alice",
+        FakeUser {
+            username: "alice".into(),
+            groups: vec!["system:authenticated".into()],
+            audiences: vec!["istio-ca".into()],
+            pod: None,
+        },
+    );
+    let status = ask(&server, "alice", WEB).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    assert!(
+        status.message().contains("system:serviceaccounts"),
+        "{status:?}"
+    );
+
+    // A service account may not ask for another identity.
+    let status = ask(&server, "good", "spiffe://cluster.local/ns/default/sa/db")
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+
+    // The local token issuer is off when a cluster is configured.
+    assert!(!server.data_dir.join("token-issuer-key.pem").exists());
+}
+
+#[tokio::test]
+async fn reviews_are_cached_and_shared() {
+    let (_dir, kube, server) = setup(&[]).await;
+    kube.add_token("cached", FakeUser::service_account("default", "web"));
+    let client = server.client().await;
+    for _ in 0..100 {
+        let mut client = client.clone();
+        let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
+        client
+            .create_certificate(with_token(request, "cached"))
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        kube.reviews(),
+        1,
+        "100 requests with one token while cached: one review"
+    );
+
+    // Concurrent first requests with a new token share one review.
+    kube.add_token("shared", FakeUser::service_account("default", "web"));
+    kube.set_latency(Duration::from_millis(300));
+    let before = kube.reviews();
+    let mut tasks = Vec::new();
+    for _ in 0..20 {
+        let mut client = client.clone();
+        tasks.push(tokio::spawn(async move {
+            let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
+            client
+                .create_certificate(with_token(request, "shared"))
+                .await
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap().unwrap();
+    }
+    assert_eq!(kube.reviews() - before, 1, "single flight");
+}
+
+#[tokio::test]
+async fn api_server_down_is_unavailable_and_recovers() {
+    let (_dir, mut kube, server) =
+        setup(&["--kube-api-timeout", "2s", "--token-review-cache-ttl", "0s"]).await;
+    kube.add_token("t1", FakeUser::service_account("default", "web"));
+    ask(&server, "t1", WEB).await.expect("API up");
+
+    kube.stop();
+    let status = ask(&server, "t1", WEB).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("Kubernetes API"), "{status:?}");
+    let (code, _) = http_get(server.monitoring, "/healthz").unwrap();
+    assert_eq!(code, 200, "meshca stays up");
+
+    kube.restart().await;
+    let mut recovered = false;
+    for _ in 0..50 {
+        if ask(&server, "t1", WEB).await.is_ok() {
+            recovered = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        recovered,
+        "the next request after the API server is back succeeds"
+    );
+}
+
+#[tokio::test]
+async fn slow_api_server_is_unavailable_after_the_timeout() {
+    let (_dir, kube, server) = setup(&["--kube-api-timeout", "1s"]).await;
+    kube.add_token("slow", FakeUser::service_account("default", "web"));
+    kube.set_latency(Duration::from_secs(3));
+    let started = std::time::Instant::now();
+    let status = ask(&server, "slow", WEB).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(
+        started.elapsed() < Duration::from_millis(2900),
+        "answered at the timeout, not after the API"
+    );
+    kube.set_latency(Duration::ZERO);
+    ask(&server, "slow", WEB).await.expect("fast again");
+}
+
+#[tokio::test]
+async fn unknown_cluster_id_is_unauthenticated() {
+    let (_dir, kube, server) = setup(&[]).await;
+    kube.add_token("good", FakeUser::service_account("default", "web"));
+    let mut client = server.client().await;
+    for (cluster, ok) in [("", true), ("Kubernetes", true), ("other-cluster", false)] {
+        let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
+        let mut request = with_token(request, "good");
+        request
+            .metadata_mut()
+            .insert("clusterid", cluster.parse().unwrap());
+        let result = client.create_certificate(request).await;
+        match (ok, result) {
+            (true, Ok(_)) => {}
+            (false, Err(status)) => {
+                assert_eq!(status.code(), Code::Unauthenticated);
+                assert!(status.message().contains("unknown cluster"), "{status:?}");
+            }
+            (ok, other) => panic!("clusterid {cluster:?}: expected ok={ok}, got {other:?}"),
+        }
+    }
+}
