@@ -90,6 +90,15 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_KUBE_API_MAX_IN_FLIGHT", default_value_t = 64)]
     pub kube_api_max_in_flight: usize,
 
+    /// A node agent (NAMESPACE/SERVICE_ACCOUNT, e.g. istio-system/ztunnel)
+    /// that may get certificates for pods on its node; repeatable.
+    #[arg(
+        long = "trusted-node-agent",
+        env = "MESHCA_TRUSTED_NODE_AGENT",
+        value_delimiter = ','
+    )]
+    pub trusted_node_agents: Vec<String>,
+
     /// Extra DNS SANs for the server's own TLS certificate; repeatable.
     #[arg(long = "server-dns", env = "MESHCA_SERVER_DNS", value_delimiter = ',')]
     pub server_dns: Vec<String>,
@@ -136,6 +145,11 @@ pub enum ConfigError {
     /// A concurrency limit of zero.
     #[error("--max-concurrent-requests must be at least 1")]
     ZeroConcurrency,
+    /// A malformed --trusted-node-agent.
+    #[error(
+        "--trusted-node-agent {0:?} must be NAMESPACE/SERVICE_ACCOUNT, e.g. istio-system/ztunnel"
+    )]
+    BadNodeAgent(String),
     /// An invalid DNS name.
     #[error("--server-dns {0:?} is not a valid DNS name")]
     BadDnsName(String),
@@ -164,6 +178,8 @@ pub struct Config {
     pub server_dns: Vec<String>,
     /// Kubernetes API access.
     pub kubernetes: KubernetesConfig,
+    /// Trusted node agents (namespace, service account).
+    pub trusted_node_agents: Vec<(String, String)>,
     /// This cluster's ID.
     pub cluster_id: String,
     /// Concurrency limit of CreateCertificate.
@@ -249,7 +265,27 @@ impl TryFrom<ServeArgs> for Config {
                 server_dns.push(name);
             }
         }
+        let mut trusted_node_agents = Vec::new();
+        for agent in args.trusted_node_agents {
+            let agent = agent.trim();
+            if agent.is_empty() {
+                continue;
+            }
+            match agent.split_once('/') {
+                Some((ns, sa))
+                    if !ns.is_empty()
+                        && !sa.is_empty()
+                        && !sa.contains('/')
+                        && meshca_certs::SpiffeId::for_workload(&args.trust_domain, ns, sa)
+                            .is_ok() =>
+                {
+                    trusted_node_agents.push((ns.to_string(), sa.to_string()))
+                }
+                _ => return Err(ConfigError::BadNodeAgent(agent.to_string())),
+            }
+        }
         Ok(Self {
+            trusted_node_agents,
             listen: args.listen,
             monitoring_listen: args.monitoring_listen,
             data_dir: args.data_dir,

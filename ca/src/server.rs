@@ -23,6 +23,7 @@ use crate::authn::{
     TokenReviewAuthenticator, TokenReviewConfig,
 };
 use crate::authority::Authority;
+use crate::authz::node_agent::{watch_pods, NodeAgentPolicy, PodIndex};
 use crate::authz::Authorizer;
 use crate::config::Config;
 use crate::metrics::{encode_text, Metrics};
@@ -89,20 +90,15 @@ pub fn load_material(config: &Config) -> Result<CaMaterial, StoreError> {
     }
 }
 
-async fn build_authenticators(
+fn build_authenticators(
     config: &Config,
     authority: &Arc<Authority>,
+    kube: Option<kube::Client>,
 ) -> Result<AuthenticatorChain, ServeError> {
     let mut chain = AuthenticatorChain::new().with(Arc::new(ClientCertAuthenticator::new(
         authority.clone(),
         config.trust_domain.clone(),
     )));
-    let kube = kube_client(
-        config.kubernetes.kubeconfig.as_deref(),
-        config.kubernetes.api_timeout,
-    )
-    .await
-    .map_err(ServeError::Kubernetes)?;
     // The local issuer is the embedded mode's: off when a cluster is configured.
     if kube.is_none() {
         let local = store::load_or_create_token_issuer(&config.data_dir)?;
@@ -240,7 +236,31 @@ pub async fn run(
         "CA material loaded"
     );
     let authority = Arc::new(Authority::new(material, config.ttl));
-    let authn = build_authenticators(&config, &authority).await?;
+    let kube = kube_client(
+        config.kubernetes.kubeconfig.as_deref(),
+        config.kubernetes.api_timeout,
+    )
+    .await
+    .map_err(ServeError::Kubernetes)?;
+    let authn = build_authenticators(&config, &authority, kube.clone())?;
+    let mut background = tokio::task::JoinSet::new();
+    let authz = if config.trusted_node_agents.is_empty() {
+        Authorizer::own_identity_only()
+    } else {
+        let Some(client) = kube.clone() else {
+            return Err(ServeError::Kubernetes(
+                "--trusted-node-agent needs the Kubernetes API (--kubeconfig, or running in a pod) to check pods"
+                    .into(),
+            ));
+        };
+        let pods = Arc::new(PodIndex::default());
+        background.spawn(watch_pods(client, pods.clone()));
+        tracing::info!(agents = ?config.trusted_node_agents, "node-agent impersonation enabled");
+        Authorizer::with_impersonation(Arc::new(NodeAgentPolicy::new(
+            config.trusted_node_agents.clone(),
+            pods,
+        )))
+    };
     tracing::info!(authenticators = ?authn, "authentication configured");
     let metrics = Metrics::default();
     let registry = Arc::new(metrics.register());
@@ -276,7 +296,7 @@ pub async fn run(
     let service = CaService::new(
         authority.clone(),
         authn,
-        Authorizer::own_identity_only(),
+        authz,
         metrics.clone(),
         config.cluster_id.clone(),
         config.max_concurrent_requests,
@@ -373,6 +393,7 @@ pub async fn run(
     let _ = stop_tx.send(true);
     let _ = monitoring.await;
     renewal.abort();
+    background.abort_all();
     tracing::info!("meshca stopped");
     result.map_err(ServeError::from)
 }

@@ -124,7 +124,10 @@ impl CaService {
             .map_err(|e| {
                 self.metrics.id_extraction_err_count.inc();
                 tracing::info!(caller = %caller.identity, error = %e, "request not authorized");
-                Status::permission_denied(e.to_string())
+                match e {
+                    crate::authz::AuthzError::Unavailable(_) => Status::unavailable(e.to_string()),
+                    _ => Status::permission_denied(e.to_string()),
+                }
             })?;
 
         let issued = self

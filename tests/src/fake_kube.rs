@@ -1,7 +1,8 @@
 //! A fake Kubernetes API server for end-to-end tests: HTTPS with its own
 //! CA, a kubeconfig pointing at it, and the real JSON of the endpoints
-//! meshca uses (`TokenReview` so far). It counts reviews, can answer slowly,
-//! and can be stopped and restarted on the same port.
+//! meshca uses: `TokenReview`, and pods list and watch (streamed watch
+//! events, resource versions). It counts reviews, can answer slowly, and
+//! can be stopped and restarted on the same port.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -11,7 +12,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use http_body_util::{BodyExt, Full};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, StreamBody};
 use hyper::body::{Bytes, Incoming};
 use hyper::{Request, Response, StatusCode};
 use meshca_certs::profile::{self_signed_root, SigningCa, SubjectKey, SubjectName, Validity};
@@ -54,8 +56,33 @@ impl FakeUser {
 }
 
 #[derive(Default)]
+struct Pods {
+    items: std::collections::BTreeMap<(String, String), serde_json::Value>,
+    resource_version: u64,
+    history: Vec<(u64, &'static str, serde_json::Value)>,
+    watchers: Vec<tokio::sync::mpsc::UnboundedSender<Bytes>>,
+}
+
+impl Pods {
+    fn event(&mut self, kind: &'static str, mut pod: serde_json::Value) {
+        self.resource_version += 1;
+        pod["metadata"]["resourceVersion"] = serde_json::json!(self.resource_version.to_string());
+        let line = watch_line(kind, &pod);
+        self.history.push((self.resource_version, kind, pod));
+        self.watchers.retain(|w| w.send(line.clone()).is_ok());
+    }
+}
+
+fn watch_line(kind: &str, pod: &serde_json::Value) -> Bytes {
+    let mut text = serde_json::json!({"type": kind, "object": pod}).to_string();
+    text.push('\n');
+    Bytes::from(text)
+}
+
+#[derive(Default)]
 struct Shared {
     tokens: Mutex<HashMap<String, FakeUser>>,
+    pods: Mutex<Pods>,
     reviews: AtomicUsize,
     latency_ms: AtomicU64,
 }
@@ -165,6 +192,42 @@ impl FakeKube {
         }
     }
 
+    /// Adds (or replaces) a running pod; watchers see the event.
+    pub fn add_pod(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        service_account: &str,
+        node: &str,
+    ) {
+        let pod = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"namespace": namespace, "name": name, "uid": uid},
+            "spec": {"serviceAccountName": service_account, "nodeName": node, "containers": [{"name": "app", "image": "app"}]},
+            "status": {"phase": "Running"}
+        });
+        if let Ok(mut pods) = self.shared.pods.lock() {
+            let kind = if pods.items.contains_key(&(namespace.into(), name.into())) {
+                "MODIFIED"
+            } else {
+                "ADDED"
+            };
+            pods.items
+                .insert((namespace.into(), name.into()), pod.clone());
+            pods.event(kind, pod);
+        }
+    }
+
+    /// Deletes a pod; watchers see the event.
+    pub fn delete_pod(&self, namespace: &str, name: &str) {
+        if let Ok(mut pods) = self.shared.pods.lock() {
+            if let Some(pod) = pods.items.remove(&(namespace.into(), name.into())) {
+                pods.event("DELETED", pod);
+            }
+        }
+    }
+
     /// How many TokenReviews were answered.
     pub fn reviews(&self) -> usize {
         self.shared.reviews.load(Ordering::SeqCst)
@@ -200,8 +263,10 @@ impl FakeKube {
     }
 }
 
-fn json_response(status: StatusCode, body: serde_json::Value) -> Response<Full<Bytes>> {
-    let mut response = Response::new(Full::new(Bytes::from(body.to_string())));
+type Body = BoxBody<Bytes, Infallible>;
+
+fn json_response(status: StatusCode, body: serde_json::Value) -> Response<Body> {
+    let mut response = Response::new(Full::new(Bytes::from(body.to_string())).boxed());
     *response.status_mut() = status;
     response.headers_mut().insert(
         "content-type",
@@ -210,7 +275,7 @@ fn json_response(status: StatusCode, body: serde_json::Value) -> Response<Full<B
     response
 }
 
-fn status_error(code: StatusCode, reason: &str, message: &str) -> Response<Full<Bytes>> {
+fn status_error(code: StatusCode, reason: &str, message: &str) -> Response<Body> {
     json_response(
         code,
         serde_json::json!({
@@ -223,7 +288,7 @@ fn status_error(code: StatusCode, reason: &str, message: &str) -> Response<Full<
 async fn handle(
     shared: Arc<Shared>,
     request: Request<Incoming>,
-) -> Result<Response<Full<Bytes>>, Infallible> {
+) -> Result<Response<Body>, Infallible> {
     let latency = shared.latency_ms.load(Ordering::SeqCst);
     if latency > 0 {
         tokio::time::sleep(Duration::from_millis(latency)).await;
@@ -241,6 +306,7 @@ async fn handle(
         ));
     }
     let path = request.uri().path().to_string();
+    let query = request.uri().query().unwrap_or_default().to_string();
     let method = request.method().clone();
     let body = match request.into_body().collect().await {
         Ok(b) => b.to_bytes(),
@@ -254,6 +320,7 @@ async fn handle(
     };
     match (method.as_str(), path.as_str()) {
         ("POST", "/apis/authentication.k8s.io/v1/tokenreviews") => Ok(token_review(&shared, &body)),
+        ("GET", "/api/v1/pods") => Ok(pods(&shared, &query)),
         _ => Ok(status_error(
             StatusCode::NOT_FOUND,
             "NotFound",
@@ -262,7 +329,66 @@ async fn handle(
     }
 }
 
-fn token_review(shared: &Shared, body: &[u8]) -> Response<Full<Bytes>> {
+fn query_param<'a>(query: &'a str, key: &str) -> Option<&'a str> {
+    query
+        .split('&')
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+}
+
+fn pods(shared: &Shared, query: &str) -> Response<Body> {
+    let Ok(mut pods) = shared.pods.lock() else {
+        return status_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalError",
+            "poisoned",
+        );
+    };
+    // Field selectors on the node, as a node agent would use them.
+    let node = query_param(query, "fieldSelector").and_then(|f| {
+        f.strip_prefix("spec.nodeName%3D")
+            .or(f.strip_prefix("spec.nodeName="))
+    });
+    let matches = |pod: &serde_json::Value| node.is_none_or(|n| pod["spec"]["nodeName"] == n);
+    if matches!(query_param(query, "watch"), Some("true") | Some("1")) {
+        let since: u64 = query_param(query, "resourceVersion")
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+        for (rv, kind, pod) in &pods.history {
+            if *rv > since && matches(pod) {
+                let _ = tx.send(watch_line(kind, pod));
+            }
+        }
+        pods.watchers.push(tx);
+        let stream = futures_util_stream(rx);
+        let mut response = Response::new(BodyExt::boxed(StreamBody::new(stream)));
+        response.headers_mut().insert(
+            "content-type",
+            hyper::header::HeaderValue::from_static("application/json"),
+        );
+        return response;
+    }
+    let items: Vec<&serde_json::Value> = pods.items.values().filter(|p| matches(p)).collect();
+    json_response(
+        StatusCode::OK,
+        serde_json::json!({
+            "kind": "PodList", "apiVersion": "v1",
+            "metadata": {"resourceVersion": pods.resource_version.to_string()},
+            "items": items,
+        }),
+    )
+}
+
+fn futures_util_stream(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Bytes>,
+) -> impl futures::Stream<Item = Result<hyper::body::Frame<Bytes>, Infallible>> {
+    futures::stream::poll_fn(move |cx| {
+        rx.poll_recv(cx)
+            .map(|b| b.map(|b| Ok(hyper::body::Frame::data(b))))
+    })
+}
+
+fn token_review(shared: &Shared, body: &[u8]) -> Response<Body> {
     shared.reviews.fetch_add(1, Ordering::SeqCst);
     let Ok(review) = serde_json::from_slice::<serde_json::Value>(body) else {
         return status_error(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");

@@ -190,3 +190,120 @@ async fn unknown_cluster_id_is_unauthenticated() {
         }
     }
 }
+
+async fn impersonate(
+    server: &MeshcaServer,
+    token: &str,
+    target: &str,
+) -> Result<Vec<String>, tonic::Status> {
+    let mut client = server.client().await;
+    let (_, mut request) = csr_request(KeyAlgorithm::EcdsaP256, target, 0);
+    request.metadata = Some(prost_types::Struct {
+        fields: [(
+            "ImpersonatedIdentity".to_string(),
+            prost_types::Value {
+                kind: Some(prost_types::value::Kind::StringValue(target.to_string())),
+            },
+        )]
+        .into(),
+    });
+    client
+        .create_certificate(with_token(request, token))
+        .await
+        .map(|r| r.into_inner().cert_chain)
+}
+
+#[tokio::test]
+async fn node_agent_impersonation_rules() {
+    let dir = tempfile::tempdir().unwrap();
+    let kube = FakeKube::start(dir.path()).await;
+    kube.add_pod(
+        "istio-system",
+        "ztunnel-pod",
+        "uid-ztunnel",
+        "ztunnel",
+        "node-a",
+    );
+    kube.add_pod("default", "web-1", "uid-web-1", "web", "node-a");
+    kube.add_pod("default", "db-1", "uid-db-1", "db", "node-b");
+    kube.add_token(
+        "ztunnel",
+        FakeUser::service_account("istio-system", "ztunnel"),
+    );
+    let mut gone = FakeUser::service_account("istio-system", "ztunnel");
+    gone.pod = Some(("ztunnel-old".into(), "uid-old".into()));
+    kube.add_token("ztunnel-gone", gone);
+    kube.add_token("web", FakeUser::service_account("default", "web"));
+    let kubeconfig = kube.kubeconfig.display().to_string();
+    let server = MeshcaServer::start(
+        &dir.path().join("data"),
+        &[
+            "--kubeconfig",
+            &kubeconfig,
+            "--trusted-node-agent",
+            "istio-system/ztunnel",
+        ],
+    )
+    .unwrap_or_else(|f| panic!("{f:?}"));
+    const DB: &str = "spiffe://cluster.local/ns/default/sa/db";
+
+    // Allowed: web has a pod on ztunnel's node. (Retry while the pod index syncs.)
+    let mut chain = None;
+    for _ in 0..50 {
+        match impersonate(&server, "ztunnel", WEB).await {
+            Ok(c) => {
+                chain = Some(c);
+                break;
+            }
+            Err(s) if s.code() == Code::Unavailable => {
+                tokio::time::sleep(Duration::from_millis(100)).await
+            }
+            Err(s) => panic!("{s:?}"),
+        }
+    }
+    let chain = chain.expect("impersonation allowed once the pod index is synced");
+    let leaf = CertSummary::from_der(&meshca_certs::bundle::parse_certs_pem(&chain[0]).unwrap()[0])
+        .unwrap();
+    assert_eq!(
+        leaf.uris,
+        vec![WEB.to_string()],
+        "the certificate is for the target"
+    );
+
+    let status = impersonate(&server, "ztunnel", DB).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    assert!(status.message().contains("node-a"), "{status:?}");
+
+    let status = impersonate(&server, "web", DB).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    assert!(
+        status.message().contains("not a trusted node agent"),
+        "{status:?}"
+    );
+
+    let status = impersonate(&server, "ztunnel-gone", WEB).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+    assert!(status.message().contains("does not exist"), "{status:?}");
+
+    // The index follows the watch: a db pod lands on node-a, then leaves.
+    kube.add_pod("default", "db-2", "uid-db-2", "db", "node-a");
+    let mut allowed = false;
+    for _ in 0..50 {
+        if impersonate(&server, "ztunnel", DB).await.is_ok() {
+            allowed = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(allowed, "a new pod on the node is seen through the watch");
+    kube.delete_pod("default", "db-2");
+    let mut denied = false;
+    for _ in 0..50 {
+        if impersonate(&server, "ztunnel", DB).await.is_err() {
+            denied = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(denied, "a deleted pod is seen through the watch");
+}

@@ -6,6 +6,8 @@
 //! [`ImpersonationPolicy`]; without one, impersonation is refused. A CSR's
 //! URI SANs, if any, must all be the identity granted.
 
+pub mod node_agent;
+
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -35,6 +37,10 @@ pub enum AuthzError {
         /// The rule that failed.
         reason: String,
     },
+    /// The decision cannot be made now (gRPC `UNAVAILABLE`), e.g. the pod
+    /// index is not synced yet.
+    #[error("{0}")]
+    Unavailable(String),
     /// The CSR asks for an identity the caller may not hold.
     #[error(
         "the CSR asks for {requested} but the caller may only get a certificate for {allowed}"

@@ -1,0 +1,380 @@
+//! Node-agent impersonation (DESIGN §4.3): a trusted node agent (such as
+//! ztunnel) may get certificates for the workloads that run on its node.
+//!
+//! [`PodIndex`] is fed by a Kubernetes watch on pods (not a GET per request)
+//! and indexed by namespace/name and by node. [`NodeAgentPolicy`] allows an
+//! impersonation only when every rule holds, and names the rule that failed:
+//! 1. the caller's namespace/service account is a trusted node agent;
+//! 2. the caller's token is bound to a pod (name and UID) that exists;
+//! 3. the target namespace/service account has a pod on that pod's node.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::Api;
+use meshca_certs::SpiffeId;
+
+use super::{AuthzError, ImpersonationPolicy};
+use crate::authn::Caller;
+
+/// What the index keeps of a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodInfo {
+    /// metadata.uid
+    pub uid: String,
+    /// spec.nodeName (unscheduled pods have none)
+    pub node: Option<String>,
+    /// spec.serviceAccountName
+    pub service_account: String,
+    /// Whether the pod has finished (Succeeded or Failed).
+    pub terminated: bool,
+}
+
+type NsName = (String, String);
+
+#[derive(Debug, Default)]
+struct PodMaps {
+    pods: HashMap<NsName, PodInfo>,
+    /// node → (namespace, service account) → number of live pods.
+    on_node: HashMap<String, HashMap<NsName, usize>>,
+}
+
+impl PodMaps {
+    fn insert(&mut self, key: NsName, info: PodInfo) {
+        self.remove(&key);
+        if let (Some(node), false) = (&info.node, info.terminated) {
+            *self
+                .on_node
+                .entry(node.clone())
+                .or_default()
+                .entry((key.0.clone(), info.service_account.clone()))
+                .or_default() += 1;
+        }
+        self.pods.insert(key, info);
+    }
+
+    fn remove(&mut self, key: &NsName) {
+        let Some(old) = self.pods.remove(key) else {
+            return;
+        };
+        if let (Some(node), false) = (&old.node, old.terminated) {
+            if let Some(workloads) = self.on_node.get_mut(node) {
+                let sa_key = (key.0.clone(), old.service_account.clone());
+                if let Some(count) = workloads.get_mut(&sa_key) {
+                    *count = count.saturating_sub(1);
+                    if *count == 0 {
+                        workloads.remove(&sa_key);
+                    }
+                }
+                if workloads.is_empty() {
+                    self.on_node.remove(node);
+                }
+            }
+        }
+    }
+}
+
+fn pod_entry(pod: &Pod) -> Option<(NsName, PodInfo)> {
+    let ns = pod.metadata.namespace.clone()?;
+    let name = pod.metadata.name.clone()?;
+    let spec = pod.spec.as_ref();
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    Some((
+        (ns, name),
+        PodInfo {
+            uid: pod.metadata.uid.clone().unwrap_or_default(),
+            node: spec
+                .and_then(|s| s.node_name.clone())
+                .filter(|n| !n.is_empty()),
+            service_account: spec
+                .and_then(|s| s.service_account_name.clone())
+                .filter(|s| !s.is_empty())
+                .unwrap_or_else(|| "default".to_string()),
+            terminated: matches!(phase, Some("Succeeded") | Some("Failed")),
+        },
+    ))
+}
+
+/// Pods by namespace/name and by node, kept current by a watch.
+#[derive(Debug, Default)]
+pub struct PodIndex {
+    maps: RwLock<PodMaps>,
+    synced: AtomicBool,
+}
+
+impl PodIndex {
+    /// Adds or updates a pod.
+    pub fn apply(&self, pod: &Pod) {
+        if let Some((key, info)) = pod_entry(pod) {
+            self.maps
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(key, info);
+        }
+    }
+
+    /// Removes a pod.
+    pub fn delete(&self, pod: &Pod) {
+        if let Some((key, _)) = pod_entry(pod) {
+            self.maps
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&key);
+        }
+    }
+
+    /// Replaces the whole content (after a full list) and marks it synced.
+    pub fn replace(&self, pods: &[Pod]) {
+        let mut fresh = PodMaps::default();
+        for pod in pods {
+            if let Some((key, info)) = pod_entry(pod) {
+                fresh.insert(key, info);
+            }
+        }
+        *self.maps.write().unwrap_or_else(|e| e.into_inner()) = fresh;
+        self.synced.store(true, Ordering::Release);
+    }
+
+    /// Whether a full list has been loaded.
+    pub fn is_synced(&self) -> bool {
+        self.synced.load(Ordering::Acquire)
+    }
+
+    /// A pod by namespace and name.
+    pub fn pod(&self, namespace: &str, name: &str) -> Option<PodInfo> {
+        self.maps
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .pods
+            .get(&(namespace.to_string(), name.to_string()))
+            .cloned()
+    }
+
+    /// Whether a live pod of `namespace`/`service_account` runs on `node`.
+    pub fn has_workload_on_node(&self, node: &str, namespace: &str, service_account: &str) -> bool {
+        self.maps
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .on_node
+            .get(node)
+            .is_some_and(|w| w.contains_key(&(namespace.to_string(), service_account.to_string())))
+    }
+
+    /// How many pods are indexed.
+    pub fn len(&self) -> usize {
+        self.maps
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .pods
+            .len()
+    }
+
+    /// Whether no pod is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Keeps `index` current from a watch on all pods until the task is dropped.
+/// Errors (API down, watch expired) are retried with backoff.
+pub async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
+    let api: Api<Pod> = Api::all(client);
+    let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
+    futures::pin_mut!(stream);
+    let mut buffer: Vec<Pod> = Vec::new();
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(Event::Init) => buffer.clear(),
+            Ok(Event::InitApply(pod)) => buffer.push(pod),
+            Ok(Event::InitDone) => {
+                index.replace(&buffer);
+                tracing::info!(pods = buffer.len(), "pod index synced");
+                buffer = Vec::new();
+            }
+            Ok(Event::Apply(pod)) => index.apply(&pod),
+            Ok(Event::Delete(pod)) => index.delete(&pod),
+            Err(e) => {
+                tracing::warn!(error = %e, "watching pods failed; retrying");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// The impersonation rules for trusted node agents.
+#[derive(Debug)]
+pub struct NodeAgentPolicy {
+    trusted: HashSet<NsName>,
+    pods: Arc<PodIndex>,
+}
+
+impl NodeAgentPolicy {
+    /// Trusts `trusted` (namespace, service account) pairs, checking pods in `pods`.
+    pub fn new(trusted: impl IntoIterator<Item = (String, String)>, pods: Arc<PodIndex>) -> Self {
+        Self {
+            trusted: trusted.into_iter().collect(),
+            pods,
+        }
+    }
+}
+
+#[async_trait]
+impl ImpersonationPolicy for NodeAgentPolicy {
+    async fn may_impersonate(&self, caller: &Caller, target: &SpiffeId) -> Result<(), AuthzError> {
+        let deny = |reason: String| AuthzError::ImpersonationDenied {
+            caller: caller.identity.to_string(),
+            target: target.to_string(),
+            reason,
+        };
+        let (caller_ns, caller_sa) = caller
+            .identity
+            .kubernetes_workload()
+            .map_err(|_| deny("the caller is not a Kubernetes service account".into()))?;
+        if !self
+            .trusted
+            .contains(&(caller_ns.to_string(), caller_sa.to_string()))
+        {
+            return Err(deny(format!(
+                "{caller_ns}/{caller_sa} is not a trusted node agent (--trusted-node-agent)"
+            )));
+        }
+        if target.trust_domain_name() != caller.identity.trust_domain_name() {
+            return Err(deny("the target is in another trust domain".into()));
+        }
+        let (target_ns, target_sa) = target
+            .kubernetes_workload()
+            .map_err(|_| deny("the target is not a Kubernetes workload identity".into()))?;
+        if !self.pods.is_synced() {
+            return Err(AuthzError::Unavailable(
+                "the pod index is not synced with the Kubernetes API yet; retry shortly".into(),
+            ));
+        }
+        let pod_name = caller
+            .pod_name
+            .as_deref()
+            .ok_or_else(|| deny("the caller's token is not bound to a pod (no pod name)".into()))?;
+        let pod = self.pods.pod(caller_ns, pod_name).ok_or_else(|| {
+            deny(format!(
+                "the caller's pod {caller_ns}/{pod_name} does not exist"
+            ))
+        })?;
+        if let Some(uid) = caller.pod_uid.as_deref() {
+            if pod.uid != uid {
+                return Err(deny(format!(
+                    "the caller's pod {caller_ns}/{pod_name} has UID {}, not the token's {uid} (it was replaced)",
+                    pod.uid
+                )));
+            }
+        }
+        let node = pod.node.ok_or_else(|| {
+            deny(format!(
+                "the caller's pod {caller_ns}/{pod_name} is not scheduled on a node"
+            ))
+        })?;
+        if !self.pods.has_workload_on_node(&node, target_ns, target_sa) {
+            return Err(deny(format!(
+                "no running pod of {target_ns}/{target_sa} is on the caller's node {node}"
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::authn::CallerKind;
+
+    fn pod(ns: &str, name: &str, uid: &str, sa: &str, node: &str) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"namespace": ns, "name": name, "uid": uid},
+            "spec": {"serviceAccountName": sa, "nodeName": node, "containers": []},
+            "status": {"phase": "Running"}
+        }))
+        .unwrap()
+    }
+
+    fn caller(pod_name: Option<&str>, uid: Option<&str>) -> Caller {
+        Caller {
+            identity: SpiffeId::parse("spiffe://cluster.local/ns/istio-system/sa/ztunnel").unwrap(),
+            kind: CallerKind::Token { issuer: "k".into() },
+            pod_name: pod_name.map(String::from),
+            pod_uid: uid.map(String::from),
+        }
+    }
+
+    fn policy() -> NodeAgentPolicy {
+        let index = Arc::new(PodIndex::default());
+        index.replace(&[
+            pod("istio-system", "ztunnel-a", "uid-z", "ztunnel", "node-a"),
+            pod("default", "web-1", "uid-w", "web", "node-a"),
+            pod("default", "db-1", "uid-d", "db", "node-b"),
+        ]);
+        NodeAgentPolicy::new([("istio-system".to_string(), "ztunnel".to_string())], index)
+    }
+
+    fn target(sa: &str) -> SpiffeId {
+        SpiffeId::parse(&format!("spiffe://cluster.local/ns/default/sa/{sa}")).unwrap()
+    }
+
+    #[tokio::test]
+    async fn rules() {
+        let p = policy();
+        let z = caller(Some("ztunnel-a"), Some("uid-z"));
+        p.may_impersonate(&z, &target("web")).await.unwrap();
+        let err = p
+            .may_impersonate(&z, &target("db"))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("node-a"), "{err}");
+        let err = p
+            .may_impersonate(&caller(Some("ztunnel-gone"), None), &target("web"))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("does not exist"), "{err}");
+        let err = p
+            .may_impersonate(&caller(Some("ztunnel-a"), Some("old-uid")), &target("web"))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("UID"), "{err}");
+        let err = p
+            .may_impersonate(&caller(None, None), &target("web"))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not bound to a pod"), "{err}");
+        let mut web = caller(Some("web-1"), None);
+        web.identity = target("web");
+        let err = p
+            .may_impersonate(&web, &target("db"))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not a trusted node agent"), "{err}");
+    }
+
+    #[test]
+    fn index_follows_updates_and_deletes() {
+        let index = PodIndex::default();
+        index.replace(&[]);
+        let p = pod("default", "web-1", "u1", "web", "node-a");
+        index.apply(&p);
+        assert!(index.has_workload_on_node("node-a", "default", "web"));
+        index.apply(&pod("default", "web-1", "u1", "web", "node-b"));
+        assert!(!index.has_workload_on_node("node-a", "default", "web"));
+        assert!(index.has_workload_on_node("node-b", "default", "web"));
+        index.delete(&p);
+        assert!(!index.has_workload_on_node("node-b", "default", "web"));
+        assert!(index.is_empty());
+    }
+}
