@@ -68,8 +68,9 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_JWKS", requires = "jwt_issuer")]
     pub jwks: Option<PathBuf>,
 
-    /// The `iss` of tokens validated with --jwks.
-    #[arg(long, env = "MESHCA_JWT_ISSUER", requires = "jwks")]
+    /// The `iss` of tokens validated offline: with --jwks from that file;
+    /// without it, the keys come from the Kubernetes API's OIDC discovery.
+    #[arg(long, env = "MESHCA_JWT_ISSUER")]
     pub jwt_issuer: Option<String>,
 
     /// Kubernetes API access (TokenReview). In a pod, the in-cluster
@@ -174,6 +175,8 @@ pub struct Config {
     pub token_audiences: Vec<String>,
     /// External JWKS and its issuer.
     pub external_jwt: Option<(PathBuf, String)>,
+    /// Issuer whose keys come from the Kubernetes API's OIDC discovery.
+    pub discovered_jwt_issuer: Option<String>,
     /// All DNS names of the server certificate.
     pub server_dns: Vec<String>,
     /// Kubernetes API access.
@@ -296,6 +299,11 @@ impl TryFrom<ServeArgs> for Config {
                 max: args.max_workload_cert_ttl,
             },
             token_audiences,
+            discovered_jwt_issuer: if args.jwks.is_none() {
+                args.jwt_issuer.clone()
+            } else {
+                None
+            },
             external_jwt: args.jwks.zip(args.jwt_issuer),
             server_dns,
             kubernetes: KubernetesConfig {

@@ -17,7 +17,9 @@ use time::OffsetDateTime;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 
+use crate::authn::oidc::KubernetesJwks;
 use crate::authn::token_review::kube_client;
+use crate::authn::JwksFetcher;
 use crate::authn::{
     AuthenticatorChain, ClientCertAuthenticator, JwksError, JwtAuthenticator,
     TokenReviewAuthenticator, TokenReviewConfig,
@@ -90,10 +92,57 @@ pub fn load_material(config: &Config) -> Result<CaMaterial, StoreError> {
     }
 }
 
-fn build_authenticators(
+/// Offline validation with the API server's own keys, found by OIDC
+/// discovery and refreshed every [`JWKS_REFRESH_PERIOD`] and on unknown key IDs.
+async fn discovered_jwt_authenticator(
+    config: &Config,
+    issuer: &str,
+    client: kube::Client,
+    background: &mut tokio::task::JoinSet<()>,
+) -> Result<Arc<JwtAuthenticator>, ServeError> {
+    let fetcher = Arc::new(KubernetesJwks::new(client));
+    let discovery = fetcher.discover().await.map_err(ServeError::Kubernetes)?;
+    if discovery.issuer != issuer {
+        return Err(ServeError::Kubernetes(format!(
+            "--jwt-issuer {issuer:?}, but the Kubernetes API's OIDC discovery says its issuer is {:?}",
+            discovery.issuer
+        )));
+    }
+    let jwks = fetcher.fetch_jwks().await.map_err(ServeError::Kubernetes)?;
+    let authn = JwtAuthenticator::from_jwks(
+        "kubernetes-oidc",
+        issuer,
+        &jwks,
+        config.token_audiences.clone(),
+        config.trust_domain.clone(),
+    )
+    .map_err(|e| ServeError::Kubernetes(format!("the Kubernetes API's JWKS: {e}")))?
+    .with_refresher(fetcher);
+    let authn = Arc::new(authn);
+    let refreshing = authn.clone();
+    background.spawn(async move {
+        loop {
+            tokio::time::sleep(JWKS_REFRESH_PERIOD).await;
+            if let Err(e) = refreshing.refresh().await {
+                tracing::warn!(error = %e, "refreshing the Kubernetes API's JWKS failed; keeping the old keys");
+            }
+        }
+    });
+    tracing::info!(
+        issuer,
+        "offline token validation with the Kubernetes API's OIDC keys"
+    );
+    Ok(authn)
+}
+
+/// How often discovered keys are fetched again.
+pub const JWKS_REFRESH_PERIOD: Duration = Duration::from_secs(300);
+
+async fn build_authenticators(
     config: &Config,
     authority: &Arc<Authority>,
     kube: Option<kube::Client>,
+    background: &mut tokio::task::JoinSet<()>,
 ) -> Result<AuthenticatorChain, ServeError> {
     let mut chain = AuthenticatorChain::new().with(Arc::new(ClientCertAuthenticator::new(
         authority.clone(),
@@ -134,6 +183,11 @@ fn build_authenticators(
         chain = chain.with(Arc::new(authn));
     }
     if let Some(client) = kube {
+        if let Some(issuer) = &config.discovered_jwt_issuer {
+            chain = chain.with(
+                discovered_jwt_authenticator(config, issuer, client.clone(), background).await?,
+            );
+        }
         chain = chain.with(Arc::new(TokenReviewAuthenticator::new(
             client,
             TokenReviewConfig {
@@ -242,8 +296,14 @@ pub async fn run(
     )
     .await
     .map_err(ServeError::Kubernetes)?;
-    let authn = build_authenticators(&config, &authority, kube.clone())?;
     let mut background = tokio::task::JoinSet::new();
+    let authn = build_authenticators(&config, &authority, kube.clone(), &mut background).await?;
+    if config.discovered_jwt_issuer.is_some() && kube.is_none() {
+        return Err(ServeError::Kubernetes(
+            "--jwt-issuer without --jwks needs the Kubernetes API (--kubeconfig, or running in a pod) for OIDC discovery"
+                .into(),
+        ));
+    }
     let authz = if config.trusted_node_agents.is_empty() {
         Authorizer::own_identity_only()
     } else {

