@@ -40,6 +40,7 @@ struct FakeCaService {
     ca: SigningCa,
     foreign: SigningCa,
     answer: Arc<Mutex<FakeAnswer>>,
+    requests: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 fn make_root(cn: &str) -> SigningCa {
@@ -63,6 +64,8 @@ impl IstioCertificateService for FakeCaService {
         &self,
         request: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
+        self.requests
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let answer = *self
             .answer
             .lock()
@@ -133,6 +136,7 @@ pub struct FakeCa {
     /// PEM of the root that signs its TLS certificate and its good answers.
     pub root_pem: String,
     answer: Arc<Mutex<FakeAnswer>>,
+    requests: Arc<std::sync::atomic::AtomicUsize>,
     _shutdown: tokio::sync::oneshot::Sender<()>,
 }
 
@@ -152,10 +156,12 @@ impl FakeCa {
             .expect("server cert");
         let root_pem = meshca_certs::bundle::encode_cert_pem(ca.cert_der());
         let answer = Arc::new(Mutex::new(answer));
+        let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let service = FakeCaService {
             ca,
             foreign,
             answer: answer.clone(),
+            requests: requests.clone(),
         };
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -183,8 +189,14 @@ impl FakeCa {
             addr,
             root_pem,
             answer,
+            requests,
             _shutdown: tx,
         }
+    }
+
+    /// How many requests it has received.
+    pub fn requests(&self) -> usize {
+        self.requests.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Changes what it answers.
