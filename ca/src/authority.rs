@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
-use meshca_certs::profile::{ProfileError, SubjectKey, Validity};
+use meshca_certs::profile::{ProfileError, SigningCa, SubjectKey, Validity};
 use meshca_certs::{SpiffeId, TrustBundle};
 use time::OffsetDateTime;
 
@@ -136,13 +136,7 @@ impl Authority {
         let ttl = self.workload_ttl(requested_ttl_secs)?;
         let state = self.state.load();
         let ca = &state.material.signing;
-        let ca_validity = ca.validity();
-        if now < ca_validity.not_before || now >= ca_validity.not_after {
-            return Err(SignError::CaOutsideValidity {
-                not_before: ca_validity.not_before,
-                not_after: ca_validity.not_after,
-            });
-        }
+        let ca_validity = check_ca_validity(ca, now)?;
         let validity =
             Validity::backdated(now, to_time_duration(ttl)).capped_at(ca_validity.not_after);
         let issued = ca.issue_workload(subject, identity, validity)?;
@@ -168,13 +162,7 @@ impl Authority {
     ) -> Result<(Vec<Vec<u8>>, OffsetDateTime), SignError> {
         let state = self.state.load();
         let ca = &state.material.signing;
-        let ca_validity = ca.validity();
-        if now < ca_validity.not_before || now >= ca_validity.not_after {
-            return Err(SignError::CaOutsideValidity {
-                not_before: ca_validity.not_before,
-                not_after: ca_validity.not_after,
-            });
-        }
+        let ca_validity = check_ca_validity(ca, now)?;
         let validity =
             Validity::backdated(now, to_time_duration(ttl)).capped_at(ca_validity.not_after);
         let issued = ca.issue_server(subject, dns, ips, validity)?;
@@ -182,6 +170,18 @@ impl Authority {
         chain.extend(state.material.chain.iter().cloned());
         Ok((chain, validity.not_after))
     }
+}
+
+/// The CA's validity, if `now` is inside it.
+fn check_ca_validity(ca: &SigningCa, now: OffsetDateTime) -> Result<Validity, SignError> {
+    let v = ca.validity();
+    if now < v.not_before || now >= v.not_after {
+        return Err(SignError::CaOutsideValidity {
+            not_before: v.not_before,
+            not_after: v.not_after,
+        });
+    }
+    Ok(v)
 }
 
 fn to_time_duration(d: Duration) -> time::Duration {

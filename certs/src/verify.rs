@@ -199,61 +199,35 @@ pub fn check_svid_leaf(der: &[u8]) -> Result<VerifiedSvid, VerifyError> {
         index: 1,
         reason: e.to_string(),
     })?;
-    let not_svid = |m: &str| VerifyError::NotSvid(m.to_string());
-    let mut uris = Vec::new();
-    let mut saw_ku = false;
-    for ext in cert.extensions() {
-        match ext.parsed_extension() {
-            ParsedExtension::SubjectAlternativeName(san) => {
-                for name in &san.general_names {
-                    if let GeneralName::URI(u) = name {
-                        uris.push(u.to_string());
-                    }
-                }
-            }
-            ParsedExtension::BasicConstraints(bc) if bc.ca => {
-                return Err(not_svid(
-                    "basicConstraints cA is true (a leaf SVID must not be a CA)",
-                ))
-            }
-            ParsedExtension::KeyUsage(ku) => {
-                saw_ku = true;
-                if !ku.digital_signature() {
-                    return Err(not_svid("keyUsage lacks digitalSignature"));
-                }
-                if ku.key_cert_sign() || ku.crl_sign() {
-                    return Err(not_svid("keyUsage has keyCertSign or cRLSign"));
-                }
-            }
-            _ => {}
-        }
+    if let Some(first) = svid_leaf_violations(der).into_iter().next() {
+        return Err(VerifyError::NotSvid(first));
     }
-    if !saw_ku {
-        return Err(not_svid("no keyUsage extension"));
-    }
-    let uri = match uris.as_slice() {
-        [one] => one,
-        [] => return Err(not_svid("no URI SAN")),
-        many => {
-            return Err(VerifyError::NotSvid(format!(
-                "{} URI SANs; an X509-SVID has exactly one",
-                many.len()
-            )))
-        }
-    };
-    let spiffe_id = SpiffeId::parse(uri)
+    let uri = leaf_uris(&cert).into_iter().next().unwrap_or_default();
+    let spiffe_id = SpiffeId::parse(&uri)
         .map_err(|e| VerifyError::NotSvid(format!("URI SAN {uri:?} is not a SPIFFE ID: {e}")))?;
-    if spiffe_id.path().is_empty() {
-        return Err(not_svid(
-            "the SPIFFE ID has no path (a trust domain ID is not a workload ID)",
-        ));
-    }
     Ok(VerifiedSvid {
         spiffe_id,
         serial_hex: hex(cert.raw_serial()),
         not_before: cert.validity().not_before.to_datetime(),
         not_after: cert.validity().not_after.to_datetime(),
     })
+}
+
+fn leaf_uris(cert: &X509Certificate<'_>) -> Vec<String> {
+    cert.subject_alternative_name()
+        .ok()
+        .flatten()
+        .map(|san| {
+            san.value
+                .general_names
+                .iter()
+                .filter_map(|n| match n {
+                    GeneralName::URI(u) => Some(u.to_string()),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Verifies a CA chain: `chain[0]` is a signing CA certificate, each
@@ -389,21 +363,7 @@ pub fn audit_svid_chain(
     for (i, der) in chain.iter().enumerate() {
         match X509Certificate::from_der(der) {
             Ok((_, cert)) => {
-                let uris: Vec<String> = cert
-                    .subject_alternative_name()
-                    .ok()
-                    .flatten()
-                    .map(|san| {
-                        san.value
-                            .general_names
-                            .iter()
-                            .filter_map(|n| match n {
-                                GeneralName::URI(u) => Some(u.to_string()),
-                                _ => None,
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default();
+                let uris = leaf_uris(&cert);
                 let name = match (i, uris.first()) {
                     (0, Some(u)) => u.clone(),
                     _ if cert.subject().as_raw() == [0x30, 0x00] => "empty subject".to_string(),
@@ -474,17 +434,10 @@ fn svid_leaf_violations(der: &[u8]) -> Vec<String> {
         return vec!["not valid X.509".into()];
     };
     let mut out = Vec::new();
-    let mut uris = Vec::new();
+    let uris = leaf_uris(&cert);
     let mut saw_ku = false;
     for ext in cert.extensions() {
         match ext.parsed_extension() {
-            ParsedExtension::SubjectAlternativeName(san) => {
-                for name in &san.general_names {
-                    if let GeneralName::URI(u) = name {
-                        uris.push(u.to_string());
-                    }
-                }
-            }
             ParsedExtension::BasicConstraints(bc) if bc.ca => {
                 out.push("basicConstraints cA is true (a leaf SVID must not be a CA)".to_string())
             }
