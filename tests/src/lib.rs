@@ -196,8 +196,22 @@ impl MeshcaServer {
         &self,
         identity: Option<(String, String)>,
     ) -> IstioCertificateServiceClient<Channel> {
+        self.connect(&self.root_pem(), identity).await
+    }
+
+    /// A gRPC client trusting `root_pem` (e.g. a plugged-in CA's root)
+    /// instead of the data directory's `root-cert.pem`.
+    pub async fn client_trusting(&self, root_pem: &str) -> IstioCertificateServiceClient<Channel> {
+        self.connect(root_pem, None).await
+    }
+
+    async fn connect(
+        &self,
+        root_pem: &str,
+        identity: Option<(String, String)>,
+    ) -> IstioCertificateServiceClient<Channel> {
         let mut tls = ClientTlsConfig::new()
-            .ca_certificate(Certificate::from_pem(self.root_pem()))
+            .ca_certificate(Certificate::from_pem(root_pem))
             .domain_name("istiod.istio-system.svc");
         if let Some((chain, key)) = identity {
             tls = tls.identity(Identity::from_pem(chain, key));
@@ -208,7 +222,7 @@ impl MeshcaServer {
             .expect("tls")
             .connect()
             .await
-            .expect("connecting to meshca");
+            .expect("connecting to meshca over TLS");
         IstioCertificateServiceClient::new(channel)
     }
 

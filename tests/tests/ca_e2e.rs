@@ -458,18 +458,8 @@ async fn plugged_in_ca_made_by_openssl_gives_leaf_intermediate_root() {
     )
     .unwrap_or_else(|f| panic!("{f:?}"));
     let ca_root = std::fs::read_to_string(d("root-cert.pem")).unwrap();
-    let tls = tonic::transport::ClientTlsConfig::new()
-        .ca_certificate(tonic::transport::Certificate::from_pem(&ca_root))
-        .domain_name("istiod.istio-system.svc");
-    let channel = tonic::transport::Endpoint::from_shared(format!("https://{}", server.grpc))
-        .unwrap()
-        .tls_config(tls)
-        .unwrap()
-        .connect()
-        .await
-        .expect("TLS to the server, whose certificate the plugged-in CA issued");
-    let mut client =
-        meshca_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient::new(channel);
+    // The server's own certificate was issued by the plugged-in CA.
+    let mut client = server.client_trusting(&ca_root).await;
     let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
     let response = client
         .create_certificate(with_token(request, &server.token("default", "web")))

@@ -399,17 +399,7 @@ async fn meshca_serves_from_intermediate_ca_output() {
     )
     .unwrap_or_else(|f| panic!("{f:?}"));
     let root_pem = std::fs::read_to_string(dir.path().join("root").join("root-cert.pem")).unwrap();
-    let tls = tonic::transport::ClientTlsConfig::new()
-        .ca_certificate(tonic::transport::Certificate::from_pem(&root_pem))
-        .domain_name("istiod.istio-system.svc");
-    let channel = tonic::transport::Endpoint::from_shared(format!("https://{}", server.grpc))
-        .unwrap()
-        .tls_config(tls)
-        .unwrap()
-        .connect()
-        .await
-        .unwrap();
-    let mut client = meshca_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient::new(channel);
+    let mut client = server.client_trusting(&root_pem).await;
     let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
     let response = client
         .create_certificate(with_token(request, &server.token("default", "web")))
