@@ -8,7 +8,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use arc_swap::ArcSwap;
+use arc_swap::{ArcSwap, ArcSwapOption};
 use meshca_certs::profile::{ProfileError, SigningCa, SubjectKey, Validity};
 use meshca_certs::{SpiffeId, TrustBundle};
 use time::OffsetDateTime;
@@ -27,15 +27,18 @@ pub enum SignError {
         /// The maximum.
         max_secs: u64,
     },
-    /// The CA cannot sign now (`UNAVAILABLE`).
+    /// The CA cannot sign now (`UNAVAILABLE`): its certificate is not yet
+    /// valid, expired, or expires within the safety margin.
     #[error(
-        "the CA cannot sign: its signing certificate is valid from {not_before} until {not_after}"
+        "the CA cannot sign: its signing certificate is valid from {not_before} until {not_after}, and signing stops {margin_secs}s before it expires; the operator must renew or rotate the CA"
     )]
     CaOutsideValidity {
         /// CA notBefore.
         not_before: OffsetDateTime,
         /// CA notAfter.
         not_after: OffsetDateTime,
+        /// The safety margin before notAfter, in seconds.
+        margin_secs: i64,
     },
     /// Signing failed (`INTERNAL`).
     #[error("signing failed: {0}")]
@@ -66,6 +69,9 @@ pub struct SigningState {
 pub struct Authority {
     state: ArcSwap<SigningState>,
     ttl: TtlPolicy,
+    expiry_margin: time::Duration,
+    generation: tokio::sync::watch::Sender<u64>,
+    refused: ArcSwapOption<String>,
 }
 
 impl Authority {
@@ -74,7 +80,33 @@ impl Authority {
         Self {
             state: ArcSwap::from_pointee(Self::state_for(material)),
             ttl,
+            expiry_margin: time::Duration::ZERO,
+            generation: tokio::sync::watch::Sender::new(0),
+            refused: ArcSwapOption::empty(),
         }
+    }
+
+    /// Stops signing (and reports not ready) once the signing certificate
+    /// expires within `margin`.
+    pub fn with_expiry_margin(mut self, margin: Duration) -> Self {
+        self.expiry_margin = to_time_duration(margin);
+        self
+    }
+
+    /// A receiver that sees a new value each time the material is replaced.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.generation.subscribe()
+    }
+
+    /// Records that new material was offered and refused (`None`: the last
+    /// offer was accepted). Shown by `/ready` and the metrics.
+    pub fn set_refused(&self, reason: Option<String>) {
+        self.refused.store(reason.map(Arc::new));
+    }
+
+    /// Why the last offered material was refused, if it was.
+    pub fn refused(&self) -> Option<Arc<String>> {
+        self.refused.load_full()
     }
 
     fn state_for(material: CaMaterial) -> SigningState {
@@ -83,8 +115,11 @@ impl Authority {
     }
 
     /// Swaps in new CA material; requests in flight finish with the old.
+    /// Subscribers are told.
     pub fn replace(&self, material: CaMaterial) {
         self.state.store(Arc::new(Self::state_for(material)));
+        self.refused.store(None);
+        self.generation.send_modify(|g| *g += 1);
     }
 
     /// The material in use now.
@@ -102,10 +137,15 @@ impl Authority {
         self.ttl
     }
 
-    /// Whether the CA can sign at `now` (its certificate is inside its validity).
+    /// Whether the CA can sign at `now`: its certificate is inside its
+    /// validity and does not expire within the safety margin.
     pub fn can_sign(&self, now: OffsetDateTime) -> bool {
-        let v = self.state.load().material.signing.validity();
-        v.not_before <= now && now < v.not_after
+        check_ca_validity(&self.state.load().material.signing, now, self.expiry_margin).is_ok()
+    }
+
+    /// Why the CA cannot sign at `now`, if it cannot.
+    pub fn cannot_sign_reason(&self, now: OffsetDateTime) -> Option<SignError> {
+        check_ca_validity(&self.state.load().material.signing, now, self.expiry_margin).err()
     }
 
     /// The lifetime to give a workload certificate that asked for
@@ -136,7 +176,7 @@ impl Authority {
         let ttl = self.workload_ttl(requested_ttl_secs)?;
         let state = self.state.load();
         let ca = &state.material.signing;
-        let ca_validity = check_ca_validity(ca, now)?;
+        let ca_validity = check_ca_validity(ca, now, self.expiry_margin)?;
         let validity =
             Validity::backdated(now, to_time_duration(ttl)).capped_at(ca_validity.not_after);
         let issued = ca.issue_workload(subject, identity, validity)?;
@@ -162,7 +202,7 @@ impl Authority {
     ) -> Result<(Vec<Vec<u8>>, OffsetDateTime), SignError> {
         let state = self.state.load();
         let ca = &state.material.signing;
-        let ca_validity = check_ca_validity(ca, now)?;
+        let ca_validity = check_ca_validity(ca, now, self.expiry_margin)?;
         let validity =
             Validity::backdated(now, to_time_duration(ttl)).capped_at(ca_validity.not_after);
         let issued = ca.issue_server(subject, dns, ips, validity)?;
@@ -172,13 +212,18 @@ impl Authority {
     }
 }
 
-/// The CA's validity, if `now` is inside it.
-fn check_ca_validity(ca: &SigningCa, now: OffsetDateTime) -> Result<Validity, SignError> {
+/// The CA's validity, if `now` is inside it and at least `margin` before its end.
+fn check_ca_validity(
+    ca: &SigningCa,
+    now: OffsetDateTime,
+    margin: time::Duration,
+) -> Result<Validity, SignError> {
     let v = ca.validity();
-    if now < v.not_before || now >= v.not_after {
+    if now < v.not_before || now + margin >= v.not_after {
         return Err(SignError::CaOutsideValidity {
             not_before: v.not_before,
             not_after: v.not_after,
+            margin_secs: margin.whole_seconds(),
         });
     }
     Ok(v)
@@ -261,5 +306,36 @@ mod tests {
             Err(SignError::CaOutsideValidity { .. })
         ));
         assert!(!a.can_sign(ca_not_after));
+    }
+
+    #[test]
+    fn signing_stops_inside_the_expiry_margin() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = authority(dir.path()).with_expiry_margin(Duration::from_secs(3600));
+        let ca_not_after = a.current().material.signing.validity().not_after;
+        let early = ca_not_after - time::Duration::hours(2);
+        assert!(a.can_sign(early));
+        assert!(a.sign_workload(&subject(), &id(), 600, early).is_ok());
+        let late = ca_not_after - time::Duration::minutes(30);
+        assert!(!a.can_sign(late));
+        let err = a.sign_workload(&subject(), &id(), 600, late).unwrap_err();
+        assert!(err.to_string().contains("3600s before it expires"), "{err}");
+        assert!(a.cannot_sign_reason(late).is_some());
+    }
+
+    #[test]
+    fn replace_notifies_subscribers_and_clears_refusal() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = authority(dir.path());
+        let mut rx = a.subscribe();
+        a.set_refused(Some("bad".into()));
+        assert_eq!(a.refused().as_deref().map(String::as_str), Some("bad"));
+        let other = tempfile::tempdir().unwrap();
+        let material =
+            load_or_create_data_dir(other.path(), &Default::default(), OffsetDateTime::now_utc())
+                .unwrap();
+        a.replace(material);
+        assert!(rx.has_changed().unwrap());
+        assert!(a.refused().is_none());
     }
 }

@@ -118,6 +118,49 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_SHUTDOWN_GRACE", default_value = "15s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
 
+    /// Refuse to sign, and fail /ready, when the signing certificate
+    /// expires within this margin.
+    #[arg(long, env = "MESHCA_CA_EXPIRY_MARGIN", default_value = "10m", value_parser = parse_duration)]
+    pub ca_expiry_margin: Duration,
+
+    /// How often the files of --ca-dir are checked for a change (a mounted
+    /// Secret is updated by a symlink swap).
+    #[arg(long, env = "MESHCA_CA_DIR_CHECK_INTERVAL", default_value = "2s", value_parser = parse_duration)]
+    pub ca_dir_check_interval: Duration,
+
+    /// meshca's own namespace in the cluster: where the Secret
+    /// `istio-ca-secret` and the leader-election Lease live. Default:
+    /// $POD_NAMESPACE, else the kubeconfig's namespace.
+    #[arg(long, env = "MESHCA_NAMESPACE")]
+    pub namespace: Option<String>,
+
+    /// Lifetime of a self-signed root made by meshca.
+    #[arg(long, env = "MESHCA_SELF_SIGNED_ROOT_TTL", default_value = "3650d", value_parser = parse_duration)]
+    pub self_signed_root_ttl: Duration,
+
+    /// In a cluster, the self-signed root is rotated once this fraction of
+    /// its lifetime has passed (0 < f < 1).
+    #[arg(long, env = "MESHCA_ROOT_ROTATION_AT", default_value_t = 0.8)]
+    pub root_rotation_at: f64,
+
+    /// During a root rotation, how long both roots are published before
+    /// signing switches to the new one (time for clients to pick up the bundle).
+    #[arg(long, env = "MESHCA_ROOT_ROTATION_GRACE", default_value = "1h", value_parser = parse_duration)]
+    pub root_rotation_grace: Duration,
+
+    /// Namespaces that get no `istio-ca-root-cert` ConfigMap; repeatable.
+    #[arg(
+        long = "bundle-exclude-namespace",
+        env = "MESHCA_BUNDLE_EXCLUDE_NAMESPACE",
+        value_delimiter = ',',
+        default_value = "kube-system,kube-public,kube-node-lease,local-path-storage"
+    )]
+    pub bundle_exclude_namespaces: Vec<String>,
+
+    /// Leader-election Lease duration (the leader renews well before it ends).
+    #[arg(long, env = "MESHCA_LEADER_LEASE_DURATION", default_value = "15s", value_parser = parse_duration)]
+    pub leader_lease_duration: Duration,
+
     /// Log format: text or json.
     #[arg(long, env = "MESHCA_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
@@ -154,6 +197,12 @@ pub enum ConfigError {
     /// An invalid DNS name.
     #[error("--server-dns {0:?} is not a valid DNS name")]
     BadDnsName(String),
+    /// A rotation fraction outside (0, 1).
+    #[error("--root-rotation-at {0} must be between 0 and 1 (a fraction of the root's lifetime)")]
+    BadRotationFraction(f64),
+    /// A lease duration too short to renew.
+    #[error("--leader-lease-duration must be at least 2s")]
+    ShortLease,
 }
 
 /// Validated configuration of the CA server.
@@ -189,6 +238,29 @@ pub struct Config {
     pub max_concurrent_requests: usize,
     /// Drain time on shutdown.
     pub shutdown_grace: Duration,
+    /// Signing stops this long before the signing certificate expires.
+    pub ca_expiry_margin: Duration,
+    /// How often --ca-dir is checked for changes.
+    pub ca_dir_check_interval: Duration,
+    /// In-cluster state: Secret, ConfigMaps, Lease, root rotation.
+    pub cluster: ClusterConfig,
+}
+
+/// How meshca keeps its state in a cluster (DESIGN §4.1, §7).
+#[derive(Debug, Clone)]
+pub struct ClusterConfig {
+    /// meshca's namespace, if given (else $POD_NAMESPACE or the kubeconfig's).
+    pub namespace: Option<String>,
+    /// Lifetime of a self-signed root.
+    pub root_ttl: Duration,
+    /// Fraction of the root's life after which it is rotated.
+    pub rotation_at: f64,
+    /// Both roots are published this long before signing switches.
+    pub rotation_grace: Duration,
+    /// Namespaces without the bundle ConfigMap.
+    pub bundle_excluded_namespaces: Vec<String>,
+    /// Leader-election Lease duration.
+    pub lease_duration: Duration,
 }
 
 /// How meshca reaches the Kubernetes API.
@@ -254,6 +326,17 @@ impl TryFrom<ServeArgs> for Config {
         if args.max_concurrent_requests == 0 {
             return Err(ConfigError::ZeroConcurrency);
         }
+        if !(args.root_rotation_at > 0.0 && args.root_rotation_at < 1.0) {
+            return Err(ConfigError::BadRotationFraction(args.root_rotation_at));
+        }
+        if args.self_signed_root_ttl.is_zero() {
+            return Err(ConfigError::ZeroTtl {
+                flag: "--self-signed-root-ttl",
+            });
+        }
+        if args.leader_lease_duration < Duration::from_secs(2) {
+            return Err(ConfigError::ShortLease);
+        }
         let mut server_dns: Vec<String> =
             DEFAULT_SERVER_DNS.iter().map(|s| s.to_string()).collect();
         for name in args.server_dns {
@@ -315,6 +398,21 @@ impl TryFrom<ServeArgs> for Config {
             cluster_id: args.cluster_id,
             max_concurrent_requests: args.max_concurrent_requests,
             shutdown_grace: args.shutdown_grace,
+            ca_expiry_margin: args.ca_expiry_margin,
+            ca_dir_check_interval: args.ca_dir_check_interval.max(Duration::from_millis(100)),
+            cluster: ClusterConfig {
+                namespace: args.namespace.filter(|n| !n.trim().is_empty()),
+                root_ttl: args.self_signed_root_ttl,
+                rotation_at: args.root_rotation_at,
+                rotation_grace: args.root_rotation_grace,
+                bundle_excluded_namespaces: args
+                    .bundle_exclude_namespaces
+                    .into_iter()
+                    .map(|n| n.trim().to_string())
+                    .filter(|n| !n.is_empty())
+                    .collect(),
+                lease_duration: args.leader_lease_duration,
+            },
         })
     }
 }

@@ -11,7 +11,9 @@
 //! [`authz`] (which identity it gets) → [`authority`] (signing, lifetimes) →
 //! [`store`] (where the CA key material comes from).
 //! [`config`] parses the command line; [`metrics`] holds Istio's metrics;
-//! [`server`] wires it all together.
+//! [`reload`] takes a changed `--ca-dir` into use; [`cluster`] keeps the
+//! root in a Secret, the bundle in every namespace, elects a leader and
+//! rotates the root; [`server`] wires it all together.
 //!
 //! ```no_run
 //! use clap::Parser;
@@ -33,8 +35,10 @@
 pub mod authn;
 pub mod authority;
 pub mod authz;
+pub mod cluster;
 pub mod config;
 pub mod metrics;
+pub mod reload;
 pub mod server;
 pub mod service;
 pub mod store;

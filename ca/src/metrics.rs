@@ -83,6 +83,25 @@ pub struct Metrics {
     pub ready: Gauge<i64>,
     /// CreateCertificate latency, successful issuances.
     pub issuance_duration_seconds: Histogram,
+    /// New CA material taken into use (a `--ca-dir` change, a Secret change).
+    pub reloads_ok: IstioCounter,
+    /// New CA material refused (the previous material keeps signing).
+    pub reloads_refused: IstioCounter,
+    /// 1 while the last offered CA material was refused.
+    pub reload_refused: Gauge<i64>,
+    /// Root rotation phase: 1 on the current phase's label.
+    pub root_rotation_phase: Family<PhaseLabels, Gauge<i64>>,
+    /// 1 while this replica holds the leader Lease.
+    pub leader: Gauge<i64>,
+    /// Bundle ConfigMaps created or updated.
+    pub bundle_configmap_writes: IstioCounter,
+}
+
+/// Label of `meshca_root_rotation_phase`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabels {
+    /// The phase's name.
+    pub phase: String,
 }
 
 impl Default for Metrics {
@@ -100,6 +119,12 @@ impl Default for Metrics {
             cert_chain_expiry_seconds: Default::default(),
             ready: Default::default(),
             issuance_duration_seconds: Histogram::new(exponential_buckets(0.0001, 2.0, 16)),
+            reloads_ok: Default::default(),
+            reloads_refused: Default::default(),
+            reload_refused: Default::default(),
+            root_rotation_phase: Default::default(),
+            leader: Default::default(),
+            bundle_configmap_writes: Default::default(),
         }
     }
 }
@@ -168,7 +193,48 @@ impl Metrics {
             "Time to handle a successful CreateCertificate, from receipt to signed chain",
             self.issuance_duration_seconds.clone(),
         );
+        r.register(
+            "meshca_ca_reload_count",
+            "New CA material taken into use while serving (a --ca-dir change, a CA Secret change)",
+            self.reloads_ok.clone(),
+        );
+        r.register(
+            "meshca_ca_reload_refused_count",
+            "New CA material refused while serving; the previous material kept signing",
+            self.reloads_refused.clone(),
+        );
+        r.register(
+            "meshca_ca_reload_refused",
+            "1 while the last offered CA material was refused (see the log and /ready)",
+            self.reload_refused.clone(),
+        );
+        r.register(
+            "meshca_root_rotation_phase",
+            "Root rotation phase of the CA Secret: 1 on the current phase (stable, announced, switched)",
+            self.root_rotation_phase.clone(),
+        );
+        r.register(
+            "meshca_leader",
+            "1 while this replica holds the leader Lease (bundle publishing, root rotation)",
+            self.leader.clone(),
+        );
+        r.register(
+            "meshca_bundle_configmap_write_count",
+            "istio-ca-root-cert ConfigMaps created or updated",
+            self.bundle_configmap_writes.clone(),
+        );
         r
+    }
+
+    /// Sets the rotation phase gauge: 1 on `phase`, 0 on the others.
+    pub fn set_rotation_phase(&self, phase: crate::cluster::root_secret::RotationPhase) {
+        for p in crate::cluster::root_secret::RotationPhase::ALL {
+            self.root_rotation_phase
+                .get_or_create(&PhaseLabels {
+                    phase: p.name().to_string(),
+                })
+                .set(i64::from(p == phase));
+        }
     }
 
     /// Counts a signing error of the given kind.

@@ -27,7 +27,11 @@ use crate::authn::{
 use crate::authority::Authority;
 use crate::authz::node_agent::{watch_pods, NodeAgentPolicy, PodIndex};
 use crate::authz::Authorizer;
+use crate::cluster::leader::{self, candidate_identity, LeaderElector, LeaderTiming};
+use crate::cluster::root_secret::{RotationPhase, RotationPolicy};
+use crate::cluster::{self, bundle_publisher, ClusterError, SecretLoad};
 use crate::config::Config;
+use crate::reload;
 use crate::metrics::{encode_text, Metrics};
 use crate::service::CaService;
 use crate::store::{self, CaMaterial, StoreError};
@@ -42,6 +46,9 @@ pub enum ServeError {
     /// CA material could not be loaded.
     #[error(transparent)]
     Store(#[from] StoreError),
+    /// The CA Secret could not be read or created.
+    #[error(transparent)]
+    Cluster(#[from] ClusterError),
     /// The external JWKS could not be read.
     #[error("--jwks {path}: {reason}")]
     Jwks {
@@ -223,24 +230,26 @@ async fn metrics_handler(State(state): State<MonitoringState>) -> impl IntoRespo
 
 async fn ready_handler(State(state): State<MonitoringState>) -> impl IntoResponse {
     let now = OffsetDateTime::now_utc();
-    let serving = state.serving.load(Ordering::Relaxed);
-    let can_sign = state.authority.can_sign(now);
-    if serving && can_sign {
-        (StatusCode::OK, "ready\n".to_string())
-    } else if !serving {
-        (
+    if !state.serving.load(Ordering::Relaxed) {
+        return (
             StatusCode::SERVICE_UNAVAILABLE,
             "not ready: shutting down\n".to_string(),
-        )
-    } else {
-        let v = state.authority.current().material.signing.validity();
-        (
+        );
+    }
+    if let Some(reason) = state.authority.cannot_sign_reason(now) {
+        return (
             StatusCode::SERVICE_UNAVAILABLE,
-            format!(
-                "not ready: the CA cannot sign (its certificate is valid from {} until {})\n",
-                v.not_before, v.not_after
-            ),
-        )
+            format!("not ready: {reason}\n"),
+        );
+    }
+    match state.authority.refused() {
+        // Still able to sign with the previous material: taking every
+        // replica out of the Service would be an outage, so stay ready and say why.
+        Some(reason) => (
+            StatusCode::OK,
+            format!("ready (warning: new CA material was refused and the previous one still signs: {reason})\n"),
+        ),
+        None => (StatusCode::OK, "ready\n".to_string()),
     }
 }
 
@@ -261,6 +270,111 @@ fn update_expiry_metrics(authority: &Authority, metrics: &Metrics) {
         .unwrap_or(now);
     metrics.set_expiry(root_not_after, chain_not_after, now);
     metrics.ready.set(i64::from(authority.can_sign(now)));
+    metrics
+        .reload_refused
+        .set(i64::from(authority.refused().is_some()));
+}
+
+/// Keeps `root-cert.pem` in the data directory equal to the bundle in use
+/// (best effort: a read-only data directory only gets a warning).
+async fn publish_bundle_file(dir: std::path::PathBuf, authority: Arc<Authority>) {
+    let mut changes = authority.subscribe();
+    loop {
+        let bundle = authority.bundle();
+        if let Err(e) = store::create_private_dir(&dir).and_then(|()| store::publish_bundle(&dir, &bundle)) {
+            tracing::warn!(error = %e, "could not write the trust bundle to the data directory");
+        }
+        if changes.changed().await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Starts the in-cluster work: leader election, and under leadership the
+/// bundle ConfigMaps and (root in the Secret) the root rotation; every
+/// replica follows the Secret. Returns the elector's task, which releases
+/// the Lease once `draining` turns true.
+#[allow(clippy::too_many_arguments)]
+fn start_cluster_tasks(
+    config: &Config,
+    client: &kube::Client,
+    namespace: &str,
+    root_in_secret: bool,
+    authority: &Arc<Authority>,
+    metrics: &Metrics,
+    draining: tokio::sync::watch::Receiver<bool>,
+    background: &mut tokio::task::JoinSet<()>,
+) -> tokio::task::JoinHandle<()> {
+    let (leader_tx, leader_rx) = tokio::sync::watch::channel(false);
+    let elector = LeaderElector::new(
+        client.clone(),
+        namespace,
+        candidate_identity(),
+        LeaderTiming::for_lease(config.cluster.lease_duration),
+    );
+    tracing::info!(identity = elector.identity(), namespace, lease = leader::LEASE_NAME, "joining leader election");
+    let elector = tokio::spawn(elector.run(leader_tx, draining));
+
+    let gauge = metrics.leader.clone();
+    let mut leadership = leader_rx.clone();
+    background.spawn(async move {
+        loop {
+            gauge.set(i64::from(*leadership.borrow_and_update()));
+            if leadership.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+
+    let (latest_tx, latest_rx) = tokio::sync::watch::channel(None);
+    if root_in_secret {
+        background.spawn(cluster::follow_root_secret(
+            client.clone(),
+            namespace.to_string(),
+            authority.clone(),
+            metrics.clone(),
+            latest_tx,
+        ));
+    }
+    let policy = RotationPolicy {
+        root_ttl: config.cluster.root_ttl,
+        rotate_at: config.cluster.rotation_at,
+        grace: config.cluster.rotation_grace,
+        max_leaf_ttl: config.ttl.max,
+    };
+    let (client, namespace, authority, metrics) = (
+        client.clone(),
+        namespace.to_string(),
+        authority.clone(),
+        metrics.clone(),
+    );
+    let excluded = config.cluster.bundle_excluded_namespaces.clone();
+    let trust_domain = config.trust_domain.clone();
+    background.spawn(leader::while_leader(leader_rx, move || {
+        let publish = bundle_publisher::publish_bundles(
+            client.clone(),
+            authority.clone(),
+            excluded.clone(),
+            metrics.clone(),
+        );
+        let rotate = cluster::rotate_root(
+            client.clone(),
+            namespace.clone(),
+            trust_domain.clone(),
+            policy,
+            authority.clone(),
+            metrics.clone(),
+            latest_rx.clone(),
+        );
+        async move {
+            if root_in_secret {
+                futures::join!(publish, rotate);
+            } else {
+                publish.await;
+            }
+        }
+    }));
+    elector
 }
 
 /// Rewrites tonic's `OUT_OF_RANGE` for an oversized request message into
@@ -282,20 +396,55 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
     on_bound: impl FnOnce(BoundAddrs) + Send,
 ) -> Result<(), ServeError> {
-    let material = load_material(&config)?;
-    tracing::info!(
-        source = ?material.source,
-        trust_domain = %config.trust_domain,
-        ca_not_after = %material.signing.validity().not_after,
-        "CA material loaded"
-    );
-    let authority = Arc::new(Authority::new(material, config.ttl));
     let kube = kube_client(
         config.kubernetes.kubeconfig.as_deref(),
         config.kubernetes.api_timeout,
     )
     .await
     .map_err(ServeError::Kubernetes)?;
+    let namespace = kube
+        .as_ref()
+        .map(|client| cluster::own_namespace(config.cluster.namespace.as_deref(), client));
+    // The root lives in the cluster's Secret when there is a cluster and no
+    // plugged-in CA; else in the data directory.
+    let mut root_in_secret = false;
+    let material = match (&config.ca_dir, &kube, &namespace) {
+        (None, Some(client), Some(ns)) => {
+            match cluster::load_or_create_root_secret(
+                client,
+                ns,
+                &config.trust_domain,
+                config.cluster.root_ttl,
+            )
+            .await?
+            {
+                SecretLoad::Loaded(material, _) => {
+                    root_in_secret = true;
+                    material
+                }
+                SecretLoad::NotServed => {
+                    tracing::warn!(
+                        namespace = %ns,
+                        data_dir = %config.data_dir.display(),
+                        "the Kubernetes API does not serve Secrets in this namespace; keeping the root in the data directory (replicas will not share it)"
+                    );
+                    load_material(&config)?
+                }
+            }
+        }
+        _ => load_material(&config)?,
+    };
+    tracing::info!(
+        source = ?material.source,
+        trust_domain = %config.trust_domain,
+        ca_not_after = %material.signing.validity().not_after,
+        "CA material loaded"
+    );
+    let authority =
+        Arc::new(Authority::new(material, config.ttl).with_expiry_margin(config.ca_expiry_margin));
+    if let Some(reason) = authority.cannot_sign_reason(OffsetDateTime::now_utc()) {
+        tracing::error!(error = %reason, "the CA cannot sign; serving anyway so /ready and the metrics can tell");
+    }
     let mut background = tokio::task::JoinSet::new();
     let authn = build_authenticators(&config, &authority, kube.clone(), &mut background).await?;
     if config.discovered_jwt_issuer.is_some() && kube.is_none() {
@@ -325,6 +474,31 @@ pub async fn run(
     let metrics = Metrics::default();
     let registry = Arc::new(metrics.register());
     update_expiry_metrics(&authority, &metrics);
+    metrics.set_rotation_phase(RotationPhase::Stable);
+    let (draining_tx, mut draining_rx) = tokio::sync::watch::channel(false);
+
+    background.spawn(publish_bundle_file(config.data_dir.clone(), authority.clone()));
+    if let Some(dir) = &config.ca_dir {
+        background.spawn(reload::watch_ca_dir(
+            dir.clone(),
+            authority.clone(),
+            metrics.clone(),
+            config.ca_dir_check_interval,
+        ));
+    }
+    let elector = match (&kube, &namespace) {
+        (Some(client), Some(ns)) => Some(start_cluster_tasks(
+            &config,
+            client,
+            ns,
+            root_in_secret,
+            &authority,
+            &metrics,
+            draining_rx.clone(),
+            &mut background,
+        )),
+        _ => None,
+    };
 
     let resolver = tls::new_resolver(&authority, &config.server_dns)?;
     let tls_config = tls::server_config(resolver.clone())?;
@@ -408,7 +582,6 @@ pub async fn run(
     // Shutdown: mark not ready, report NOT_SERVING, then let tonic stop
     // accepting and drain in-flight requests, for at most the grace period.
     let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
-    let (draining_tx, mut draining_rx) = tokio::sync::watch::channel(false);
     let serving_flag = serving.clone();
     let reporter = health_reporter.clone();
     tokio::spawn(async move {
@@ -454,6 +627,10 @@ pub async fn run(
     let _ = monitoring.await;
     renewal.abort();
     background.abort_all();
+    if let Some(elector) = elector {
+        // Give the Lease back so another replica takes over at once.
+        let _ = tokio::time::timeout(Duration::from_secs(3), elector).await;
+    }
     tracing::info!("meshca stopped");
     result.map_err(ServeError::from)
 }

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 use meshca_certs::bundle::{self, BundleError, FileError};
 use meshca_certs::cadir::{self, CaDirError};
 use meshca_certs::keys::{KeyAlgorithm, PrivateKey};
-use meshca_certs::profile::{self_signed_root, SigningCa, SubjectName, Validity};
+use meshca_certs::profile::{self_signed_root, IssuedCert, SigningCa, SubjectName, Validity};
 use meshca_certs::token::{TokenError, TokenIssuer};
 use meshca_certs::verify::verify_ca_chain;
 use meshca_certs::{TrustBundle, TrustDomain};
@@ -75,6 +75,13 @@ pub enum CaSource {
     SelfSigned(PathBuf),
     /// A plugged-in CA directory.
     PluggedIn(PathBuf),
+    /// A self-signed root kept in a Kubernetes Secret.
+    Secret {
+        /// The Secret's namespace.
+        namespace: String,
+        /// The Secret's name.
+        name: String,
+    },
 }
 
 /// Everything the CA signs with, checked and ready.
@@ -117,6 +124,25 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<CaMaterial, StoreE
     })
 }
 
+/// Makes a new self-signed root CA (ECDSA P-256, `O=<trust domain>`),
+/// valid from `now` (backdated) for `ttl`.
+pub fn generate_self_signed_root(
+    trust_domain: &TrustDomain,
+    ttl: time::Duration,
+    now: OffsetDateTime,
+) -> Result<(PrivateKey, IssuedCert), StoreError> {
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256)
+        .map_err(|e| StoreError::Generate(e.to_string()))?;
+    let name = SubjectName {
+        organization: Some(trust_domain.to_string()),
+        common_name: Some("meshca self-signed root CA".to_string()),
+        ..Default::default()
+    };
+    let root = self_signed_root(&key, &name, Validity::backdated(now, ttl))
+        .map_err(|e| StoreError::Generate(e.to_string()))?;
+    Ok((key, root))
+}
+
 /// Loads the embedded mode's self-signed root from `dir`, creating the
 /// directory, the root (ECDSA P-256, key 0600) and `root-cert.pem` on first
 /// start. An existing root is never replaced.
@@ -131,16 +157,7 @@ pub fn load_or_create_data_dir(
     match (cert_path.exists(), key_path.exists()) {
         (true, true) => {}
         (false, false) => {
-            let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256)
-                .map_err(|e| StoreError::Generate(e.to_string()))?;
-            let name = SubjectName {
-                organization: Some(trust_domain.to_string()),
-                common_name: Some("meshca self-signed root CA".to_string()),
-                ..Default::default()
-            };
-            let root =
-                self_signed_root(&key, &name, Validity::backdated(now, SELF_SIGNED_ROOT_TTL))
-                    .map_err(|e| StoreError::Generate(e.to_string()))?;
+            let (key, root) = generate_self_signed_root(trust_domain, SELF_SIGNED_ROOT_TTL, now)?;
             // Key first: a crash between the two writes leaves a key
             // without a certificate, which the next start reports.
             bundle::write_file_atomic(
@@ -231,7 +248,8 @@ pub fn load_or_create_token_issuer(dir: &Path) -> Result<TokenIssuer, StoreError
     Ok(issuer)
 }
 
-fn create_private_dir(dir: &Path) -> Result<(), StoreError> {
+/// Creates `dir` (mode 0700) unless it exists.
+pub fn create_private_dir(dir: &Path) -> Result<(), StoreError> {
     if dir.is_dir() {
         return Ok(());
     }

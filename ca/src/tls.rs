@@ -105,13 +105,15 @@ pub fn new_resolver(
     }))
 }
 
-/// Renews the server certificate at half its life until `shutdown` fires.
+/// Renews the server certificate at half its life, and at once when the
+/// CA material changes, until `shutdown` fires.
 pub async fn renew_server_cert(
     resolver: Arc<ServerCertResolver>,
     authority: Arc<Authority>,
     dns: Vec<String>,
     mut shutdown: tokio::sync::watch::Receiver<bool>,
 ) {
+    let mut material = authority.subscribe();
     loop {
         let now = OffsetDateTime::now_utc();
         let left: time::Duration = resolver.not_after() - now;
@@ -120,6 +122,12 @@ pub async fn renew_server_cert(
         let wait = Duration::try_from(wait).unwrap_or(RENEW_RETRY);
         tokio::select! {
             _ = tokio::time::sleep(wait) => {}
+            // New CA material: a certificate from the new signer at once.
+            changed = material.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
             _ = shutdown.changed() => return,
         }
         match issue_server_identity(&authority, &dns, OffsetDateTime::now_utc()) {

@@ -1,8 +1,12 @@
 //! A fake Kubernetes API server for end-to-end tests: HTTPS with its own
 //! CA, a kubeconfig pointing at it, and the real JSON of the endpoints
-//! meshca uses: `TokenReview`, and pods list and watch (streamed watch
-//! events, resource versions). It counts reviews, can answer slowly, and
-//! can be stopped and restarted on the same port.
+//! meshca uses: `TokenReview`, OIDC discovery, and an object store for
+//! pods, namespaces, Secrets, ConfigMaps and Leases with the API's
+//! semantics: get, list, streamed watch from a resourceVersion, create
+//! (409 AlreadyExists), update with optimistic concurrency (409 Conflict on
+//! a stale resourceVersion), merge patch, delete, field selectors. It counts
+//! calls, can answer slowly, can hold creates to force a race, and can be
+//! stopped and restarted on the same port.
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -55,26 +59,107 @@ impl FakeUser {
     }
 }
 
-#[derive(Default)]
-struct Pods {
-    items: std::collections::BTreeMap<(String, String), serde_json::Value>,
-    resource_version: u64,
-    history: Vec<(u64, &'static str, serde_json::Value)>,
-    watchers: Vec<tokio::sync::mpsc::UnboundedSender<Bytes>>,
+/// A resource kind the store serves: (plural, kind, apiVersion, namespaced).
+const RESOURCES: &[(&str, &str, &str, bool)] = &[
+    ("pods", "Pod", "v1", true),
+    ("secrets", "Secret", "v1", true),
+    ("configmaps", "ConfigMap", "v1", true),
+    ("namespaces", "Namespace", "v1", false),
+    ("leases", "Lease", "coordination.k8s.io/v1", true),
+];
+
+type ObjectKey = (String, String, String);
+
+struct Watcher {
+    plural: String,
+    namespace: Option<String>,
+    selector: Vec<(String, String)>,
+    tx: tokio::sync::mpsc::UnboundedSender<Bytes>,
 }
 
-impl Pods {
-    fn event(&mut self, kind: &'static str, mut pod: serde_json::Value) {
+#[derive(Default)]
+struct Objects {
+    items: std::collections::BTreeMap<ObjectKey, serde_json::Value>,
+    resource_version: u64,
+    history: Vec<(u64, String, &'static str, serde_json::Value)>,
+    watchers: Vec<Watcher>,
+    calls: HashMap<(String, String), usize>,
+    uid: u64,
+}
+
+impl Objects {
+    /// Stores (or removes, for DELETED) an object and tells the watchers.
+    fn event(&mut self, plural: &str, kind: &'static str, mut object: serde_json::Value) -> serde_json::Value {
         self.resource_version += 1;
-        pod["metadata"]["resourceVersion"] = serde_json::json!(self.resource_version.to_string());
-        let line = watch_line(kind, &pod);
-        self.history.push((self.resource_version, kind, pod));
-        self.watchers.retain(|w| w.send(line.clone()).is_ok());
+        let rv = self.resource_version;
+        object["metadata"]["resourceVersion"] = serde_json::json!(rv.to_string());
+        if object["metadata"]["uid"].is_null() {
+            self.uid += 1;
+            object["metadata"]["uid"] = serde_json::json!(format!("uid-{}", self.uid));
+        }
+        if object["metadata"]["creationTimestamp"].is_null() {
+            object["metadata"]["creationTimestamp"] = serde_json::json!("2026-01-01T00:00:00Z");
+        }
+        let key = key_of(plural, &object);
+        if kind == "DELETED" {
+            self.items.remove(&key);
+            if plural == "namespaces" {
+                // The namespace's objects go with it.
+                let inside: Vec<(ObjectKey, serde_json::Value)> = self
+                    .items
+                    .iter()
+                    .filter(|((_, ns, _), _)| *ns == key.2)
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                for ((p, _, _), v) in inside {
+                    self.event(&p, "DELETED", v);
+                }
+            }
+        } else {
+            self.items.insert(key, object.clone());
+        }
+        let line = watch_line(kind, &object);
+        self.history.push((rv, plural.to_string(), kind, object.clone()));
+        self.watchers.retain(|w| {
+            if w.plural != plural || !matches_filter(&object, w.namespace.as_deref(), &w.selector) {
+                return true;
+            }
+            w.tx.send(line.clone()).is_ok()
+        });
+        object
+    }
+
+    fn count(&mut self, plural: &str, verb: &str) {
+        *self.calls.entry((plural.to_string(), verb.to_string())).or_default() += 1;
     }
 }
 
-fn watch_line(kind: &str, pod: &serde_json::Value) -> Bytes {
-    let mut text = serde_json::json!({"type": kind, "object": pod}).to_string();
+fn key_of(plural: &str, object: &serde_json::Value) -> ObjectKey {
+    let text = |v: &serde_json::Value| v.as_str().unwrap_or_default().to_string();
+    (
+        plural.to_string(),
+        text(&object["metadata"]["namespace"]),
+        text(&object["metadata"]["name"]),
+    )
+}
+
+fn matches_filter(object: &serde_json::Value, namespace: Option<&str>, selector: &[(String, String)]) -> bool {
+    if let Some(ns) = namespace {
+        if object["metadata"]["namespace"] != ns {
+            return false;
+        }
+    }
+    selector.iter().all(|(field, value)| {
+        let mut v = object;
+        for part in field.split('.') {
+            v = &v[part];
+        }
+        v.as_str() == Some(value.as_str())
+    })
+}
+
+fn watch_line(kind: &str, object: &serde_json::Value) -> Bytes {
+    let mut text = serde_json::json!({"type": kind, "object": object}).to_string();
     text.push('\n');
     Bytes::from(text)
 }
@@ -86,9 +171,11 @@ pub const OIDC_ISSUER: &str = "https://kubernetes.default.svc.cluster.local";
 struct Shared {
     tokens: Mutex<HashMap<String, FakeUser>>,
     jwks: Mutex<String>,
-    pods: Mutex<Pods>,
+    objects: Mutex<Objects>,
     reviews: AtomicUsize,
     latency_ms: AtomicU64,
+    /// Creates of this plural wait until this many are waiting, then all proceed.
+    create_gate: Mutex<Option<(String, Arc<tokio::sync::Barrier>)>>,
 }
 
 /// The fake API server.
@@ -159,6 +246,11 @@ impl FakeKube {
         if let Ok(mut jwks) = shared.jwks.lock() {
             *jwks = oidc.jwks_json();
         }
+        if let Ok(mut objects) = shared.objects.lock() {
+            for ns in ["default", "istio-system", "kube-system"] {
+                objects.event("namespaces", "ADDED", namespace_object(ns));
+            }
+        }
         let mut server = Self {
             addr,
             kubeconfig,
@@ -220,24 +312,76 @@ impl FakeKube {
             "spec": {"serviceAccountName": service_account, "nodeName": node, "containers": [{"name": "app", "image": "app"}]},
             "status": {"phase": "Running"}
         });
-        if let Ok(mut pods) = self.shared.pods.lock() {
-            let kind = if pods.items.contains_key(&(namespace.into(), name.into())) {
-                "MODIFIED"
-            } else {
-                "ADDED"
-            };
-            pods.items
-                .insert((namespace.into(), name.into()), pod.clone());
-            pods.event(kind, pod);
-        }
+        self.put_object("pods", pod);
     }
 
     /// Deletes a pod; watchers see the event.
     pub fn delete_pod(&self, namespace: &str, name: &str) {
-        if let Ok(mut pods) = self.shared.pods.lock() {
-            if let Some(pod) = pods.items.remove(&(namespace.into(), name.into())) {
-                pods.event("DELETED", pod);
-            }
+        self.delete_object("pods", namespace, name);
+    }
+
+    /// Creates or replaces an object as a user with kubectl would (no
+    /// resourceVersion check); watchers see the event. Returns it as stored.
+    pub fn put_object(&self, plural: &str, object: serde_json::Value) -> serde_json::Value {
+        let mut objects = self.shared.objects.lock().expect("objects");
+        let kind = if objects.items.contains_key(&key_of(plural, &object)) {
+            "MODIFIED"
+        } else {
+            "ADDED"
+        };
+        objects.event(plural, kind, object)
+    }
+
+    /// The stored object, if any (`namespace` empty for cluster-scoped kinds).
+    pub fn get_object(&self, plural: &str, namespace: &str, name: &str) -> Option<serde_json::Value> {
+        let objects = self.shared.objects.lock().expect("objects");
+        objects
+            .items
+            .get(&(plural.to_string(), namespace.to_string(), name.to_string()))
+            .cloned()
+    }
+
+    /// Every stored object of a kind.
+    pub fn list_objects(&self, plural: &str) -> Vec<serde_json::Value> {
+        let objects = self.shared.objects.lock().expect("objects");
+        objects
+            .items
+            .iter()
+            .filter(|((p, _, _), _)| p == plural)
+            .map(|(_, v)| v.clone())
+            .collect()
+    }
+
+    /// Deletes an object; watchers see the event.
+    pub fn delete_object(&self, plural: &str, namespace: &str, name: &str) {
+        let mut objects = self.shared.objects.lock().expect("objects");
+        let key = (plural.to_string(), namespace.to_string(), name.to_string());
+        if let Some(object) = objects.items.get(&key).cloned() {
+            objects.event(plural, "DELETED", object);
+        }
+    }
+
+    /// Creates a namespace; watchers see the event.
+    pub fn add_namespace(&self, name: &str) {
+        self.put_object("namespaces", namespace_object(name));
+    }
+
+    /// How many API calls of `verb` (get, list, watch, create, update,
+    /// patch, delete) were made on `plural`.
+    pub fn calls(&self, plural: &str, verb: &str) -> usize {
+        let objects = self.shared.objects.lock().expect("objects");
+        objects
+            .calls
+            .get(&(plural.to_string(), verb.to_string()))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Holds creates of `plural` until `count` of them are waiting, then
+    /// lets them through one after the other: a create race, for certain.
+    pub fn gate_creates(&self, plural: &str, count: usize) {
+        if let Ok(mut gate) = self.shared.create_gate.lock() {
+            *gate = Some((plural.to_string(), Arc::new(tokio::sync::Barrier::new(count))));
         }
     }
 
@@ -372,7 +516,6 @@ async fn handle(
     };
     match (method.as_str(), path.as_str()) {
         ("POST", "/apis/authentication.k8s.io/v1/tokenreviews") => Ok(token_review(&shared, &body)),
-        ("GET", "/api/v1/pods") => Ok(pods(&shared, &query)),
         ("GET", "/.well-known/openid-configuration") => Ok(json_response(
             StatusCode::OK,
             serde_json::json!({
@@ -390,11 +533,285 @@ async fn handle(
                 serde_json::from_str(&jwks).unwrap_or_default(),
             ))
         }
-        _ => Ok(status_error(
+        _ => match parse_resource_path(&path) {
+            Some(target) => Ok(resource(&shared, method.as_str(), target, &query, &body).await),
+            None => Ok(status_error(
+                StatusCode::NOT_FOUND,
+                "NotFound",
+                "the server could not find the requested resource",
+            )),
+        },
+    }
+}
+
+fn namespace_object(name: &str) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "Namespace",
+        "metadata": {"name": name},
+        "spec": {"finalizers": ["kubernetes"]},
+        "status": {"phase": "Active"}
+    })
+}
+
+/// A request on the object store: which kind, namespace, name.
+struct Target {
+    plural: String,
+    namespace: Option<String>,
+    name: Option<String>,
+}
+
+fn parse_resource_path(path: &str) -> Option<Target> {
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let rest: &[&str] = match parts.as_slice() {
+        ["api", "v1", rest @ ..] => rest,
+        ["apis", _group, _version, rest @ ..] => rest,
+        _ => return None,
+    };
+    let (plural, namespace, name) = match rest {
+        ["namespaces"] => ("namespaces", None, None),
+        ["namespaces", ns] => ("namespaces", None, Some(*ns)),
+        ["namespaces", ns, plural] => (*plural, Some(*ns), None),
+        ["namespaces", ns, plural, name] => (*plural, Some(*ns), Some(*name)),
+        [plural] => (*plural, None, None),
+        _ => return None,
+    };
+    let known = RESOURCES.iter().find(|r| r.0 == plural)?;
+    let api_version_ok = match parts.as_slice() {
+        ["api", ..] => known.2 == "v1",
+        ["apis", group, version, ..] => known.2 == format!("{group}/{version}"),
+        _ => false,
+    };
+    if !api_version_ok {
+        return None;
+    }
+    Some(Target {
+        plural: plural.to_string(),
+        namespace: namespace.map(String::from),
+        name: name.map(String::from),
+    })
+}
+
+fn percent_decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz");
+            if let Ok(b) = u8::from_str_radix(hex, 16) {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(if bytes[i] == b'+' { b' ' } else { bytes[i] });
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn field_selector(query: &str) -> Vec<(String, String)> {
+    query_param(query, "fieldSelector")
+        .map(percent_decode)
+        .map(|f| {
+            f.split(',')
+                .filter_map(|term| {
+                    let (k, v) = term.split_once('=')?;
+                    Some((k.trim_end_matches('=').to_string(), v.to_string()))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn kind_of(plural: &str) -> (&'static str, &'static str) {
+    RESOURCES
+        .iter()
+        .find(|r| r.0 == plural)
+        .map(|r| (r.1, r.2))
+        .unwrap_or(("Unknown", "v1"))
+}
+
+async fn resource(shared: &Shared, method: &str, target: Target, query: &str, body: &[u8]) -> Response<Body> {
+    let (kind, api_version) = kind_of(&target.plural);
+    let namespace = target.namespace.clone().unwrap_or_default();
+    let not_found = |name: &str| {
+        status_error(
             StatusCode::NOT_FOUND,
             "NotFound",
-            "the server could not find the requested resource",
-        )),
+            &format!("{} \"{name}\" not found", target.plural),
+        )
+    };
+    let parse_body = || serde_json::from_slice::<serde_json::Value>(body).ok();
+    if method == "POST" && target.name.is_none() {
+        let gate = shared
+            .create_gate
+            .lock()
+            .ok()
+            .and_then(|g| g.clone())
+            .filter(|(p, _)| *p == target.plural)
+            .map(|(_, b)| b);
+        if let Some(barrier) = gate {
+            barrier.wait().await;
+        }
+    }
+    let Ok(mut objects) = shared.objects.lock() else {
+        return status_error(StatusCode::INTERNAL_SERVER_ERROR, "InternalError", "poisoned");
+    };
+    let key = |name: &str| (target.plural.clone(), namespace.clone(), name.to_string());
+    match (method, target.name.as_deref()) {
+        ("GET", None) => {
+            let selector = field_selector(query);
+            if matches!(query_param(query, "watch"), Some("true") | Some("1")) {
+                objects.count(&target.plural, "watch");
+                let since: u64 = query_param(query, "resourceVersion")
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0);
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
+                for (rv, plural, event, object) in &objects.history {
+                    if *rv > since
+                        && *plural == target.plural
+                        && matches_filter(object, target.namespace.as_deref(), &selector)
+                    {
+                        let _ = tx.send(watch_line(event, object));
+                    }
+                }
+                objects.watchers.push(Watcher {
+                    plural: target.plural.clone(),
+                    namespace: target.namespace.clone(),
+                    selector,
+                    tx,
+                });
+                let stream = futures_util_stream(rx);
+                let mut response = Response::new(BodyExt::boxed(StreamBody::new(stream)));
+                response.headers_mut().insert(
+                    "content-type",
+                    hyper::header::HeaderValue::from_static("application/json"),
+                );
+                return response;
+            }
+            objects.count(&target.plural, "list");
+            let items: Vec<&serde_json::Value> = objects
+                .items
+                .iter()
+                .filter(|((p, _, _), o)| {
+                    *p == target.plural && matches_filter(o, target.namespace.as_deref(), &selector)
+                })
+                .map(|(_, o)| o)
+                .collect();
+            json_response(
+                StatusCode::OK,
+                serde_json::json!({
+                    "kind": format!("{kind}List"), "apiVersion": api_version,
+                    "metadata": {"resourceVersion": objects.resource_version.to_string()},
+                    "items": items,
+                }),
+            )
+        }
+        ("GET", Some(name)) => {
+            objects.count(&target.plural, "get");
+            match objects.items.get(&key(name)) {
+                Some(o) => json_response(StatusCode::OK, o.clone()),
+                None => not_found(name),
+            }
+        }
+        ("POST", None) => {
+            objects.count(&target.plural, "create");
+            let Some(mut object) = parse_body() else {
+                return status_error(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
+            };
+            if target.namespace.is_some() {
+                object["metadata"]["namespace"] = serde_json::json!(namespace);
+                let ns_key = ("namespaces".to_string(), String::new(), namespace.clone());
+                if !objects.items.contains_key(&ns_key) {
+                    return not_found(&namespace);
+                }
+            }
+            object["kind"] = serde_json::json!(kind);
+            object["apiVersion"] = serde_json::json!(api_version);
+            let name = object["metadata"]["name"].as_str().unwrap_or_default().to_string();
+            if objects.items.contains_key(&key(&name)) {
+                return status_error(
+                    StatusCode::CONFLICT,
+                    "AlreadyExists",
+                    &format!("{} \"{name}\" already exists", target.plural),
+                );
+            }
+            let stored = objects.event(&target.plural, "ADDED", object);
+            json_response(StatusCode::CREATED, stored)
+        }
+        ("PUT", Some(name)) => {
+            objects.count(&target.plural, "update");
+            let Some(mut object) = parse_body() else {
+                return status_error(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
+            };
+            let Some(current) = objects.items.get(&key(name)).cloned() else {
+                return not_found(name);
+            };
+            let sent = object["metadata"]["resourceVersion"].as_str().unwrap_or_default();
+            if !sent.is_empty() && current["metadata"]["resourceVersion"] != sent {
+                return status_error(
+                    StatusCode::CONFLICT,
+                    "Conflict",
+                    &format!("Operation cannot be fulfilled on {} \"{name}\": the object has been modified; please apply your changes to the latest version and try again", target.plural),
+                );
+            }
+            object["metadata"]["uid"] = current["metadata"]["uid"].clone();
+            object["metadata"]["creationTimestamp"] = current["metadata"]["creationTimestamp"].clone();
+            if target.namespace.is_some() {
+                object["metadata"]["namespace"] = serde_json::json!(namespace);
+            }
+            object["kind"] = serde_json::json!(kind);
+            object["apiVersion"] = serde_json::json!(api_version);
+            let stored = objects.event(&target.plural, "MODIFIED", object);
+            json_response(StatusCode::OK, stored)
+        }
+        ("PATCH", Some(name)) => {
+            objects.count(&target.plural, "patch");
+            let Some(patch) = parse_body() else {
+                return status_error(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
+            };
+            let Some(mut object) = objects.items.get(&key(name)).cloned() else {
+                return not_found(name);
+            };
+            merge_patch(&mut object, &patch);
+            let stored = objects.event(&target.plural, "MODIFIED", object);
+            json_response(StatusCode::OK, stored)
+        }
+        ("DELETE", Some(name)) => {
+            objects.count(&target.plural, "delete");
+            let Some(object) = objects.items.get(&key(name)).cloned() else {
+                return not_found(name);
+            };
+            let stored = objects.event(&target.plural, "DELETED", object);
+            json_response(StatusCode::OK, stored)
+        }
+        _ => status_error(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "MethodNotAllowed",
+            "the server does not allow this method on the requested resource",
+        ),
+    }
+}
+
+/// RFC 7386 JSON merge patch.
+fn merge_patch(target: &mut serde_json::Value, patch: &serde_json::Value) {
+    match patch {
+        serde_json::Value::Object(fields) => {
+            if !target.is_object() {
+                *target = serde_json::json!({});
+            }
+            for (k, v) in fields {
+                if v.is_null() {
+                    if let Some(map) = target.as_object_mut() {
+                        map.remove(k);
+                    }
+                } else {
+                    merge_patch(&mut target[k], v);
+                }
+            }
+        }
+        other => *target = other.clone(),
     }
 }
 
@@ -402,50 +819,6 @@ fn query_param<'a>(query: &'a str, key: &str) -> Option<&'a str> {
     query
         .split('&')
         .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
-}
-
-fn pods(shared: &Shared, query: &str) -> Response<Body> {
-    let Ok(mut pods) = shared.pods.lock() else {
-        return status_error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "InternalError",
-            "poisoned",
-        );
-    };
-    // Field selectors on the node, as a node agent would use them.
-    let node = query_param(query, "fieldSelector").and_then(|f| {
-        f.strip_prefix("spec.nodeName%3D")
-            .or(f.strip_prefix("spec.nodeName="))
-    });
-    let matches = |pod: &serde_json::Value| node.is_none_or(|n| pod["spec"]["nodeName"] == n);
-    if matches!(query_param(query, "watch"), Some("true") | Some("1")) {
-        let since: u64 = query_param(query, "resourceVersion")
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel::<Bytes>();
-        for (rv, kind, pod) in &pods.history {
-            if *rv > since && matches(pod) {
-                let _ = tx.send(watch_line(kind, pod));
-            }
-        }
-        pods.watchers.push(tx);
-        let stream = futures_util_stream(rx);
-        let mut response = Response::new(BodyExt::boxed(StreamBody::new(stream)));
-        response.headers_mut().insert(
-            "content-type",
-            hyper::header::HeaderValue::from_static("application/json"),
-        );
-        return response;
-    }
-    let items: Vec<&serde_json::Value> = pods.items.values().filter(|p| matches(p)).collect();
-    json_response(
-        StatusCode::OK,
-        serde_json::json!({
-            "kind": "PodList", "apiVersion": "v1",
-            "metadata": {"resourceVersion": pods.resource_version.to_string()},
-            "items": items,
-        }),
-    )
 }
 
 fn futures_util_stream(

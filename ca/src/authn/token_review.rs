@@ -316,8 +316,9 @@ pub async fn kube_client(
             .map_err(|e| format!("in-cluster Kubernetes configuration: {e}"))?,
         None => return Ok(None),
     };
+    // No read timeout: watches stay open for minutes. Each request/response
+    // call is bounded by its own timeout (TokenReview, OIDC).
     config.connect_timeout = Some(timeout);
-    config.read_timeout = Some(timeout);
     config.write_timeout = Some(timeout);
     kube::Client::try_from(config)
         .map(Some)

@@ -1,0 +1,246 @@
+//! Publishes the trust bundle as the ConfigMap `istio-ca-root-cert` (key
+//! `root-cert.pem`, label `istio.io/config: "true"`) in every namespace,
+//! as istiod does, so that Istio's sidecars and ztunnel find it.
+//!
+//! Driven by watches, not polling: a new namespace gets the ConfigMap at
+//! once, a ConfigMap edited or deleted by hand is set back at once, and a
+//! new bundle (root rotation, `--ca-dir` reload) is written everywhere.
+//! Only the leader runs this; every write is checked against the
+//! resourceVersion it read.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PostParams};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+
+use crate::authority::Authority;
+use crate::metrics::Metrics;
+
+/// Name of the bundle ConfigMap (Istio's).
+pub const CONFIGMAP_NAME: &str = "istio-ca-root-cert";
+/// Data key of the bundle.
+pub const CONFIGMAP_KEY: &str = "root-cert.pem";
+/// Label put on the ConfigMap (Istio's).
+pub const CONFIGMAP_LABEL: (&str, &str) = ("istio.io/config", "true");
+
+/// How long a failed write waits before it is tried again.
+const RETRY_AFTER: Duration = Duration::from_secs(2);
+/// Every ConfigMap is checked again this often even without events.
+const RESYNC_PERIOD: Duration = Duration::from_secs(300);
+
+/// Keeps the bundle ConfigMap right in every namespace not in `excluded`,
+/// until dropped.
+pub async fn publish_bundles(
+    client: kube::Client,
+    authority: Arc<Authority>,
+    excluded: Vec<String>,
+    metrics: Metrics,
+) {
+    let excluded: BTreeSet<String> = excluded.into_iter().collect();
+    let namespaces_api: Api<Namespace> = Api::all(client.clone());
+    let configmaps_all: Api<ConfigMap> = Api::all(client.clone());
+    let namespace_events =
+        watcher::watcher(namespaces_api, watcher::Config::default()).default_backoff();
+    let configmap_events = watcher::watcher(
+        configmaps_all,
+        watcher::Config::default().fields(&format!("metadata.name={CONFIGMAP_NAME}")),
+    )
+    .default_backoff();
+    futures::pin_mut!(namespace_events);
+    futures::pin_mut!(configmap_events);
+    let mut generation = authority.subscribe();
+    let mut namespaces: BTreeSet<String> = BTreeSet::new();
+    let mut listing: BTreeSet<String> = BTreeSet::new();
+    let mut pending: BTreeSet<String> = BTreeSet::new();
+    let mut retry = tokio::time::interval(RETRY_AFTER);
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut resync = tokio::time::interval(RESYNC_PERIOD);
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tracing::info!(excluded = ?excluded, "publishing the trust bundle to every namespace");
+    loop {
+        let mut touched: BTreeSet<String> = BTreeSet::new();
+        tokio::select! {
+            event = namespace_events.next() => match event {
+                Some(Ok(Event::Init)) => listing.clear(),
+                Some(Ok(Event::InitApply(ns))) => {
+                    if let Some(name) = active_namespace(&ns) {
+                        listing.insert(name);
+                    }
+                }
+                Some(Ok(Event::InitDone)) => {
+                    namespaces = std::mem::take(&mut listing);
+                    touched.extend(namespaces.iter().cloned());
+                }
+                Some(Ok(Event::Apply(ns))) => match active_namespace(&ns) {
+                    Some(name) => {
+                        if namespaces.insert(name.clone()) {
+                            touched.insert(name);
+                        }
+                    }
+                    None => {
+                        if let Some(name) = ns.metadata.name.as_ref() {
+                            namespaces.remove(name);
+                        }
+                    }
+                },
+                Some(Ok(Event::Delete(ns))) => {
+                    if let Some(name) = ns.metadata.name.as_ref() {
+                        namespaces.remove(name);
+                        pending.remove(name);
+                    }
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "watching namespaces failed; retrying");
+                }
+                None => return,
+            },
+            event = configmap_events.next() => match event {
+                Some(Ok(Event::Apply(cm))) | Some(Ok(Event::InitApply(cm))) => {
+                    let bundle = authority.bundle().to_pem();
+                    if let Some(ns) = cm.metadata.namespace.as_ref() {
+                        if namespaces.contains(ns) && !is_current(&cm, &bundle) {
+                            touched.insert(ns.clone());
+                        }
+                    }
+                }
+                Some(Ok(Event::Delete(cm))) => {
+                    if let Some(ns) = cm.metadata.namespace.as_ref() {
+                        if namespaces.contains(ns) {
+                            touched.insert(ns.clone());
+                        }
+                    }
+                }
+                Some(Ok(_)) => {}
+                Some(Err(e)) => {
+                    tracing::warn!(error = %e, "watching bundle ConfigMaps failed; retrying");
+                }
+                None => return,
+            },
+            changed = generation.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                touched.extend(namespaces.iter().cloned());
+            }
+            _ = retry.tick() => {
+                touched.extend(std::mem::take(&mut pending));
+            }
+            _ = resync.tick() => {
+                touched.extend(namespaces.iter().cloned());
+            }
+        }
+        if touched.is_empty() {
+            continue;
+        }
+        let bundle = authority.bundle().to_pem();
+        for ns in touched {
+            if excluded.contains(&ns) || !namespaces.contains(&ns) {
+                continue;
+            }
+            let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+            match reconcile(&api, &ns, &bundle).await {
+                Ok(Written::Unchanged) => {}
+                Ok(written) => {
+                    metrics.bundle_configmap_writes.inc();
+                    tracing::info!(namespace = %ns, action = ?written, "published the trust bundle ConfigMap");
+                }
+                Err(e) => {
+                    tracing::warn!(namespace = %ns, error = %e, "writing the trust bundle ConfigMap failed; retrying");
+                    pending.insert(ns);
+                }
+            }
+        }
+    }
+}
+
+/// A namespace's name, unless it is being deleted.
+fn active_namespace(ns: &Namespace) -> Option<String> {
+    let terminating = ns.metadata.deletion_timestamp.is_some()
+        || ns
+            .status
+            .as_ref()
+            .and_then(|s| s.phase.as_deref())
+            .is_some_and(|p| p == "Terminating");
+    if terminating {
+        return None;
+    }
+    ns.metadata.name.clone()
+}
+
+/// Whether `cm` carries exactly `bundle` and the label.
+fn is_current(cm: &ConfigMap, bundle: &str) -> bool {
+    let data_ok = cm
+        .data
+        .as_ref()
+        .and_then(|d| d.get(CONFIGMAP_KEY))
+        .is_some_and(|v| v == bundle);
+    let label_ok = cm
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(CONFIGMAP_LABEL.0))
+        .is_some_and(|v| v == CONFIGMAP_LABEL.1);
+    data_ok && label_ok
+}
+
+/// What a reconcile did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Written {
+    Unchanged,
+    Created,
+    Updated,
+}
+
+async fn reconcile(api: &Api<ConfigMap>, ns: &str, bundle: &str) -> Result<Written, kube::Error> {
+    // Two rounds: a conflict (someone wrote in between) is read again once.
+    let mut last_error = None;
+    for _ in 0..2 {
+        match api.get_opt(CONFIGMAP_NAME).await? {
+            None => {
+                let cm = ConfigMap {
+                    metadata: ObjectMeta {
+                        name: Some(CONFIGMAP_NAME.into()),
+                        namespace: Some(ns.into()),
+                        labels: Some(BTreeMap::from([(
+                            CONFIGMAP_LABEL.0.to_string(),
+                            CONFIGMAP_LABEL.1.to_string(),
+                        )])),
+                        ..Default::default()
+                    },
+                    data: Some(BTreeMap::from([(CONFIGMAP_KEY.to_string(), bundle.to_string())])),
+                    ..Default::default()
+                };
+                match api.create(&PostParams::default(), &cm).await {
+                    Ok(_) => return Ok(Written::Created),
+                    Err(kube::Error::Api(e)) if e.code == 409 => last_error = Some(kube::Error::Api(e)),
+                    Err(e) => return Err(e),
+                }
+            }
+            Some(cm) if is_current(&cm, bundle) => return Ok(Written::Unchanged),
+            Some(mut cm) => {
+                cm.metadata.managed_fields = None;
+                cm.metadata
+                    .labels
+                    .get_or_insert_with(BTreeMap::new)
+                    .insert(CONFIGMAP_LABEL.0.into(), CONFIGMAP_LABEL.1.into());
+                cm.data
+                    .get_or_insert_with(BTreeMap::new)
+                    .insert(CONFIGMAP_KEY.into(), bundle.into());
+                match api.replace(CONFIGMAP_NAME, &PostParams::default(), &cm).await {
+                    Ok(_) => return Ok(Written::Updated),
+                    Err(kube::Error::Api(e)) if e.code == 409 => last_error = Some(kube::Error::Api(e)),
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+    }
+    Err(last_error.unwrap_or_else(|| {
+        kube::Error::Service("conflicting writes to the ConfigMap".into())
+    }))
+}

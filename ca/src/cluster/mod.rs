@@ -1,0 +1,363 @@
+//! meshca in a cluster (DESIGN §4.1, §7): state in Kubernetes objects,
+//! coordination through the Kubernetes API only.
+//!
+//! - [`root_secret`]: the self-signed root in the Secret `istio-ca-secret`,
+//!   created with create-if-absent semantics so replicas agree on one root,
+//!   and its rotation phases.
+//! - [`leader`]: a Lease; only the leader publishes the bundle and rotates.
+//! - [`bundle_publisher`]: the ConfigMap `istio-ca-root-cert` in every namespace.
+//!
+//! Every replica follows the Secret ([`follow_root_secret`]) and signs with
+//! what it holds; the leader moves a rotation forward ([`rotate_root`]).
+
+pub mod bundle_publisher;
+pub mod leader;
+pub mod root_secret;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, PostParams};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use meshca_certs::TrustDomain;
+use time::OffsetDateTime;
+use tokio::sync::watch;
+
+use crate::authority::Authority;
+use crate::metrics::Metrics;
+use crate::store::CaMaterial;
+use root_secret::{RootKeyPair, RootSecret, RootSecretError, RotationPolicy, RotationStep, SECRET_NAME};
+
+/// One RBAC rule meshca needs: API group, resource, verbs, and whether it
+/// is namespaced to meshca's own namespace (Role) or cluster-wide
+/// (ClusterRole). The deployment manifests grant exactly these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RbacRule {
+    /// API group ("" for core).
+    pub api_group: &'static str,
+    /// Resource (plural).
+    pub resource: &'static str,
+    /// Verbs used.
+    pub verbs: &'static [&'static str],
+    /// Only in meshca's namespace.
+    pub own_namespace_only: bool,
+}
+
+/// Every Kubernetes API call meshca makes, as RBAC rules.
+pub const RBAC_RULES: &[RbacRule] = &[
+    RbacRule {
+        api_group: "authentication.k8s.io",
+        resource: "tokenreviews",
+        verbs: &["create"],
+        own_namespace_only: false,
+    },
+    RbacRule {
+        api_group: "",
+        resource: "pods",
+        verbs: &["get", "list", "watch"],
+        own_namespace_only: false,
+    },
+    RbacRule {
+        api_group: "",
+        resource: "namespaces",
+        verbs: &["get", "list", "watch"],
+        own_namespace_only: false,
+    },
+    RbacRule {
+        api_group: "",
+        resource: "configmaps",
+        verbs: &["create", "get", "list", "update", "watch"],
+        own_namespace_only: false,
+    },
+    RbacRule {
+        api_group: "",
+        resource: "secrets",
+        verbs: &["create", "get", "list", "update", "watch"],
+        own_namespace_only: true,
+    },
+    RbacRule {
+        api_group: "coordination.k8s.io",
+        resource: "leases",
+        verbs: &["create", "get", "update"],
+        own_namespace_only: true,
+    },
+];
+
+/// Why the cluster state could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    /// The Secret exists but cannot be used; meshca never overwrites it.
+    #[error("{0}; meshca never overwrites an existing CA Secret: fix or delete it")]
+    BadSecret(#[from] RootSecretError),
+    /// A Kubernetes API call failed.
+    #[error("Kubernetes API: {action} Secret {namespace}/{SECRET_NAME}: {source}")]
+    Api {
+        /// What was being done.
+        action: &'static str,
+        /// The namespace.
+        namespace: String,
+        /// The error.
+        source: kube::Error,
+    },
+}
+
+/// meshca's namespace: the flag, else `$POD_NAMESPACE`, else the
+/// kubeconfig's (or the in-cluster service account's) namespace.
+pub fn own_namespace(flag: Option<&str>, client: &kube::Client) -> String {
+    flag.map(str::to_string)
+        .or_else(|| std::env::var("POD_NAMESPACE").ok().filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| client.default_namespace().to_string())
+}
+
+/// The outcome of [`load_or_create_root_secret`].
+#[derive(Debug)]
+pub enum SecretLoad {
+    /// The material and the Secret as read or written.
+    Loaded(CaMaterial, Box<RootSecret>),
+    /// The API does not serve Secrets in that namespace (404 on create):
+    /// the caller falls back to its data directory.
+    NotServed,
+}
+
+/// Loads the root from the Secret, or creates it if absent. When several
+/// replicas start together, exactly one create succeeds; the others get
+/// `AlreadyExists` and read the winner's Secret.
+pub async fn load_or_create_root_secret(
+    client: &kube::Client,
+    namespace: &str,
+    trust_domain: &TrustDomain,
+    root_ttl: Duration,
+) -> Result<SecretLoad, ClusterError> {
+    let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
+    let api_error = |action: &'static str| {
+        let namespace = namespace.to_string();
+        move |source| ClusterError::Api {
+            action,
+            namespace,
+            source,
+        }
+    };
+    let now = OffsetDateTime::now_utc();
+    if let Some(secret) = api.get_opt(SECRET_NAME).await.map_err(api_error("reading"))? {
+        let root = RootSecret::from_secret(&secret, namespace)?;
+        let material = root.material(namespace, now)?;
+        tracing::info!(namespace, secret = SECRET_NAME, phase = root.phase.name(), "using the CA root from the Secret");
+        return Ok(SecretLoad::Loaded(material, Box::new(root)));
+    }
+    let root = RootSecret::new(
+        RootKeyPair::generate(trust_domain, root_ttl, now).map_err(RootSecretError::from)?,
+    );
+    let secret = root.to_secret(namespace, None);
+    match api.create(&PostParams::default(), &secret).await {
+        Ok(_) => {
+            let material = root.material(namespace, now)?;
+            tracing::info!(namespace, secret = SECRET_NAME, not_after = %material.signing.validity().not_after, "generated a new self-signed root and stored it in the Secret");
+            Ok(SecretLoad::Loaded(material, Box::new(root)))
+        }
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            // Another replica won the race: use its root, drop ours.
+            let secret = api
+                .get(SECRET_NAME)
+                .await
+                .map_err(api_error("reading (after losing the create race)"))?;
+            let root = RootSecret::from_secret(&secret, namespace)?;
+            let material = root.material(namespace, now)?;
+            tracing::info!(namespace, secret = SECRET_NAME, "another replica created the Secret first; using its root");
+            Ok(SecretLoad::Loaded(material, Box::new(root)))
+        }
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(SecretLoad::NotServed),
+        Err(e) => Err(api_error("creating")(e)),
+    }
+}
+
+/// The Secret as the watch last saw it: `None` until the first listing,
+/// then `Some(None)` if it does not exist.
+pub type SeenSecret = Option<Option<Secret>>;
+
+/// Keeps `authority` signing with what the Secret holds (every replica),
+/// and shares the latest Secret on `latest` for the leader's rotation.
+pub async fn follow_root_secret(
+    client: kube::Client,
+    namespace: String,
+    authority: Arc<Authority>,
+    metrics: Metrics,
+    latest: watch::Sender<SeenSecret>,
+) {
+    let mut found = false;
+    let api: Api<Secret> = Api::namespaced(client, &namespace);
+    let events = watcher::watcher(
+        api,
+        watcher::Config::default().fields(&format!("metadata.name={SECRET_NAME}")),
+    )
+    .default_backoff();
+    futures::pin_mut!(events);
+    while let Some(event) = events.next().await {
+        match event {
+            Ok(Event::Apply(secret)) | Ok(Event::InitApply(secret)) => {
+                found = true;
+                adopt(&secret, &namespace, &authority, &metrics);
+                latest.send_replace(Some(Some(secret)));
+            }
+            Ok(Event::Delete(_)) => {
+                tracing::error!(namespace = %namespace, secret = SECRET_NAME, "the CA Secret was deleted; still signing with the root in memory (the leader writes it back)");
+                latest.send_replace(Some(None));
+            }
+            Ok(Event::Init) => found = false,
+            Ok(Event::InitDone) => {
+                if !found {
+                    latest.send_replace(Some(None));
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, secret = SECRET_NAME, "watching the CA Secret failed; retrying"),
+        }
+    }
+}
+
+/// Signs with the Secret's root if it differs from the one in use.
+fn adopt(secret: &Secret, namespace: &str, authority: &Authority, metrics: &Metrics) {
+    let root = match RootSecret::from_secret(secret, namespace) {
+        Ok(root) => root,
+        Err(e) => {
+            tracing::error!(error = %e, "the CA Secret changed but is unusable; still signing with the previous root");
+            authority.set_refused(Some(e.to_string()));
+            return;
+        }
+    };
+    metrics.set_rotation_phase(root.phase);
+    let current = authority.current();
+    let same = current.material.signing.cert_der() == root.signing.cert.as_slice()
+        && current.material.bundle.roots() == root.bundle.as_slice();
+    if same {
+        return;
+    }
+    match root.material(namespace, OffsetDateTime::now_utc()) {
+        Ok(material) => {
+            tracing::info!(
+                phase = root.phase.name(),
+                roots = root.bundle.len(),
+                not_after = %material.signing.validity().not_after,
+                "the CA Secret changed: signing with its root and publishing its bundle"
+            );
+            authority.replace(material);
+            metrics.reloads_ok.inc();
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "the CA Secret changed but is unusable; still signing with the previous root");
+            authority.set_refused(Some(e.to_string()));
+            metrics.reloads_refused.inc();
+        }
+    }
+}
+
+/// The leader's side of the root: moves a rotation forward when a step is
+/// due, and writes the Secret back if it was deleted. Runs until dropped.
+pub async fn rotate_root(
+    client: kube::Client,
+    namespace: String,
+    trust_domain: TrustDomain,
+    policy: RotationPolicy,
+    authority: Arc<Authority>,
+    metrics: Metrics,
+    mut latest: watch::Receiver<SeenSecret>,
+) {
+    let api: Api<Secret> = Api::namespaced(client, &namespace);
+    loop {
+        let now = OffsetDateTime::now_utc();
+        let current = latest.borrow_and_update().clone();
+        let wait = match current {
+            None => Duration::from_secs(60),
+            Some(None) => {
+                restore_deleted_secret(&api, &namespace, &authority).await;
+                Duration::from_secs(5)
+            }
+            Some(Some(secret)) => match RootSecret::from_secret(&secret, &namespace) {
+                Err(_) => Duration::from_secs(30),
+                Ok(root) => match root.due_step(&policy, now) {
+                    None => {
+                        let at = root.next_step_at(&policy, now);
+                        Duration::try_from(at - now).unwrap_or(Duration::ZERO)
+                    }
+                    Some(step) => {
+                        match take_step(&api, &namespace, &trust_domain, &policy, &secret, &root, step, now).await {
+                            Ok(written) => {
+                                adopt(&written, &namespace, &authority, &metrics);
+                                Duration::from_millis(200)
+                            }
+                            Err(e) => {
+                                tracing::warn!(error = %e, step = ?step, "root rotation step failed; retrying");
+                                Duration::from_secs(2)
+                            }
+                        }
+                    }
+                },
+            },
+        };
+        // Wake for the next due step, a Secret change, or at least every minute.
+        let wait = wait.clamp(Duration::from_millis(100), Duration::from_secs(60));
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            changed = latest.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn take_step(
+    api: &Api<Secret>,
+    namespace: &str,
+    trust_domain: &TrustDomain,
+    policy: &RotationPolicy,
+    secret: &Secret,
+    root: &RootSecret,
+    step: RotationStep,
+    now: OffsetDateTime,
+) -> Result<Secret, String> {
+    let new_root = match step {
+        RotationStep::Announce => Some(
+            RootKeyPair::generate(trust_domain, policy.root_ttl, now).map_err(|e| e.to_string())?,
+        ),
+        _ => None,
+    };
+    let next = root.after(step, new_root, policy, now);
+    let written = next.to_secret(namespace, Some(secret));
+    let stored = api
+        .replace(SECRET_NAME, &PostParams::default(), &written)
+        .await
+        .map_err(|e| format!("updating Secret {namespace}/{SECRET_NAME}: {e}"))?;
+    tracing::info!(
+        step = ?step,
+        phase = next.phase.name(),
+        roots_in_bundle = next.bundle.len(),
+        retire_previous_after = ?next.retire_after,
+        "root rotation: moved to the next phase"
+    );
+    Ok(stored)
+}
+
+/// Writes the Secret back from the root in memory after someone deleted it.
+async fn restore_deleted_secret(api: &Api<Secret>, namespace: &str, authority: &Authority) {
+    let state = authority.current();
+    let material = &state.material;
+    if !matches!(material.source, crate::store::CaSource::Secret { .. }) {
+        return;
+    }
+    let root = RootSecret {
+        bundle: material.bundle.roots().to_vec(),
+        ..RootSecret::new(RootKeyPair {
+            cert: material.signing.cert_der().to_vec(),
+            key_pem: material.signing.key().to_pkcs8_pem(),
+        })
+    };
+    match api.create(&PostParams::default(), &root.to_secret(namespace, None)).await {
+        Ok(_) => tracing::warn!(namespace, secret = SECRET_NAME, "the CA Secret was deleted; wrote it back from the root in memory"),
+        Err(kube::Error::Api(e)) if e.code == 409 => {}
+        Err(e) => tracing::warn!(error = %e, "writing the deleted CA Secret back failed; retrying"),
+    }
+}
