@@ -202,7 +202,9 @@ impl Authority {
     ) -> Result<(Vec<Vec<u8>>, OffsetDateTime), SignError> {
         let state = self.state.load();
         let ca = &state.material.signing;
-        let ca_validity = check_ca_validity(ca, now, self.expiry_margin)?;
+        // No safety margin here: the server keeps a TLS identity while the
+        // CA is still valid, so it can tell clients why it will not sign.
+        let ca_validity = check_ca_validity(ca, now, time::Duration::ZERO)?;
         let validity =
             Validity::backdated(now, to_time_duration(ttl)).capped_at(ca_validity.not_after);
         let issued = ca.issue_server(subject, dns, ips, validity)?;
@@ -327,7 +329,7 @@ mod tests {
     fn replace_notifies_subscribers_and_clears_refusal() {
         let dir = tempfile::tempdir().unwrap();
         let a = authority(dir.path());
-        let mut rx = a.subscribe();
+        let rx = a.subscribe();
         a.set_refused(Some("bad".into()));
         assert_eq!(a.refused().as_deref().map(String::as_str), Some("bad"));
         let other = tempfile::tempdir().unwrap();

@@ -205,17 +205,17 @@ impl Metrics {
         );
         r.register(
             "meshca_ca_reload_refused",
-            "1 while the last offered CA material was refused (see the log and /ready)",
+            "Whether the last offered CA material was refused (1) or not (0); see the log and /ready",
             self.reload_refused.clone(),
         );
         r.register(
             "meshca_root_rotation_phase",
-            "Root rotation phase of the CA Secret: 1 on the current phase (stable, announced, switched)",
+            "Root rotation phase of the CA Secret (stable, announced, switched): the current phase is set to 1",
             self.root_rotation_phase.clone(),
         );
         r.register(
             "meshca_leader",
-            "1 while this replica holds the leader Lease (bundle publishing, root rotation)",
+            "Whether this replica holds the leader Lease (1) or not (0): bundle publishing, root rotation",
             self.leader.clone(),
         );
         r.register(

@@ -31,8 +31,8 @@ use crate::cluster::leader::{self, candidate_identity, LeaderElector, LeaderTimi
 use crate::cluster::root_secret::{RotationPhase, RotationPolicy};
 use crate::cluster::{self, bundle_publisher, ClusterError, SecretLoad};
 use crate::config::Config;
-use crate::reload;
 use crate::metrics::{encode_text, Metrics};
+use crate::reload;
 use crate::service::CaService;
 use crate::store::{self, CaMaterial, StoreError};
 use crate::tls::{self, TlsError};
@@ -281,7 +281,9 @@ async fn publish_bundle_file(dir: std::path::PathBuf, authority: Arc<Authority>)
     let mut changes = authority.subscribe();
     loop {
         let bundle = authority.bundle();
-        if let Err(e) = store::create_private_dir(&dir).and_then(|()| store::publish_bundle(&dir, &bundle)) {
+        if let Err(e) =
+            store::create_private_dir(&dir).and_then(|()| store::publish_bundle(&dir, &bundle))
+        {
             tracing::warn!(error = %e, "could not write the trust bundle to the data directory");
         }
         if changes.changed().await.is_err() {
@@ -312,7 +314,12 @@ fn start_cluster_tasks(
         candidate_identity(),
         LeaderTiming::for_lease(config.cluster.lease_duration),
     );
-    tracing::info!(identity = elector.identity(), namespace, lease = leader::LEASE_NAME, "joining leader election");
+    tracing::info!(
+        identity = elector.identity(),
+        namespace,
+        lease = leader::LEASE_NAME,
+        "joining leader election"
+    );
     let elector = tokio::spawn(elector.run(leader_tx, draining));
 
     let gauge = metrics.leader.clone();
@@ -418,9 +425,9 @@ pub async fn run(
             )
             .await?
             {
-                SecretLoad::Loaded(material, _) => {
+                SecretLoad::Loaded(material) => {
                     root_in_secret = true;
-                    material
+                    *material
                 }
                 SecretLoad::NotServed => {
                     tracing::warn!(
@@ -477,7 +484,10 @@ pub async fn run(
     metrics.set_rotation_phase(RotationPhase::Stable);
     let (draining_tx, mut draining_rx) = tokio::sync::watch::channel(false);
 
-    background.spawn(publish_bundle_file(config.data_dir.clone(), authority.clone()));
+    background.spawn(publish_bundle_file(
+        config.data_dir.clone(),
+        authority.clone(),
+    ));
     if let Some(dir) = &config.ca_dir {
         background.spawn(reload::watch_ca_dir(
             dir.clone(),

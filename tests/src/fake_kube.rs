@@ -89,7 +89,12 @@ struct Objects {
 
 impl Objects {
     /// Stores (or removes, for DELETED) an object and tells the watchers.
-    fn event(&mut self, plural: &str, kind: &'static str, mut object: serde_json::Value) -> serde_json::Value {
+    fn event(
+        &mut self,
+        plural: &str,
+        kind: &'static str,
+        mut object: serde_json::Value,
+    ) -> serde_json::Value {
         self.resource_version += 1;
         let rv = self.resource_version;
         object["metadata"]["resourceVersion"] = serde_json::json!(rv.to_string());
@@ -119,7 +124,8 @@ impl Objects {
             self.items.insert(key, object.clone());
         }
         let line = watch_line(kind, &object);
-        self.history.push((rv, plural.to_string(), kind, object.clone()));
+        self.history
+            .push((rv, plural.to_string(), kind, object.clone()));
         self.watchers.retain(|w| {
             if w.plural != plural || !matches_filter(&object, w.namespace.as_deref(), &w.selector) {
                 return true;
@@ -130,7 +136,10 @@ impl Objects {
     }
 
     fn count(&mut self, plural: &str, verb: &str) {
-        *self.calls.entry((plural.to_string(), verb.to_string())).or_default() += 1;
+        *self
+            .calls
+            .entry((plural.to_string(), verb.to_string()))
+            .or_default() += 1;
     }
 }
 
@@ -143,7 +152,11 @@ fn key_of(plural: &str, object: &serde_json::Value) -> ObjectKey {
     )
 }
 
-fn matches_filter(object: &serde_json::Value, namespace: Option<&str>, selector: &[(String, String)]) -> bool {
+fn matches_filter(
+    object: &serde_json::Value,
+    namespace: Option<&str>,
+    selector: &[(String, String)],
+) -> bool {
     if let Some(ns) = namespace {
         if object["metadata"]["namespace"] != ns {
             return false;
@@ -333,7 +346,12 @@ impl FakeKube {
     }
 
     /// The stored object, if any (`namespace` empty for cluster-scoped kinds).
-    pub fn get_object(&self, plural: &str, namespace: &str, name: &str) -> Option<serde_json::Value> {
+    pub fn get_object(
+        &self,
+        plural: &str,
+        namespace: &str,
+        name: &str,
+    ) -> Option<serde_json::Value> {
         let objects = self.shared.objects.lock().expect("objects");
         objects
             .items
@@ -381,7 +399,10 @@ impl FakeKube {
     /// lets them through one after the other: a create race, for certain.
     pub fn gate_creates(&self, plural: &str, count: usize) {
         if let Ok(mut gate) = self.shared.create_gate.lock() {
-            *gate = Some((plural.to_string(), Arc::new(tokio::sync::Barrier::new(count))));
+            *gate = Some((
+                plural.to_string(),
+                Arc::new(tokio::sync::Barrier::new(count)),
+            ));
         }
     }
 
@@ -632,7 +653,13 @@ fn kind_of(plural: &str) -> (&'static str, &'static str) {
         .unwrap_or(("Unknown", "v1"))
 }
 
-async fn resource(shared: &Shared, method: &str, target: Target, query: &str, body: &[u8]) -> Response<Body> {
+async fn resource(
+    shared: &Shared,
+    method: &str,
+    target: Target,
+    query: &str,
+    body: &[u8],
+) -> Response<Body> {
     let (kind, api_version) = kind_of(&target.plural);
     let namespace = target.namespace.clone().unwrap_or_default();
     let not_found = |name: &str| {
@@ -656,7 +683,11 @@ async fn resource(shared: &Shared, method: &str, target: Target, query: &str, bo
         }
     }
     let Ok(mut objects) = shared.objects.lock() else {
-        return status_error(StatusCode::INTERNAL_SERVER_ERROR, "InternalError", "poisoned");
+        return status_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalError",
+            "poisoned",
+        );
     };
     let key = |name: &str| (target.plural.clone(), namespace.clone(), name.to_string());
     match (method, target.name.as_deref()) {
@@ -729,7 +760,10 @@ async fn resource(shared: &Shared, method: &str, target: Target, query: &str, bo
             }
             object["kind"] = serde_json::json!(kind);
             object["apiVersion"] = serde_json::json!(api_version);
-            let name = object["metadata"]["name"].as_str().unwrap_or_default().to_string();
+            let name = object["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
             if objects.items.contains_key(&key(&name)) {
                 return status_error(
                     StatusCode::CONFLICT,
@@ -748,7 +782,9 @@ async fn resource(shared: &Shared, method: &str, target: Target, query: &str, bo
             let Some(current) = objects.items.get(&key(name)).cloned() else {
                 return not_found(name);
             };
-            let sent = object["metadata"]["resourceVersion"].as_str().unwrap_or_default();
+            let sent = object["metadata"]["resourceVersion"]
+                .as_str()
+                .unwrap_or_default();
             if !sent.is_empty() && current["metadata"]["resourceVersion"] != sent {
                 return status_error(
                     StatusCode::CONFLICT,
@@ -757,7 +793,8 @@ async fn resource(shared: &Shared, method: &str, target: Target, query: &str, bo
                 );
             }
             object["metadata"]["uid"] = current["metadata"]["uid"].clone();
-            object["metadata"]["creationTimestamp"] = current["metadata"]["creationTimestamp"].clone();
+            object["metadata"]["creationTimestamp"] =
+                current["metadata"]["creationTimestamp"].clone();
             if target.namespace.is_some() {
                 object["metadata"]["namespace"] = serde_json::json!(namespace);
             }

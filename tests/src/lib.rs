@@ -254,6 +254,19 @@ impl Drop for MeshcaServer {
     }
 }
 
+/// Starts meshca off the async runtime (on a blocking thread), so a fake
+/// API server running on the test's runtime can answer the calls meshca
+/// makes while starting. Panics with meshca's log if it does not start.
+pub async fn start_off_runtime(data: PathBuf, args: Vec<String>) -> MeshcaServer {
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        MeshcaServer::start(&data, &args)
+    })
+    .await
+    .expect("start task")
+    .unwrap_or_else(|f| panic!("{f:?}"))
+}
+
 /// Mints a token with the data directory's local issuer.
 pub fn mint_token(
     data_dir: &Path,

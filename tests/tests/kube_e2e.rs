@@ -20,20 +20,8 @@ async fn setup(extra: &[&str]) -> (tempfile::TempDir, FakeKube, MeshcaServer) {
     let kubeconfig = kube.kubeconfig.display().to_string();
     let mut args: Vec<String> = vec!["--kubeconfig".into(), kubeconfig];
     args.extend(extra.iter().map(|s| s.to_string()));
-    let server = start_server(dir.path().join("data"), args).await;
+    let server = start_off_runtime(dir.path().join("data"), args).await;
     (dir, kube, server)
-}
-
-/// Starts meshca off the async runtime, so the fake API server (on this
-/// runtime) can answer the calls meshca makes while starting.
-async fn start_server(data: std::path::PathBuf, args: Vec<String>) -> MeshcaServer {
-    tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        MeshcaServer::start(&data, &args)
-    })
-    .await
-    .unwrap()
-    .unwrap_or_else(|f| panic!("{f:?}"))
 }
 
 async fn ask(server: &MeshcaServer, token: &str, id: &str) -> Result<Vec<String>, tonic::Status> {
@@ -246,7 +234,7 @@ async fn node_agent_impersonation_rules() {
     kube.add_token("ztunnel-gone", gone);
     kube.add_token("web", FakeUser::service_account("default", "web"));
     let kubeconfig = kube.kubeconfig.display().to_string();
-    let server = start_server(
+    let server = start_off_runtime(
         dir.path().join("data"),
         vec![
             "--kubeconfig".into(),

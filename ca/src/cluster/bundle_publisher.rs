@@ -213,12 +213,17 @@ async fn reconcile(api: &Api<ConfigMap>, ns: &str, bundle: &str) -> Result<Writt
                         )])),
                         ..Default::default()
                     },
-                    data: Some(BTreeMap::from([(CONFIGMAP_KEY.to_string(), bundle.to_string())])),
+                    data: Some(BTreeMap::from([(
+                        CONFIGMAP_KEY.to_string(),
+                        bundle.to_string(),
+                    )])),
                     ..Default::default()
                 };
                 match api.create(&PostParams::default(), &cm).await {
                     Ok(_) => return Ok(Written::Created),
-                    Err(kube::Error::Api(e)) if e.code == 409 => last_error = Some(kube::Error::Api(e)),
+                    Err(kube::Error::Api(e)) if e.code == 409 => {
+                        last_error = Some(kube::Error::Api(e))
+                    }
                     Err(e) => return Err(e),
                 }
             }
@@ -232,15 +237,19 @@ async fn reconcile(api: &Api<ConfigMap>, ns: &str, bundle: &str) -> Result<Writt
                 cm.data
                     .get_or_insert_with(BTreeMap::new)
                     .insert(CONFIGMAP_KEY.into(), bundle.into());
-                match api.replace(CONFIGMAP_NAME, &PostParams::default(), &cm).await {
+                match api
+                    .replace(CONFIGMAP_NAME, &PostParams::default(), &cm)
+                    .await
+                {
                     Ok(_) => return Ok(Written::Updated),
-                    Err(kube::Error::Api(e)) if e.code == 409 => last_error = Some(kube::Error::Api(e)),
+                    Err(kube::Error::Api(e)) if e.code == 409 => {
+                        last_error = Some(kube::Error::Api(e))
+                    }
                     Err(e) => return Err(e),
                 }
             }
         }
     }
-    Err(last_error.unwrap_or_else(|| {
-        kube::Error::Service("conflicting writes to the ConfigMap".into())
-    }))
+    Err(last_error
+        .unwrap_or_else(|| kube::Error::Service("conflicting writes to the ConfigMap".into())))
 }

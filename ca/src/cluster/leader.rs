@@ -80,7 +80,12 @@ pub fn candidate_identity() -> String {
 
 impl LeaderElector {
     /// A candidate for the Lease [`LEASE_NAME`] in `namespace`.
-    pub fn new(client: kube::Client, namespace: &str, identity: String, timing: LeaderTiming) -> Self {
+    pub fn new(
+        client: kube::Client,
+        namespace: &str,
+        identity: String,
+        timing: LeaderTiming,
+    ) -> Self {
         Self {
             api: Api::namespaced(client, namespace),
             identity,
@@ -207,7 +212,11 @@ impl LeaderElector {
             }),
             ..spec
         });
-        match self.api.replace(LEASE_NAME, &PostParams::default(), &lease).await {
+        match self
+            .api
+            .replace(LEASE_NAME, &PostParams::default(), &lease)
+            .await
+        {
             Ok(_) => Ok(true),
             Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
             Err(e) => Err(e),

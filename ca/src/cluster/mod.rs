@@ -29,7 +29,9 @@ use tokio::sync::watch;
 use crate::authority::Authority;
 use crate::metrics::Metrics;
 use crate::store::CaMaterial;
-use root_secret::{RootKeyPair, RootSecret, RootSecretError, RotationPolicy, RotationStep, SECRET_NAME};
+use root_secret::{
+    RootKeyPair, RootSecret, RootSecretError, RotationPolicy, RotationStep, SECRET_NAME,
+};
 
 /// One RBAC rule meshca needs: API group, resource, verbs, and whether it
 /// is namespaced to meshca's own namespace (Role) or cluster-wide
@@ -108,15 +110,19 @@ pub enum ClusterError {
 /// kubeconfig's (or the in-cluster service account's) namespace.
 pub fn own_namespace(flag: Option<&str>, client: &kube::Client) -> String {
     flag.map(str::to_string)
-        .or_else(|| std::env::var("POD_NAMESPACE").ok().filter(|s| !s.is_empty()))
+        .or_else(|| {
+            std::env::var("POD_NAMESPACE")
+                .ok()
+                .filter(|s| !s.is_empty())
+        })
         .unwrap_or_else(|| client.default_namespace().to_string())
 }
 
 /// The outcome of [`load_or_create_root_secret`].
 #[derive(Debug)]
 pub enum SecretLoad {
-    /// The material and the Secret as read or written.
-    Loaded(CaMaterial, Box<RootSecret>),
+    /// The material of the Secret as read or written.
+    Loaded(Box<CaMaterial>),
     /// The API does not serve Secrets in that namespace (404 on create):
     /// the caller falls back to its data directory.
     NotServed,
@@ -141,11 +147,20 @@ pub async fn load_or_create_root_secret(
         }
     };
     let now = OffsetDateTime::now_utc();
-    if let Some(secret) = api.get_opt(SECRET_NAME).await.map_err(api_error("reading"))? {
+    if let Some(secret) = api
+        .get_opt(SECRET_NAME)
+        .await
+        .map_err(api_error("reading"))?
+    {
         let root = RootSecret::from_secret(&secret, namespace)?;
         let material = root.material(namespace, now)?;
-        tracing::info!(namespace, secret = SECRET_NAME, phase = root.phase.name(), "using the CA root from the Secret");
-        return Ok(SecretLoad::Loaded(material, Box::new(root)));
+        tracing::info!(
+            namespace,
+            secret = SECRET_NAME,
+            phase = root.phase.name(),
+            "using the CA root from the Secret"
+        );
+        return Ok(SecretLoad::Loaded(Box::new(material)));
     }
     let root = RootSecret::new(
         RootKeyPair::generate(trust_domain, root_ttl, now).map_err(RootSecretError::from)?,
@@ -155,7 +170,7 @@ pub async fn load_or_create_root_secret(
         Ok(_) => {
             let material = root.material(namespace, now)?;
             tracing::info!(namespace, secret = SECRET_NAME, not_after = %material.signing.validity().not_after, "generated a new self-signed root and stored it in the Secret");
-            Ok(SecretLoad::Loaded(material, Box::new(root)))
+            Ok(SecretLoad::Loaded(Box::new(material)))
         }
         Err(kube::Error::Api(e)) if e.code == 409 => {
             // Another replica won the race: use its root, drop ours.
@@ -165,8 +180,12 @@ pub async fn load_or_create_root_secret(
                 .map_err(api_error("reading (after losing the create race)"))?;
             let root = RootSecret::from_secret(&secret, namespace)?;
             let material = root.material(namespace, now)?;
-            tracing::info!(namespace, secret = SECRET_NAME, "another replica created the Secret first; using its root");
-            Ok(SecretLoad::Loaded(material, Box::new(root)))
+            tracing::info!(
+                namespace,
+                secret = SECRET_NAME,
+                "another replica created the Secret first; using its root"
+            );
+            Ok(SecretLoad::Loaded(Box::new(material)))
         }
         Err(kube::Error::Api(e)) if e.code == 404 => Ok(SecretLoad::NotServed),
         Err(e) => Err(api_error("creating")(e)),
@@ -211,7 +230,9 @@ pub async fn follow_root_secret(
                     latest.send_replace(Some(None));
                 }
             }
-            Err(e) => tracing::warn!(error = %e, secret = SECRET_NAME, "watching the CA Secret failed; retrying"),
+            Err(e) => {
+                tracing::warn!(error = %e, secret = SECRET_NAME, "watching the CA Secret failed; retrying")
+            }
         }
     }
 }
@@ -281,7 +302,18 @@ pub async fn rotate_root(
                         Duration::try_from(at - now).unwrap_or(Duration::ZERO)
                     }
                     Some(step) => {
-                        match take_step(&api, &namespace, &trust_domain, &policy, &secret, &root, step, now).await {
+                        match take_step(
+                            &api,
+                            &namespace,
+                            &trust_domain,
+                            &policy,
+                            &secret,
+                            &root,
+                            step,
+                            now,
+                        )
+                        .await
+                        {
                             Ok(written) => {
                                 adopt(&written, &namespace, &authority, &metrics);
                                 Duration::from_millis(200)
@@ -355,8 +387,15 @@ async fn restore_deleted_secret(api: &Api<Secret>, namespace: &str, authority: &
             key_pem: material.signing.key().to_pkcs8_pem(),
         })
     };
-    match api.create(&PostParams::default(), &root.to_secret(namespace, None)).await {
-        Ok(_) => tracing::warn!(namespace, secret = SECRET_NAME, "the CA Secret was deleted; wrote it back from the root in memory"),
+    match api
+        .create(&PostParams::default(), &root.to_secret(namespace, None))
+        .await
+    {
+        Ok(_) => tracing::warn!(
+            namespace,
+            secret = SECRET_NAME,
+            "the CA Secret was deleted; wrote it back from the root in memory"
+        ),
         Err(kube::Error::Api(e)) if e.code == 409 => {}
         Err(e) => tracing::warn!(error = %e, "writing the deleted CA Secret back failed; retrying"),
     }

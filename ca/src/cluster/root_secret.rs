@@ -241,14 +241,17 @@ impl RootSecret {
                 .next()
                 .ok_or_else(|| malformed(key, "no certificate".into()))
         };
-        let cert_pem = text(CA_CERT_KEY)?.ok_or_else(|| malformed(CA_CERT_KEY, "missing".into()))?;
+        let cert_pem =
+            text(CA_CERT_KEY)?.ok_or_else(|| malformed(CA_CERT_KEY, "missing".into()))?;
         let key_pem = text(CA_KEY_KEY)?.ok_or_else(|| malformed(CA_KEY_KEY, "missing".into()))?;
         let signing = RootKeyPair {
             cert: first_cert(CA_CERT_KEY, &cert_pem)?,
             key_pem,
         };
         let mut bundle = match text(ROOT_CERT_KEY)? {
-            Some(pem) => parse_certs_pem(&pem).map_err(|e| malformed(ROOT_CERT_KEY, e.to_string()))?,
+            Some(pem) => {
+                parse_certs_pem(&pem).map_err(|e| malformed(ROOT_CERT_KEY, e.to_string()))?
+            }
             None => Vec::new(),
         };
         if !bundle.contains(&signing.cert) {
@@ -263,7 +266,8 @@ impl RootSecret {
         };
         let annotations = secret.metadata.annotations.as_ref();
         let annotation = |key: &str| annotations.and_then(|a| a.get(key)).map(String::as_str);
-        let time_of = |key: &str| annotation(key).and_then(|t| OffsetDateTime::parse(t, &Rfc3339).ok());
+        let time_of =
+            |key: &str| annotation(key).and_then(|t| OffsetDateTime::parse(t, &Rfc3339).ok());
         let mut phase = annotation(PHASE_ANNOTATION)
             .and_then(RotationPhase::parse)
             .unwrap_or(RotationPhase::Stable);
@@ -285,11 +289,13 @@ impl RootSecret {
     /// Writes the content into a Secret, keeping `base`'s other metadata
     /// (labels, foreign annotations, resourceVersion for the compare-and-swap).
     pub fn to_secret(&self, namespace: &str, base: Option<&Secret>) -> Secret {
-        let mut metadata = base.map(|s| s.metadata.clone()).unwrap_or_else(|| ObjectMeta {
-            name: Some(SECRET_NAME.to_string()),
-            namespace: Some(namespace.to_string()),
-            ..Default::default()
-        });
+        let mut metadata = base
+            .map(|s| s.metadata.clone())
+            .unwrap_or_else(|| ObjectMeta {
+                name: Some(SECRET_NAME.to_string()),
+                namespace: Some(namespace.to_string()),
+                ..Default::default()
+            });
         metadata.managed_fields = None;
         let annotations = metadata.annotations.get_or_insert_with(BTreeMap::new);
         for key in [
@@ -312,7 +318,10 @@ impl RootSecret {
         }
         let mut data = BTreeMap::new();
         let bytes = |s: String| ByteString(s.into_bytes());
-        data.insert(CA_CERT_KEY.into(), bytes(encode_cert_pem(&self.signing.cert)));
+        data.insert(
+            CA_CERT_KEY.into(),
+            bytes(encode_cert_pem(&self.signing.cert)),
+        );
         data.insert(CA_KEY_KEY.into(), bytes(self.signing.key_pem.clone()));
         data.insert(ROOT_CERT_KEY.into(), bytes(encode_certs_pem(&self.bundle)));
         if let Some(next) = &self.next {
@@ -329,7 +338,11 @@ impl RootSecret {
 
     /// The CA material to sign with: the signing root, checked (key matches,
     /// CA bits, inside its validity), and the bundle.
-    pub fn material(&self, namespace: &str, now: OffsetDateTime) -> Result<CaMaterial, RootSecretError> {
+    pub fn material(
+        &self,
+        namespace: &str,
+        now: OffsetDateTime,
+    ) -> Result<CaMaterial, RootSecretError> {
         let unusable = |reason: String| RootSecretError::Unusable {
             namespace: namespace.to_string(),
             reason,
@@ -473,8 +486,14 @@ mod tests {
         assert_eq!(back.signing.cert, s.signing.cert);
         assert_eq!(back.bundle, s.bundle);
         assert_eq!(back.phase, RotationPhase::Announced);
-        assert_eq!(back.next.unwrap().cert, s.next.unwrap().cert);
-        assert_eq!(back.phase_since.unwrap().unix_timestamp(), now.unix_timestamp());
+        assert_eq!(
+            back.next.as_ref().unwrap().cert,
+            s.next.as_ref().unwrap().cert
+        );
+        assert_eq!(
+            back.phase_since.unwrap().unix_timestamp(),
+            now.unix_timestamp()
+        );
         assert!(back.material("istio-system", now).is_ok());
     }
 
@@ -493,16 +512,31 @@ mod tests {
         let new = root(t1);
         let announced = s.after(RotationStep::Announce, Some(new.clone()), &p, t1);
         assert_eq!(announced.bundle.len(), 2);
-        assert_eq!(announced.signing.cert, s.signing.cert, "the old root still signs");
-        assert_eq!(announced.due_step(&p, t1 + time::Duration::seconds(9)), None);
+        assert_eq!(
+            announced.signing.cert, s.signing.cert,
+            "the old root still signs"
+        );
+        assert_eq!(
+            announced.due_step(&p, t1 + time::Duration::seconds(9)),
+            None
+        );
         let t2 = t1 + time::Duration::seconds(10);
         assert_eq!(announced.due_step(&p, t2), Some(RotationStep::Switch));
 
         let switched = announced.after(RotationStep::Switch, None, &p, t2);
         assert_eq!(switched.signing.cert, new.cert);
-        assert_eq!(switched.bundle, vec![new.cert.clone(), s.signing.cert.clone()]);
-        assert_eq!(switched.retire_after, Some(t2 + time::Duration::seconds(70)));
-        assert_eq!(switched.due_step(&p, t2 + time::Duration::seconds(69)), None);
+        assert_eq!(
+            switched.bundle,
+            vec![new.cert.clone(), s.signing.cert.clone()]
+        );
+        assert_eq!(
+            switched.retire_after,
+            Some(t2 + time::Duration::seconds(70))
+        );
+        assert_eq!(
+            switched.due_step(&p, t2 + time::Duration::seconds(69)),
+            None
+        );
         let t3 = t2 + time::Duration::seconds(70);
         assert_eq!(switched.due_step(&p, t3), Some(RotationStep::Retire));
 
@@ -526,7 +560,11 @@ mod tests {
         let announced = s.after(RotationStep::Announce, Some(root(now)), &policy(), now);
         assert!(!announced.rotation_requested);
         let written = announced.to_secret("ns", Some(&secret));
-        assert!(!written.metadata.annotations.unwrap().contains_key(ROTATE_ANNOTATION));
+        assert!(!written
+            .metadata
+            .annotations
+            .unwrap()
+            .contains_key(ROTATE_ANNOTATION));
     }
 
     #[test]
@@ -547,8 +585,13 @@ mod tests {
         let mut secret = RootSecret::new(root(now)).to_secret("ns", None);
         let data = secret.data.as_mut().unwrap();
         data.remove(CA_KEY_KEY);
-        let err = RootSecret::from_secret(&secret, "ns").unwrap_err().to_string();
-        assert!(err.contains("ca-key.pem") && err.contains("missing"), "{err}");
+        let err = RootSecret::from_secret(&secret, "ns")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("ca-key.pem") && err.contains("missing"),
+            "{err}"
+        );
         let data = secret.data.as_mut().unwrap();
         data.insert(CA_KEY_KEY.into(), ByteString(b"garbage".to_vec()));
         let s = RootSecret::from_secret(&secret, "ns").unwrap();
