@@ -1,0 +1,231 @@
+//! The deployment manifests in `deploy/kustomize` against the Kubernetes
+//! schema (typed k8s-openapi objects) and against what meshca does: RBAC
+//! grants exactly the calls in `RBAC_RULES`, the probes and ports are the
+//! ones `meshca serve` serves. With `kubectl` on the PATH the rendered
+//! overlays (`kubectl kustomize`) are checked too.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{Service, ServiceAccount};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
+use meshca_ca::cluster::RBAC_RULES;
+
+fn deploy_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kustomize")
+}
+
+fn documents(text: &str) -> Vec<serde_json::Value> {
+    serde_saphyr::from_multiple::<serde_json::Value>(text)
+        .expect("valid YAML")
+        .into_iter()
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn base_documents() -> Vec<serde_json::Value> {
+    let base = deploy_dir().join("base");
+    let kustomization =
+        documents(&std::fs::read_to_string(base.join("kustomization.yaml")).unwrap());
+    let resources = kustomization[0]["resources"].as_array().unwrap().clone();
+    resources
+        .iter()
+        .flat_map(|r| documents(&std::fs::read_to_string(base.join(r.as_str().unwrap())).unwrap()))
+        .collect()
+}
+
+fn of_kind<T: serde::de::DeserializeOwned>(docs: &[serde_json::Value], kind: &str) -> Vec<T> {
+    docs.iter()
+        .filter(|d| d["kind"] == kind)
+        .map(|d| {
+            serde_json::from_value(d.clone())
+                .unwrap_or_else(|e| panic!("{kind} does not match the schema: {e}"))
+        })
+        .collect()
+}
+
+/// (group, resource, verbs) granted by a set of rules.
+fn grants(rules: &[PolicyRule]) -> BTreeSet<(String, String, Vec<String>)> {
+    let mut out = BTreeSet::new();
+    for rule in rules {
+        for group in rule.api_groups.clone().unwrap_or_default() {
+            for resource in rule.resources.clone().unwrap_or_default() {
+                let mut verbs = rule.verbs.clone();
+                verbs.sort();
+                out.insert((group.clone(), resource, verbs));
+            }
+        }
+    }
+    out
+}
+
+fn check(docs: &[serde_json::Value]) {
+    // RBAC: exactly RBAC_RULES, cluster-wide or in the own namespace.
+    let cluster_roles: Vec<ClusterRole> = of_kind(docs, "ClusterRole");
+    let roles: Vec<Role> = of_kind(docs, "Role");
+    assert_eq!(cluster_roles.len(), 1);
+    assert_eq!(roles.len(), 1);
+    let expected = |own: bool| -> BTreeSet<(String, String, Vec<String>)> {
+        RBAC_RULES
+            .iter()
+            .filter(|r| r.own_namespace_only == own)
+            .map(|r| {
+                let mut verbs: Vec<String> = r.verbs.iter().map(|v| v.to_string()).collect();
+                verbs.sort();
+                (r.api_group.to_string(), r.resource.to_string(), verbs)
+            })
+            .collect()
+    };
+    assert_eq!(
+        grants(cluster_roles[0].rules.as_deref().unwrap()),
+        expected(false),
+        "ClusterRole"
+    );
+    assert_eq!(
+        grants(&roles[0].rules.clone().unwrap()),
+        expected(true),
+        "Role"
+    );
+    let crb: Vec<ClusterRoleBinding> = of_kind(docs, "ClusterRoleBinding");
+    let rb: Vec<RoleBinding> = of_kind(docs, "RoleBinding");
+    assert_eq!(crb[0].role_ref.name, "meshca");
+    assert_eq!(rb[0].role_ref.name, "meshca");
+    let sa: Vec<ServiceAccount> = of_kind(docs, "ServiceAccount");
+    assert_eq!(sa[0].metadata.name.as_deref(), Some("meshca"));
+
+    // Deployment: 2 replicas, probes on the monitoring port, ports, POD_NAMESPACE.
+    let deployment: Vec<Deployment> = of_kind(docs, "Deployment");
+    let spec = deployment[0].spec.as_ref().unwrap();
+    assert_eq!(spec.replicas, Some(2));
+    let pod = spec.template.spec.as_ref().unwrap();
+    assert_eq!(pod.service_account_name.as_deref(), Some("meshca"));
+    let container = &pod.containers[0];
+    assert_eq!(container.args.as_deref(), Some(&["serve".to_string()][..]));
+    let ports: BTreeSet<i32> = container
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| p.container_port)
+        .collect();
+    assert_eq!(ports, BTreeSet::from([15012, 15014]));
+    let readiness = container
+        .readiness_probe
+        .as_ref()
+        .unwrap()
+        .http_get
+        .as_ref()
+        .unwrap();
+    assert_eq!(readiness.path.as_deref(), Some("/ready"));
+    let liveness = container
+        .liveness_probe
+        .as_ref()
+        .unwrap()
+        .http_get
+        .as_ref()
+        .unwrap();
+    assert_eq!(liveness.path.as_deref(), Some("/healthz"));
+    let env: Vec<String> = container
+        .env
+        .iter()
+        .flatten()
+        .map(|e| e.name.clone())
+        .collect();
+    for name in ["POD_NAMESPACE", "MESHCA_LISTEN", "MESHCA_MONITORING_LISTEN"] {
+        assert!(env.contains(&name.to_string()), "{name} is set");
+    }
+    // Every MESHCA_ variable names a real flag of `meshca serve`.
+    let flags = meshca_flag_envs();
+    for name in env.iter().filter(|n| n.starts_with("MESHCA_")) {
+        assert!(flags.contains(name), "{name} is not a flag of meshca serve");
+    }
+
+    // Service and PDB.
+    let service: Vec<Service> = of_kind(docs, "Service");
+    let service_ports: BTreeSet<i32> = service[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .ports
+        .iter()
+        .flatten()
+        .map(|p| p.port)
+        .collect();
+    assert_eq!(service_ports, BTreeSet::from([15012, 15014]));
+    let pdb: Vec<PodDisruptionBudget> = of_kind(docs, "PodDisruptionBudget");
+    assert!(pdb[0].spec.as_ref().unwrap().min_available.is_some());
+}
+
+/// The environment variable of every `meshca serve` flag.
+fn meshca_flag_envs() -> BTreeSet<String> {
+    use clap::CommandFactory;
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: meshca_ca::config::ServeArgs,
+    }
+    Cli::command()
+        .get_arguments()
+        .filter_map(|a| a.get_env().map(|e| e.to_string_lossy().into_owned()))
+        .collect()
+}
+
+#[test]
+fn base_manifests_match_the_schema_and_the_code() {
+    check(&base_documents());
+}
+
+#[test]
+fn rendered_overlays_match_when_kubectl_is_available() {
+    let Ok(version) = std::process::Command::new("kubectl")
+        .args(["version", "--client"])
+        .output()
+    else {
+        eprintln!("kubectl not found: only the base manifests were checked");
+        return;
+    };
+    if !version.status.success() {
+        return;
+    }
+    for overlay in ["self-signed", "plugged-in"] {
+        let out = std::process::Command::new("kubectl")
+            .arg("kustomize")
+            .arg(deploy_dir().join("overlays").join(overlay))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "kubectl kustomize {overlay}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let docs = documents(&String::from_utf8(out.stdout).unwrap());
+        check(&docs);
+        let deployment: Vec<Deployment> = of_kind(&docs, "Deployment");
+        let pod = deployment[0]
+            .spec
+            .as_ref()
+            .unwrap()
+            .template
+            .spec
+            .as_ref()
+            .unwrap();
+        let has_cacerts = pod.volumes.iter().flatten().any(|v| {
+            v.secret
+                .as_ref()
+                .is_some_and(|s| s.secret_name.as_deref() == Some("cacerts"))
+        });
+        assert_eq!(has_cacerts, overlay == "plugged-in", "{overlay}");
+        for doc in &docs {
+            if doc["kind"] != "ClusterRole" && doc["kind"] != "ClusterRoleBinding" {
+                assert_eq!(
+                    doc["metadata"]["namespace"], "istio-system",
+                    "{}",
+                    doc["kind"]
+                );
+            }
+        }
+    }
+}
