@@ -1,0 +1,173 @@
+//! The yardstick: how many certificates one core could issue if nothing
+//! but the cryptography cost anything. Per certificate that is one CSR
+//! signature check, one certificate signature and (offline-JWT mode) one
+//! token signature check, with the same key types as the run. Measured
+//! with ring directly, in this process, on one thread. The in-process
+//! signing path (PEM/DER parsing, certificate building, PEM encoding) is
+//! measured too, to show what the code around the crypto costs.
+
+use std::time::{Duration, Instant};
+
+use meshca_ca::authority::Authority;
+use meshca_ca::config::TtlPolicy;
+use meshca_ca::store::{CaMaterial, CaSource};
+use meshca_certs::keys::KeyAlgorithm;
+use meshca_certs::profile::{self_signed_root, SigningCa, SubjectName, Validity};
+use meshca_certs::{PrivateKey, TrustBundle, VerifiedCsr};
+use ring::signature::{self, EcdsaKeyPair, KeyPair};
+use serde_json::json;
+use time::OffsetDateTime;
+
+/// The measured limits.
+#[derive(Debug, Clone)]
+pub(crate) struct Baseline {
+    /// Certificates per second per core from the crypto alone.
+    pub(crate) limit_per_core: f64,
+    /// What one certificate's crypto is.
+    pub(crate) operations: String,
+    /// Certificates per second per core through meshca's in-process
+    /// signing path (CSR parse + verify, certificate build + sign, PEM).
+    pub(crate) in_process_path_per_core: f64,
+}
+
+impl Baseline {
+    /// As JSON.
+    pub(crate) fn to_json(&self) -> serde_json::Value {
+        json!({
+            "limit_per_core": self.limit_per_core,
+            "operations": self.operations,
+            "in_process_path_per_core": self.in_process_path_per_core,
+        })
+    }
+
+    /// For people.
+    pub(crate) fn to_text(&self) -> String {
+        format!(
+            "crypto limit: {:.0} certs/s on one core ({}); meshca's in-process signing path: {:.0}/s ({:.0}% of it)\n",
+            self.limit_per_core,
+            self.operations,
+            self.in_process_path_per_core,
+            100.0 * self.in_process_path_per_core / self.limit_per_core.max(1e-9)
+        )
+    }
+}
+
+fn per_second(window: Duration, mut op: impl FnMut()) -> f64 {
+    // Warm up, then count whole operations for `window`.
+    for _ in 0..50 {
+        op();
+    }
+    let start = Instant::now();
+    let mut n = 0u64;
+    while start.elapsed() < window {
+        for _ in 0..20 {
+            op();
+        }
+        n += 20;
+    }
+    n as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Measures the limit for CSRs of `csr_key` signed by a P-256 CA, with a
+/// token check if `with_token`. `csrs` are PEM CSRs of the run.
+pub(crate) fn measure(
+    csr_key: KeyAlgorithm,
+    with_token: bool,
+    csrs: &[String],
+) -> anyhow::Result<Baseline> {
+    let rng = ring::rand::SystemRandom::new();
+    let window = Duration::from_secs(2);
+    // The CA's signature: ECDSA P-256 over a TBSCertificate-sized message.
+    let ca_pkcs8 = EcdsaKeyPair::generate_pkcs8(&signature::ECDSA_P256_SHA256_ASN1_SIGNING, &rng)
+        .map_err(|_| anyhow::anyhow!("generating a P-256 key"))?;
+    let ca_key = EcdsaKeyPair::from_pkcs8(
+        &signature::ECDSA_P256_SHA256_ASN1_SIGNING,
+        ca_pkcs8.as_ref(),
+        &rng,
+    )
+    .map_err(|_| anyhow::anyhow!("loading a P-256 key"))?;
+    let tbs = vec![0x5au8; 480];
+    // The CSR's signature check, with the run's key type.
+    let csr_signer = PrivateKey::generate(csr_key)?;
+    let csr_sig = rcgen::SigningKey::sign(csr_signer.key_pair(), &tbs)
+        .map_err(|e| anyhow::anyhow!("signing: {e}"))?;
+    let csr_public = csr_signer.key_pair().public_key_raw().to_vec();
+    let csr_alg: &dyn signature::VerificationAlgorithm = match csr_key {
+        KeyAlgorithm::EcdsaP256 => &signature::ECDSA_P256_SHA256_ASN1,
+        KeyAlgorithm::EcdsaP384 => &signature::ECDSA_P384_SHA384_ASN1,
+        _ => &signature::RSA_PKCS1_2048_8192_SHA256,
+    };
+    // The token's signature (ES256, as the local issuer and Kubernetes' EC keys).
+    let token_sig = ca_key
+        .sign(&rng, &tbs[..200])
+        .map_err(|_| anyhow::anyhow!("signing"))?;
+    let token_public = ca_key.public_key().as_ref().to_vec();
+
+    let limit_per_core = per_second(window, || {
+        let ok = signature::UnparsedPublicKey::new(csr_alg, &csr_public)
+            .verify(&tbs, &csr_sig)
+            .is_ok();
+        let sig = ca_key.sign(&rng, &tbs);
+        let token_ok = !with_token
+            || signature::UnparsedPublicKey::new(&signature::ECDSA_P256_SHA256_ASN1, &token_public)
+                .verify(&tbs[..200], token_sig.as_ref())
+                .is_ok();
+        std::hint::black_box((ok, sig.is_ok(), token_ok));
+    });
+
+    // meshca's own signing path, in process.
+    let now = OffsetDateTime::now_utc();
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256)?;
+    let root = self_signed_root(
+        &key,
+        &SubjectName {
+            common_name: Some("bench root".into()),
+            ..Default::default()
+        },
+        Validity::backdated(now, time::Duration::days(1)),
+    )?;
+    let material = CaMaterial {
+        signing: SigningCa::new(root.der.clone(), key)?,
+        chain: Vec::new(),
+        anchor_root: root.der.clone(),
+        bundle: TrustBundle::new(vec![root.der]),
+        source: CaSource::PluggedIn("bench".into()),
+    };
+    let authority = Authority::new(material, TtlPolicy::default());
+    let mut i = 0usize;
+    let mut failed = None;
+    let in_process_path_per_core = per_second(window, || {
+        let pem = &csrs[i % csrs.len()];
+        i += 1;
+        match VerifiedCsr::from_pem(pem) {
+            Ok(csr) => {
+                let id = &csr.uri_sans()[0];
+                if let Err(e) = authority.sign_workload(csr.subject_key(), id, 0, now) {
+                    failed = Some(e.to_string());
+                }
+            }
+            Err(e) => failed = Some(e.to_string()),
+        }
+        if with_token {
+            let _ = std::hint::black_box(
+                signature::UnparsedPublicKey::new(
+                    &signature::ECDSA_P256_SHA256_ASN1,
+                    &token_public,
+                )
+                .verify(&tbs[..200], token_sig.as_ref()),
+            );
+        }
+    });
+    if let Some(e) = failed {
+        anyhow::bail!("the in-process signing path failed: {e}");
+    }
+    let mut operations = format!("{} CSR verify + P-256 certificate sign", csr_key.name());
+    if with_token {
+        operations += " + ES256 token verify";
+    }
+    Ok(Baseline {
+        limit_per_core,
+        operations,
+        in_process_path_per_core,
+    })
+}

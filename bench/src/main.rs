@@ -1,0 +1,142 @@
+//! # meshca-bench
+//!
+//! A load generator for `IstioCertificateService` CAs (meshca, istiod) and,
+//! for comparison, cfssl's sign endpoint. Key generation happens before the
+//! clock starts: N CSRs and tokens for N identities are made up front, then
+//! M HTTP/2 connections over TLS carry `CreateCertificate` calls at
+//! concurrency C for a duration or a count. It reports throughput,
+//! latency percentiles, errors by status code and, given the server's pid,
+//! its CPU seconds and peak RSS from `/proc`. `--crypto-baseline` measures
+//! in the same run what one core can do with the cryptography alone
+//! (CSR signature check + certificate signature + token signature check),
+//! so the result reads as a fraction of that limit.
+//!
+//! ```text
+//! meshca serve --data-dir d &
+//! meshca-bench --data-dir d --server-pid $! --concurrency 16 --duration 10s --crypto-baseline
+//! meshca-bench mass-restart --identities 10000 --api-latency 5ms
+//! ```
+
+mod baseline;
+mod load;
+mod mass_restart;
+mod proc_stats;
+mod report;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use meshca_certs::{parse_duration, KeyAlgorithm};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "meshca-bench",
+    version,
+    about = "Load generator for Istio-compatible CAs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start meshca against a fake Kubernetes API (TokenReview with latency)
+    /// and have N distinct identities ask at once, as after a mass restart.
+    MassRestart(mass_restart::MassRestartArgs),
+}
+
+/// Flags of a load run against a running CA.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct RunArgs {
+    /// The CA: https://HOST:PORT for meshca/istiod, http://HOST:PORT for cfssl.
+    #[arg(long, default_value = "https://127.0.0.1:15012")]
+    pub(crate) addr: String,
+    /// What speaks at --addr.
+    #[arg(long, value_enum, default_value = "istio")]
+    pub(crate) target: Target,
+    /// meshca's data directory: root-cert.pem to trust and the local token
+    /// issuer to mint one token per identity (offline JWT validation).
+    #[arg(long)]
+    pub(crate) data_dir: Option<PathBuf>,
+    /// Root bundle to trust (default: DATA_DIR/root-cert.pem).
+    #[arg(long)]
+    pub(crate) root_cert: Option<PathBuf>,
+    /// Tokens instead of minting: one line per identity, `NAMESPACE SERVICE_ACCOUNT TOKEN`.
+    #[arg(long)]
+    pub(crate) tokens: Option<PathBuf>,
+    /// Distinct identities (CSRs and tokens made before the clock starts).
+    #[arg(long, default_value_t = 1000)]
+    pub(crate) identities: usize,
+    /// HTTP/2 connections.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) connections: usize,
+    /// Requests in flight.
+    #[arg(long, default_value_t = 16)]
+    pub(crate) concurrency: usize,
+    /// How long to measure (after the warm-up).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub(crate) duration: Duration,
+    /// Stop after this many requests instead of after --duration.
+    #[arg(long)]
+    pub(crate) requests: Option<u64>,
+    /// Requests before the clock starts (TLS handshakes, caches).
+    #[arg(long, default_value = "1s", value_parser = parse_duration)]
+    pub(crate) warmup: Duration,
+    /// Key type of the CSRs.
+    #[arg(long, default_value = "ecdsa-p256")]
+    pub(crate) key: KeyAlgorithm,
+    /// Trust domain of the identities.
+    #[arg(long, default_value = "cluster.local")]
+    pub(crate) trust_domain: String,
+    /// The server's pid, for its CPU seconds and peak RSS (/proc/<pid>).
+    #[arg(long)]
+    pub(crate) server_pid: Option<u32>,
+    /// Also measure the crypto limit on one core, in this process.
+    #[arg(long)]
+    pub(crate) crypto_baseline: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+/// The protocol at --addr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum Target {
+    /// `istio.v1.auth.IstioCertificateService/CreateCertificate` over TLS.
+    Istio,
+    /// cfssl's `POST /api/v1/cfssl/sign` (JSON over HTTP/1.1).
+    Cfssl,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("meshca-bench: error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Some(Command::MassRestart(args)) => mass_restart::run(args).await,
+            None => load::run(cli.run).await,
+        }
+    });
+    match result {
+        Ok(clean) if clean => ExitCode::SUCCESS,
+        Ok(_) => ExitCode::from(2),
+        Err(e) => {
+            eprintln!("meshca-bench: error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! The mass-restart scenario: N distinct identities ask at the same moment,
+//! as after a node or cluster restart. meshca runs as its real binary with
+//! TokenReview against the fake Kubernetes API server of the end-to-end
+//! tests (real HTTPS, real JSON) answering with a configurable latency.
+//! Reported: time until every identity has an answer, latency percentiles,
+//! errors by status, and how the health endpoint answered meanwhile.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Args;
+use meshca_certs::parse_duration;
+use meshca_tests::fake_kube::{FakeKube, FakeUser};
+use serde_json::json;
+
+use crate::load::{self, Prepared};
+use crate::report::new_histogram;
+use crate::{proc_stats, RunArgs};
+
+/// Flags of `meshca-bench mass-restart`.
+#[derive(Debug, Clone, Args)]
+pub(crate) struct MassRestartArgs {
+    /// The meshca binary (default: `meshca` next to this program).
+    #[arg(long)]
+    pub(crate) meshca: Option<PathBuf>,
+    /// Distinct identities, all asking at once.
+    #[arg(long, default_value_t = 10_000)]
+    pub(crate) identities: usize,
+    /// Latency of every Kubernetes API answer.
+    #[arg(long, default_value = "5ms", value_parser = parse_duration)]
+    pub(crate) api_latency: Duration,
+    /// Client connections the requests are spread over (HTTP/2).
+    #[arg(long, default_value_t = 64)]
+    pub(crate) connections: usize,
+    /// Extra flags for `meshca serve`, e.g. `--max-concurrent-requests=512`.
+    #[arg(long = "meshca-arg", allow_hyphen_values = true)]
+    pub(crate) meshca_args: Vec<String>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub(crate) json: bool,
+}
+
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_addr() -> anyhow::Result<SocketAddr> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+async fn healthz(addr: SocketAddr) -> Result<(), String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n")
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
+    if buf.starts_with(b"HTTP/1.0 200") || buf.starts_with(b"HTTP/1.1 200") {
+        Ok(())
+    } else {
+        Err("not 200".into())
+    }
+}
+
+/// Runs the scenario. `Ok(false)` when a request got no certificate.
+pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
+    let meshca = match &args.meshca {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()?
+            .parent()
+            .context("locating meshca")?
+            .join("meshca"),
+    };
+    let dir = tempfile::tempdir()?;
+    let kube = FakeKube::start(dir.path()).await;
+    kube.set_latency(args.api_latency);
+    let grpc = free_addr()?;
+    let monitoring = free_addr()?;
+    let log = std::fs::File::create(dir.path().join("meshca.log"))?;
+    let child = Command::new(&meshca)
+        .arg("serve")
+        .args([
+            "--listen",
+            &grpc.to_string(),
+            "--monitoring-listen",
+            &monitoring.to_string(),
+        ])
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
+        .arg("--kubeconfig")
+        .arg(&kube.kubeconfig)
+        .args(&args.meshca_args)
+        .env("MESHCA_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .with_context(|| format!("starting {}", meshca.display()))?;
+    let child = KillOnDrop(child);
+    let pid = child.0.id();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while healthz(monitoring).await.is_err() {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "meshca did not start: {}",
+            std::fs::read_to_string(dir.path().join("meshca.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let root_pem = std::fs::read_to_string(dir.path().join("data/root-cert.pem"))?;
+
+    eprintln!("meshca-bench: preparing {} identities…", args.identities);
+    let mut tokens = Vec::with_capacity(args.identities);
+    for i in 0..args.identities {
+        let (ns, sa) = ("bench".to_string(), format!("sa-{i}"));
+        let token = format!("token-{i}-{}", i.wrapping_mul(2654435761));
+        kube.add_token(&token, FakeUser::service_account(&ns, &sa));
+        tokens.push((ns, sa, token));
+    }
+    let run_args = RunArgs {
+        addr: format!("https://{grpc}"),
+        target: crate::Target::Istio,
+        data_dir: None,
+        root_cert: None,
+        tokens: None,
+        identities: args.identities,
+        connections: args.connections,
+        concurrency: args.identities,
+        duration: Duration::ZERO,
+        requests: None,
+        warmup: Duration::ZERO,
+        key: meshca_certs::KeyAlgorithm::EcdsaP256,
+        trust_domain: "cluster.local".into(),
+        server_pid: None,
+        crypto_baseline: false,
+        json: false,
+    };
+    let prepared: Arc<Vec<Prepared>> = Arc::new(load::prepare(&run_args, None, Some(&tokens))?);
+    let clients = load::connect_istio(&run_args.addr, &root_pem, args.connections).await?;
+    let rss_before = proc_stats::read(pid);
+
+    // Health checks every 50 ms while the storm lasts.
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let health = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let mut hist = new_histogram();
+            let mut failures = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let t = Instant::now();
+                match tokio::time::timeout(Duration::from_secs(2), healthz(monitoring)).await {
+                    Ok(Ok(())) => {
+                        let _ = hist.record(t.elapsed().as_micros().max(1) as u64);
+                    }
+                    _ => failures += 1,
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            (hist, failures)
+        })
+    };
+    // Every identity at once: one task each.
+    let start = Instant::now();
+    let mut tasks = Vec::with_capacity(args.identities);
+    for (i, p) in prepared.iter().enumerate() {
+        let mut client = clients[i % clients.len()].clone();
+        let p = p.clone();
+        tasks.push(tokio::spawn(async move {
+            let t = Instant::now();
+            let result = client.call(&p).await;
+            (t.elapsed(), result)
+        }));
+    }
+    let mut latency = new_histogram();
+    let mut errors: BTreeMap<String, u64> = BTreeMap::new();
+    let mut error_latency_max = Duration::ZERO;
+    let mut ok = 0u64;
+    for t in tasks {
+        match t.await {
+            Ok((d, Ok(()))) => {
+                ok += 1;
+                let _ = latency.record(d.as_micros().max(1) as u64);
+            }
+            Ok((d, Err(code))) => {
+                error_latency_max = error_latency_max.max(d);
+                *errors.entry(code).or_default() += 1;
+            }
+            Err(_) => *errors.entry("TASK_FAILED".into()).or_default() += 1,
+        }
+    }
+    let drained = start.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (health_hist, health_failures) = health.await.unwrap_or((new_histogram(), u64::MAX));
+    let stats = proc_stats::read(pid);
+    let ms = |h: &hdrhistogram::Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+    let report = json!({
+        "scenario": "mass-restart",
+        "identities": args.identities,
+        "connections": args.connections,
+        "api_latency_ms": args.api_latency.as_secs_f64() * 1000.0,
+        "token_reviews": kube.reviews(),
+        "ok": ok,
+        "errors": errors,
+        "slowest_error_ms": error_latency_max.as_secs_f64() * 1000.0,
+        "drain_seconds": drained.as_secs_f64(),
+        "throughput_per_second": ok as f64 / drained.as_secs_f64().max(1e-9),
+        "latency_ms": {"p50": ms(&latency, 0.5), "p90": ms(&latency, 0.9), "p99": ms(&latency, 0.99), "max": latency.max() as f64 / 1000.0},
+        "healthz": {"checks": health_hist.len(), "failures": health_failures, "p99_ms": ms(&health_hist, 0.99), "max_ms": health_hist.max() as f64 / 1000.0},
+        "server": stats.map(|s| json!({
+            "cpu_seconds": s.cpu_seconds - rss_before.map(|b| b.cpu_seconds).unwrap_or(0.0),
+            "peak_rss_mib": s.peak_rss_bytes as f64 / 1048576.0,
+        })),
+    });
+    if args.json {
+        println!("{report}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
+    Ok(errors.is_empty())
+}
