@@ -22,6 +22,9 @@ use crate::load::{self, Prepared};
 use crate::report::new_histogram;
 use crate::{proc_stats, RunArgs};
 
+/// Retries of one identity before it gives up.
+const MAX_RETRIES: u32 = 6;
+
 /// Flags of `meshca-bench mass-restart`.
 #[derive(Debug, Clone, Args)]
 pub(crate) struct MassRestartArgs {
@@ -172,7 +175,9 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
             (hist, failures)
         })
     };
-    // Every identity at once: one task each.
+    // Every identity at once: one task each. Like the agent library, a
+    // request refused as overloaded or unavailable is retried after a
+    // jittered, doubling backoff (1 s, 2 s, 4 s…).
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(args.identities);
     for (i, p) in prepared.iter().enumerate() {
@@ -180,23 +185,51 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         let p = p.clone();
         tasks.push(tokio::spawn(async move {
             let t = Instant::now();
-            let result = client.call(&p).await;
-            (t.elapsed(), result)
+            let mut first_answer = None;
+            let mut retries = 0u32;
+            loop {
+                let result = client.call(&p).await;
+                first_answer.get_or_insert(t.elapsed());
+                match result {
+                    Err(code)
+                        if (code == "ResourceExhausted" || code == "Unavailable")
+                            && retries < MAX_RETRIES =>
+                    {
+                        let base = Duration::from_secs(1) * 2u32.pow(retries);
+                        let jitter = 0.8
+                            + 0.4 * ((i as u64).wrapping_mul(2654435761) % 1000) as f64 / 1000.0;
+                        tokio::time::sleep(base.mul_f64(jitter)).await;
+                        retries += 1;
+                    }
+                    other => {
+                        return (
+                            t.elapsed(),
+                            first_answer.unwrap_or_default(),
+                            retries,
+                            other,
+                        )
+                    }
+                }
+            }
         }));
     }
     let mut latency = new_histogram();
+    let mut first_answer = new_histogram();
     let mut errors: BTreeMap<String, u64> = BTreeMap::new();
-    let mut error_latency_max = Duration::ZERO;
+    let mut retried = BTreeMap::<u32, u64>::new();
     let mut ok = 0u64;
     for t in tasks {
         match t.await {
-            Ok((d, Ok(()))) => {
-                ok += 1;
-                let _ = latency.record(d.as_micros().max(1) as u64);
-            }
-            Ok((d, Err(code))) => {
-                error_latency_max = error_latency_max.max(d);
-                *errors.entry(code).or_default() += 1;
+            Ok((d, first, retries, result)) => {
+                let _ = first_answer.record(first.as_micros().max(1) as u64);
+                *retried.entry(retries).or_default() += 1;
+                match result {
+                    Ok(()) => {
+                        ok += 1;
+                        let _ = latency.record(d.as_micros().max(1) as u64);
+                    }
+                    Err(code) => *errors.entry(code).or_default() += 1,
+                }
             }
             Err(_) => *errors.entry("TASK_FAILED".into()).or_default() += 1,
         }
@@ -214,10 +247,11 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         "token_reviews": kube.reviews(),
         "ok": ok,
         "errors": errors,
-        "slowest_error_ms": error_latency_max.as_secs_f64() * 1000.0,
+        "requests_by_retries": retried.iter().map(|(k, v)| (k.to_string(), *v)).collect::<BTreeMap<String, u64>>(),
+        "first_answer_ms": {"p50": ms(&first_answer, 0.5), "p99": ms(&first_answer, 0.99), "max": first_answer.max() as f64 / 1000.0},
         "drain_seconds": drained.as_secs_f64(),
         "throughput_per_second": ok as f64 / drained.as_secs_f64().max(1e-9),
-        "latency_ms": {"p50": ms(&latency, 0.5), "p90": ms(&latency, 0.9), "p99": ms(&latency, 0.99), "max": latency.max() as f64 / 1000.0},
+        "time_to_certificate_ms": {"p50": ms(&latency, 0.5), "p90": ms(&latency, 0.9), "p99": ms(&latency, 0.99), "max": latency.max() as f64 / 1000.0},
         "healthz": {"checks": health_hist.len(), "failures": health_failures, "p99_ms": ms(&health_hist, 0.99), "max_ms": health_hist.max() as f64 / 1000.0},
         "server": stats.map(|s| json!({
             "cpu_seconds": s.cpu_seconds - rss_before.map(|b| b.cpu_seconds).unwrap_or(0.0),

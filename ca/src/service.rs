@@ -1,6 +1,7 @@
 //! The gRPC service `istio.v1.auth.IstioCertificateService`:
 //! authenticate, authorize, verify the CSR, sign, answer with the chain.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,6 +22,10 @@ use crate::metrics::Metrics;
 pub const CLUSTER_ID_HEADER: &str = "clusterid";
 /// How long a request waits for a signing slot before `RESOURCE_EXHAUSTED`.
 pub const QUEUE_WAIT: Duration = Duration::from_secs(2);
+/// Requests that may wait for a slot, per slot; beyond that a request is
+/// refused at once with `RESOURCE_EXHAUSTED`, so a burst (a mass restart)
+/// gets fast answers to back off on instead of a pile of timeouts.
+pub const QUEUE_PER_SLOT: usize = 8;
 
 /// The CA service.
 #[derive(Clone)]
@@ -31,6 +36,8 @@ pub struct CaService {
     metrics: Metrics,
     cluster_id: String,
     limiter: Arc<Semaphore>,
+    waiting: Arc<AtomicUsize>,
+    max_waiting: usize,
 }
 
 impl std::fmt::Debug for CaService {
@@ -59,6 +66,8 @@ impl CaService {
             metrics,
             cluster_id,
             limiter: Arc::new(Semaphore::new(max_concurrent_requests.max(1))),
+            waiting: Arc::new(AtomicUsize::new(0)),
+            max_waiting: max_concurrent_requests.max(1) * QUEUE_PER_SLOT,
         }
     }
 
@@ -67,11 +76,28 @@ impl CaService {
         request: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
         let started = Instant::now();
-        let _permit = match tokio::time::timeout(QUEUE_WAIT, self.limiter.acquire()).await {
-            Ok(Ok(permit)) => permit,
-            _ => return Err(Status::resource_exhausted(
+        let overloaded = || {
+            self.metrics.sign_error("overloaded");
+            Status::resource_exhausted(
                 "the CA is overloaded: too many certificate requests in flight; retry with backoff",
-            )),
+            )
+        };
+        let _permit = match self.limiter.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(_) => {
+                // A bounded queue: wait briefly if there is room, else refuse now.
+                if self.waiting.fetch_add(1, Ordering::AcqRel) >= self.max_waiting {
+                    self.waiting.fetch_sub(1, Ordering::AcqRel);
+                    return Err(overloaded());
+                }
+                let acquired =
+                    tokio::time::timeout(QUEUE_WAIT, self.limiter.clone().acquire_owned()).await;
+                self.waiting.fetch_sub(1, Ordering::AcqRel);
+                match acquired {
+                    Ok(Ok(permit)) => permit,
+                    _ => return Err(overloaded()),
+                }
+            }
         };
 
         let metadata = request.metadata();

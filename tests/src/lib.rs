@@ -52,6 +52,12 @@ pub fn binaries() -> &'static Binaries {
     })
 }
 
+/// Builds (if needed) and returns the `meshca-bench` load generator.
+pub fn bench_binary() -> &'static Path {
+    static BENCH: OnceLock<PathBuf> = OnceLock::new();
+    BENCH.get_or_init(|| build("meshca-bench"))
+}
+
 /// A free TCP port on 127.0.0.1 (released before returning; a small race).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
@@ -162,6 +168,11 @@ impl MeshcaServer {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// The server's process ID (0 once stopped).
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
     }
 
     /// The server's stderr so far.

@@ -1,0 +1,79 @@
+//! A small run of `meshca-bench` against the real `meshca`: a few hundred
+//! requests over TLS with offline-JWT tokens must all succeed, and the JSON
+//! report must carry the numbers scripts read. No timing is asserted:
+//! performance lives in benchmarks (BENCHMARKS.md), not in tests.
+
+#![allow(clippy::unwrap_used)]
+
+use meshca_tests::*;
+
+#[test]
+fn a_few_hundred_requests_without_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let server = MeshcaServer::start(&data, &[]).unwrap();
+    let pid = server.pid().to_string();
+    let addr = format!("https://{}", server.grpc);
+    let out = std::process::Command::new(bench_binary())
+        .args(["--addr", &addr, "--data-dir", data.to_str().unwrap()])
+        .args([
+            "--identities",
+            "50",
+            "--requests",
+            "300",
+            "--concurrency",
+            "8",
+            "--connections",
+            "2",
+        ])
+        .args(["--warmup", "0s", "--server-pid", &pid, "--json"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "meshca-bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(report["ok"], 300, "{report}");
+    assert_eq!(report["errors"], serde_json::json!({}), "{report}");
+    assert_eq!(report["setup"]["auth"], "offline-jwt");
+    for key in ["p50", "p90", "p99", "max"] {
+        assert!(
+            report["latency_ms"][key].as_f64().unwrap() > 0.0,
+            "{key}: {report}"
+        );
+    }
+    assert!(
+        report["server"]["peak_rss_mib"].as_f64().unwrap() > 1.0,
+        "{report}"
+    );
+    assert!(report["throughput_per_second"].as_f64().unwrap() > 0.0);
+    // The server issued exactly what the generator counted.
+    let metrics = http_get(server.monitoring, "/metrics").unwrap().1;
+    assert!(
+        metrics.contains("\ncitadel_server_success_cert_issuance_count 300\n"),
+        "{metrics}"
+    );
+}
+
+#[test]
+fn bad_flags_name_the_problem() {
+    let out = std::process::Command::new(bench_binary())
+        .args([
+            "--addr",
+            "https://127.0.0.1:1",
+            "--root-cert",
+            "/nonexistent/root.pem",
+            "--requests",
+            "1",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--root-cert /nonexistent/root.pem"),
+        "{stderr}"
+    );
+}
