@@ -123,6 +123,32 @@ async fn root_is_kept_in_the_secret_and_reused_across_restarts() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_secret_is_written_back_with_the_same_root() {
+    let dir = tempfile::tempdir().unwrap();
+    let kube = FakeKube::start(dir.path()).await;
+    let server = start_off_runtime(dir.path().join("data"), args(&kube, &[])).await;
+    let root = first_cert(&server.root_pem());
+    wait_until("leadership", Duration::from_secs(20), || {
+        http_get(server.monitoring, "/metrics")
+            .unwrap()
+            .1
+            .contains("\nmeshca_leader 1\n")
+    })
+    .await;
+    kube.delete_object("secrets", "istio-system", "istio-ca-secret");
+    wait_until("the Secret written back", Duration::from_secs(30), || {
+        secret(&kube).is_some()
+    })
+    .await;
+    let stored = secret(&kube).unwrap();
+    assert_eq!(first_cert(&unb64(&stored["data"]["ca-cert.pem"])), root);
+    assert_eq!(stored["type"], "istio.io/ca-root");
+    assert!(server
+        .log()
+        .contains("wrote it back from the root in memory"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_replicas_started_together_agree_on_one_root() {
     let dir = tempfile::tempdir().unwrap();
     let kube = FakeKube::start(dir.path()).await;
