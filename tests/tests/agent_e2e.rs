@@ -219,7 +219,9 @@ async fn agent_rotates_files_that_are_never_half_written() {
         serials.len() >= 3,
         "initial + 2 rotations within 40 s, saw {serials:?}"
     );
-    assert!(reads > 100, "the reader polled ({reads} reads)");
+    // The loop ends at the second rotation (about 20 s); the reader polls
+    // every 50 ms, slower when the machine is busy.
+    assert!(reads >= 20, "the reader polled ({reads} reads)");
     assert_eq!(
         broken.load(Ordering::Relaxed),
         0,
