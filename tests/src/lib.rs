@@ -102,13 +102,23 @@ impl MeshcaServer {
         extra: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Self, StartFailure> {
-        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port())
-            .parse()
-            .expect("address");
-        let monitoring: SocketAddr = format!("127.0.0.1:{}", free_port())
-            .parse()
-            .expect("address");
-        Self::start_on(data_dir, grpc, monitoring, extra, env)
+        // A port found free can be taken (by another test's outgoing
+        // connection) before meshca binds it: try again on new ports.
+        let mut attempt = 0;
+        loop {
+            let grpc: SocketAddr = format!("127.0.0.1:{}", free_port())
+                .parse()
+                .expect("address");
+            let monitoring: SocketAddr = format!("127.0.0.1:{}", free_port())
+                .parse()
+                .expect("address");
+            match Self::start_on(data_dir, grpc, monitoring, extra, env) {
+                Err(f) if attempt < 3 && f.stderr.contains("Address already in use") => {
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
     }
 
     /// Starts on the given addresses (e.g. to restart where a server was).
