@@ -12,7 +12,7 @@ use meshca_ca::authority::Authority;
 use meshca_ca::config::TtlPolicy;
 use meshca_ca::store::{CaMaterial, CaSource};
 use meshca_certs::keys::KeyAlgorithm;
-use meshca_certs::profile::{self_signed_root, SigningCa, SubjectName, Validity};
+use meshca_certs::profile::SigningCa;
 use meshca_certs::{PrivateKey, TrustBundle, VerifiedCsr};
 use ring::signature::{self, EcdsaKeyPair, KeyPair};
 use serde_json::json;
@@ -117,14 +117,10 @@ pub(crate) fn measure(
 
     // meshca's own signing path, in process.
     let now = OffsetDateTime::now_utc();
-    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256)?;
-    let root = self_signed_root(
-        &key,
-        &SubjectName {
-            common_name: Some("bench root".into()),
-            ..Default::default()
-        },
-        Validity::backdated(now, time::Duration::days(1)),
+    let (key, root) = meshca_ca::store::generate_self_signed_root(
+        &meshca_certs::TrustDomain::default(),
+        time::Duration::days(1),
+        now,
     )?;
     let material = CaMaterial {
         signing: SigningCa::new(root.der.clone(), key)?,

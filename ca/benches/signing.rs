@@ -11,19 +11,15 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use meshca_ca::authority::Authority;
 use meshca_ca::config::TtlPolicy;
 use meshca_ca::store::{CaMaterial, CaSource};
-use meshca_certs::profile::{self_signed_root, SigningCa, SubjectName, Validity};
+use meshca_certs::profile::{SigningCa, Validity};
 use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle, VerifiedCsr};
 use time::OffsetDateTime;
 
 fn ca() -> (SigningCa, Vec<u8>) {
-    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
-    let root = self_signed_root(
-        &key,
-        &SubjectName {
-            common_name: Some("bench".into()),
-            ..Default::default()
-        },
-        Validity::backdated(OffsetDateTime::now_utc(), time::Duration::days(30)),
+    let (key, root) = meshca_ca::store::generate_self_signed_root(
+        &Default::default(),
+        time::Duration::days(30),
+        OffsetDateTime::now_utc(),
     )
     .unwrap();
     (SigningCa::new(root.der.clone(), key).unwrap(), root.der)
