@@ -21,8 +21,14 @@ use time::OffsetDateTime;
 /// The measured limits.
 #[derive(Debug, Clone)]
 pub(crate) struct Baseline {
-    /// Certificates per second per core from the crypto alone.
+    /// Certificates per second per core from the crypto alone: the mean of
+    /// a measurement before the load and one after it (this shared VM's
+    /// speed drifts by more than 10 % within a minute).
     pub(crate) limit_per_core: f64,
+    /// The measurement before the load.
+    pub(crate) limit_before: f64,
+    /// The measurement after the load.
+    pub(crate) limit_after: f64,
     /// What one certificate's crypto is.
     pub(crate) operations: String,
     /// Certificates per second per core through meshca's in-process
@@ -35,6 +41,8 @@ impl Baseline {
     pub(crate) fn to_json(&self) -> serde_json::Value {
         json!({
             "limit_per_core": self.limit_per_core,
+            "limit_before_load": self.limit_before,
+            "limit_after_load": self.limit_after,
             "operations": self.operations,
             "in_process_path_per_core": self.in_process_path_per_core,
         })
@@ -43,8 +51,10 @@ impl Baseline {
     /// For people.
     pub(crate) fn to_text(&self) -> String {
         format!(
-            "crypto limit: {:.0} certs/s on one core ({}); meshca's in-process signing path: {:.0}/s ({:.0}% of it)\n",
+            "crypto limit: {:.0} certs/s on one core (mean of {:.0} before and {:.0} after the load; {}); meshca's in-process signing path: {:.0}/s ({:.0}% of it)\n",
             self.limit_per_core,
+            self.limit_before,
+            self.limit_after,
             self.operations,
             self.in_process_path_per_core,
             100.0 * self.in_process_path_per_core / self.limit_per_core.max(1e-9)
@@ -68,102 +78,141 @@ fn per_second(window: Duration, mut op: impl FnMut()) -> f64 {
     n as f64 / start.elapsed().as_secs_f64()
 }
 
-/// Measures the limit for CSRs of `csr_key` signed by a P-256 CA, with a
-/// token check if `with_token`. `csrs` are PEM CSRs of the run.
-pub(crate) fn measure(
+/// The operations of the yardstick, ready to run: keys made, signatures
+/// to check made, so that only the cryptography is timed.
+pub(crate) struct Yardstick {
     csr_key: KeyAlgorithm,
     with_token: bool,
-    csrs: &[String],
-) -> anyhow::Result<Baseline> {
-    let rng = ring::rand::SystemRandom::new();
-    let window = Duration::from_secs(2);
-    // The CA's signature: ECDSA P-256 over a TBSCertificate-sized message.
-    let ca_pkcs8 = EcdsaKeyPair::generate_pkcs8(&signature::ECDSA_P256_SHA256_ASN1_SIGNING, &rng)
-        .map_err(|_| anyhow::anyhow!("generating a P-256 key"))?;
-    let ca_key = EcdsaKeyPair::from_pkcs8(
-        &signature::ECDSA_P256_SHA256_ASN1_SIGNING,
-        ca_pkcs8.as_ref(),
-        &rng,
-    )
-    .map_err(|_| anyhow::anyhow!("loading a P-256 key"))?;
-    let tbs = vec![0x5au8; 480];
-    // The CSR's signature check, with the run's key type.
-    let csr_signer = PrivateKey::generate(csr_key)?;
-    let csr_sig = rcgen::SigningKey::sign(csr_signer.key_pair(), &tbs)
-        .map_err(|e| anyhow::anyhow!("signing: {e}"))?;
-    let csr_public = csr_signer.key_pair().public_key_raw().to_vec();
-    let csr_alg: &dyn signature::VerificationAlgorithm = match csr_key {
-        KeyAlgorithm::EcdsaP256 => &signature::ECDSA_P256_SHA256_ASN1,
-        KeyAlgorithm::EcdsaP384 => &signature::ECDSA_P384_SHA384_ASN1,
-        _ => &signature::RSA_PKCS1_2048_8192_SHA256,
-    };
-    // The token's signature (ES256, as the local issuer and Kubernetes' EC keys).
-    let token_sig = ca_key
-        .sign(&rng, &tbs[..200])
-        .map_err(|_| anyhow::anyhow!("signing"))?;
-    let token_public = ca_key.public_key().as_ref().to_vec();
+    rng: ring::rand::SystemRandom,
+    ca_key: EcdsaKeyPair,
+    tbs: Vec<u8>,
+    csr_sig: Vec<u8>,
+    csr_public: Vec<u8>,
+    token_sig: Vec<u8>,
+    token_public: Vec<u8>,
+}
 
-    let limit_per_core = per_second(window, || {
-        let ok = signature::UnparsedPublicKey::new(csr_alg, &csr_public)
-            .verify(&tbs, &csr_sig)
-            .is_ok();
-        let sig = ca_key.sign(&rng, &tbs);
-        let token_ok = !with_token
-            || signature::UnparsedPublicKey::new(&signature::ECDSA_P256_SHA256_ASN1, &token_public)
-                .verify(&tbs[..200], token_sig.as_ref())
+/// How long each measurement runs.
+const WINDOW: Duration = Duration::from_secs(2);
+
+impl Yardstick {
+    /// The limit for CSRs of `csr_key` signed by a P-256 CA, with a token
+    /// check if `with_token`.
+    pub(crate) fn new(csr_key: KeyAlgorithm, with_token: bool) -> anyhow::Result<Self> {
+        let rng = ring::rand::SystemRandom::new();
+        // The CA's signature: ECDSA P-256 over a TBSCertificate-sized message.
+        let ca_pkcs8 =
+            EcdsaKeyPair::generate_pkcs8(&signature::ECDSA_P256_SHA256_ASN1_SIGNING, &rng)
+                .map_err(|_| anyhow::anyhow!("generating a P-256 key"))?;
+        let ca_key = EcdsaKeyPair::from_pkcs8(
+            &signature::ECDSA_P256_SHA256_ASN1_SIGNING,
+            ca_pkcs8.as_ref(),
+            &rng,
+        )
+        .map_err(|_| anyhow::anyhow!("loading a P-256 key"))?;
+        let tbs = vec![0x5au8; 480];
+        // The CSR's signature check, with the run's key type.
+        let csr_signer = PrivateKey::generate(csr_key)?;
+        let csr_sig = rcgen::SigningKey::sign(csr_signer.key_pair(), &tbs)
+            .map_err(|e| anyhow::anyhow!("signing: {e}"))?;
+        let csr_public = csr_signer.key_pair().public_key_raw().to_vec();
+        // The token's signature (ES256, as the local issuer and Kubernetes' EC keys).
+        let token_sig = ca_key
+            .sign(&rng, &tbs[..200])
+            .map_err(|_| anyhow::anyhow!("signing"))?
+            .as_ref()
+            .to_vec();
+        let token_public = ca_key.public_key().as_ref().to_vec();
+        Ok(Self {
+            csr_key,
+            with_token,
+            rng,
+            ca_key,
+            tbs,
+            csr_sig,
+            csr_public,
+            token_sig,
+            token_public,
+        })
+    }
+
+    fn csr_algorithm(&self) -> &'static dyn signature::VerificationAlgorithm {
+        match self.csr_key {
+            KeyAlgorithm::EcdsaP256 => &signature::ECDSA_P256_SHA256_ASN1,
+            KeyAlgorithm::EcdsaP384 => &signature::ECDSA_P384_SHA384_ASN1,
+            _ => &signature::RSA_PKCS1_2048_8192_SHA256,
+        }
+    }
+
+    fn verify_token(&self) -> bool {
+        signature::UnparsedPublicKey::new(&signature::ECDSA_P256_SHA256_ASN1, &self.token_public)
+            .verify(&self.tbs[..200], &self.token_sig)
+            .is_ok()
+    }
+
+    /// Certificates per second on this thread from the cryptography alone.
+    pub(crate) fn limit_per_core(&self) -> f64 {
+        let csr_alg = self.csr_algorithm();
+        per_second(WINDOW, || {
+            let ok = signature::UnparsedPublicKey::new(csr_alg, &self.csr_public)
+                .verify(&self.tbs, &self.csr_sig)
                 .is_ok();
-        std::hint::black_box((ok, sig.is_ok(), token_ok));
-    });
+            let sig = self.ca_key.sign(&self.rng, &self.tbs);
+            let token_ok = !self.with_token || self.verify_token();
+            std::hint::black_box((ok, sig.is_ok(), token_ok));
+        })
+    }
 
-    // meshca's own signing path, in process.
-    let now = OffsetDateTime::now_utc();
-    let (key, root) = meshca_ca::store::generate_self_signed_root(
-        &meshca_certs::TrustDomain::default(),
-        time::Duration::days(1),
-        now,
-    )?;
-    let material = CaMaterial {
-        signing: SigningCa::new(root.der.clone(), key)?,
-        chain: Vec::new(),
-        anchor_root: root.der.clone(),
-        bundle: TrustBundle::new(vec![root.der]),
-        source: CaSource::PluggedIn("bench".into()),
-    };
-    let authority = Authority::new(material, TtlPolicy::default());
-    let mut i = 0usize;
-    let mut failed = None;
-    let in_process_path_per_core = per_second(window, || {
-        let pem = &csrs[i % csrs.len()];
-        i += 1;
-        match VerifiedCsr::from_pem(pem) {
-            Ok(csr) => {
-                let id = &csr.uri_sans()[0];
-                if let Err(e) = authority.sign_workload(csr.subject_key(), id, 0, now) {
-                    failed = Some(e.to_string());
+    /// Certificates per second on this thread through meshca's in-process
+    /// signing path (`csrs` are PEM CSRs of the run), plus the token check.
+    pub(crate) fn in_process_path_per_core(&self, csrs: &[String]) -> anyhow::Result<f64> {
+        let now = OffsetDateTime::now_utc();
+        let (key, root) = meshca_ca::store::generate_self_signed_root(
+            &meshca_certs::TrustDomain::default(),
+            time::Duration::days(1),
+            now,
+        )?;
+        let material = CaMaterial {
+            signing: SigningCa::new(root.der.clone(), key)?,
+            chain: Vec::new(),
+            anchor_root: root.der.clone(),
+            bundle: TrustBundle::new(vec![root.der]),
+            source: CaSource::PluggedIn("bench".into()),
+        };
+        let authority = Authority::new(material, TtlPolicy::default());
+        let mut i = 0usize;
+        let mut failed = None;
+        let per_core = per_second(WINDOW, || {
+            let pem = &csrs[i % csrs.len()];
+            i += 1;
+            match VerifiedCsr::from_pem(pem) {
+                Ok(csr) => {
+                    let id = &csr.uri_sans()[0];
+                    if let Err(e) = authority.sign_workload(csr.subject_key(), id, 0, now) {
+                        failed = Some(e.to_string());
+                    }
                 }
+                Err(e) => failed = Some(e.to_string()),
             }
-            Err(e) => failed = Some(e.to_string()),
+            if self.with_token {
+                std::hint::black_box(self.verify_token());
+            }
+        });
+        if let Some(e) = failed {
+            anyhow::bail!("the in-process signing path failed: {e}");
         }
-        if with_token {
-            let _ = std::hint::black_box(
-                signature::UnparsedPublicKey::new(
-                    &signature::ECDSA_P256_SHA256_ASN1,
-                    &token_public,
-                )
-                .verify(&tbs[..200], token_sig.as_ref()),
-            );
+        Ok(per_core)
+    }
+
+    /// What one certificate's cryptography is, in words.
+    pub(crate) fn operations(&self) -> String {
+        let mut operations = format!(
+            "{} CSR verify + P-256 certificate sign",
+            self.csr_key.name()
+        );
+        if self.with_token {
+            operations += " + ES256 token verify";
         }
-    });
-    if let Some(e) = failed {
-        anyhow::bail!("the in-process signing path failed: {e}");
+        operations
     }
-    let mut operations = format!("{} CSR verify + P-256 certificate sign", csr_key.name());
-    if with_token {
-        operations += " + ES256 token verify";
-    }
-    Ok(Baseline {
-        limit_per_core,
-        operations,
-        in_process_path_per_core,
-    })
 }

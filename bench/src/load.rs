@@ -261,6 +261,13 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
             .map(|_| cfssl::CfsslClient::new(&args.addr).map(Client::Cfssl))
             .collect::<anyhow::Result<Vec<_>>>()?,
     };
+    let with_token =
+        prepared.first().is_some_and(|p| p.authorization.is_some()) && tokens.is_none();
+    let yardstick = args
+        .crypto_baseline
+        .then(|| baseline::Yardstick::new(args.key, with_token))
+        .transpose()?;
+    let limit_before = yardstick.as_ref().map(|y| y.limit_per_core());
     if !args.warmup.is_zero() {
         drive(
             &clients,
@@ -272,6 +279,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
         .await;
     }
     let before = args.server_pid.and_then(proc_stats::read);
+    let generator_before = proc_stats::read(std::process::id());
     let driven = drive(
         &clients,
         prepared.clone(),
@@ -285,13 +293,20 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
     )
     .await;
     let after = args.server_pid.and_then(proc_stats::read);
-    let baseline = if args.crypto_baseline {
-        let csrs: Vec<String> = prepared.iter().take(256).map(|p| p.csr.clone()).collect();
-        let with_token =
-            prepared.first().is_some_and(|p| p.authorization.is_some()) && tokens.is_none();
-        Some(baseline::measure(args.key, with_token, &csrs)?)
-    } else {
-        None
+    let generator_after = proc_stats::read(std::process::id());
+    let baseline = match (yardstick, limit_before) {
+        (Some(yardstick), Some(limit_before)) => {
+            let limit_after = yardstick.limit_per_core();
+            let csrs: Vec<String> = prepared.iter().take(256).map(|p| p.csr.clone()).collect();
+            Some(baseline::Baseline {
+                limit_per_core: (limit_before + limit_after) / 2.0,
+                limit_before,
+                limit_after,
+                operations: yardstick.operations(),
+                in_process_path_per_core: yardstick.in_process_path_per_core(&csrs)?,
+            })
+        }
+        _ => None,
     };
     let mut setup = BTreeMap::new();
     setup.insert("target", json!(format!("{:?}", args.target).to_lowercase()));
@@ -300,6 +315,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
     setup.insert("identities", json!(prepared.len()));
     setup.insert("connections", json!(clients.len()));
     setup.insert("concurrency", json!(args.concurrency));
+    setup.insert("generator_threads", json!(args.threads));
     setup.insert(
         "auth",
         json!(if tokens.is_some() {
@@ -317,6 +333,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
         elapsed: driven.elapsed,
         latency: driven.latency,
         server: before.zip(after),
+        generator: generator_before.zip(generator_after),
         baseline,
     };
     if args.json {

@@ -102,6 +102,11 @@ pub(crate) struct RunArgs {
     /// Print the report as JSON.
     #[arg(long)]
     pub(crate) json: bool,
+    /// Threads of the load generator. 1 (the default) is a single event
+    /// loop, like h2load: it drives thousands of requests per second on
+    /// about half a core and leaves the rest of the machine to the server.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    pub(crate) threads: u16,
 }
 
 /// The protocol at --addr.
@@ -115,10 +120,18 @@ pub(crate) enum Target {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    // The mass-restart scenario also runs the fake Kubernetes API in this
+    // process, so it keeps a thread per core.
+    let builder = match (&cli.command, cli.run.threads) {
+        (None, 1) => tokio::runtime::Builder::new_current_thread(),
+        (None, n) => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(usize::from(n));
+            builder
+        }
+        (Some(_), _) => tokio::runtime::Builder::new_multi_thread(),
+    };
+    let runtime = match { builder }.enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("meshca-bench: error: cannot start the async runtime: {e}");

@@ -150,6 +150,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         server_pid: None,
         crypto_baseline: false,
         json: false,
+        threads: 2,
     };
     let prepared: Arc<Vec<Prepared>> = Arc::new(load::prepare(&run_args, None, Some(&tokens))?);
     let clients = load::connect_istio(&run_args.addr, &root_pem, args.connections).await?;

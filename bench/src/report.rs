@@ -35,6 +35,8 @@ pub(crate) struct RunReport {
     pub(crate) latency: Histogram<u64>,
     /// Server CPU and memory over the window.
     pub(crate) server: Option<(ProcStats, ProcStats)>,
+    /// The load generator's own CPU and memory over the window.
+    pub(crate) generator: Option<(ProcStats, ProcStats)>,
     /// The crypto limit, if measured.
     pub(crate) baseline: Option<Baseline>,
 }
@@ -71,6 +73,14 @@ impl RunReport {
                 "peak_rss_mib": after.peak_rss_bytes as f64 / 1048576.0,
                 "rss_mib": after.rss_bytes as f64 / 1048576.0,
                 "certs_per_cpu_second": if cpu > 0.0 { self.ok as f64 / cpu } else { 0.0 },
+            });
+        }
+        if let Some((before, after)) = self.generator {
+            let cpu = after.cpu_seconds - before.cpu_seconds;
+            out["generator"] = json!({
+                "cpu_seconds": cpu,
+                "cores_used": cpu / self.elapsed.as_secs_f64().max(1e-9),
+                "cpu_microseconds_per_request": if self.ok > 0 { cpu * 1e6 / self.ok as f64 } else { 0.0 },
             });
         }
         if let Some(b) = &self.baseline {
@@ -118,6 +128,16 @@ impl RunReport {
                 server["cores_used"].as_f64().unwrap_or(0.0),
                 server["certs_per_cpu_second"].as_f64().unwrap_or(0.0),
                 server["peak_rss_mib"].as_f64().unwrap_or(0.0),
+            );
+        }
+        if let Some(generator) = j.get("generator") {
+            s += &format!(
+                "load generator: {:.2} CPU s ({:.2} cores, {:.0} µs per request)\n",
+                generator["cpu_seconds"].as_f64().unwrap_or(0.0),
+                generator["cores_used"].as_f64().unwrap_or(0.0),
+                generator["cpu_microseconds_per_request"]
+                    .as_f64()
+                    .unwrap_or(0.0),
             );
         }
         if let Some(b) = &self.baseline {

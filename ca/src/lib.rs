@@ -35,6 +35,7 @@
 pub mod authn;
 pub mod authority;
 pub mod authz;
+pub mod batched_io;
 pub mod cluster;
 pub mod config;
 pub mod metrics;

@@ -26,6 +26,7 @@ use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 
 use crate::authority::{Authority, SignError};
+use crate::batched_io::BatchedWriteStream;
 
 /// Lifetime of the server's own certificate.
 pub const SERVER_CERT_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -229,7 +230,7 @@ pub fn server_config(
 pub fn tls_incoming(
     listener: TcpListener,
     acceptor: TlsAcceptor,
-) -> ReceiverStream<Result<TlsStream<TcpStream>, io::Error>> {
+) -> ReceiverStream<Result<TlsStream<BatchedWriteStream<TcpStream>>, io::Error>> {
     let (tx, rx) = mpsc::channel(128);
     tokio::spawn(async move {
         loop {
@@ -250,7 +251,12 @@ pub fn tls_incoming(
             let acceptor = acceptor.clone();
             let tx = tx.clone();
             tokio::spawn(async move {
-                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                match tokio::time::timeout(
+                    HANDSHAKE_TIMEOUT,
+                    acceptor.accept(BatchedWriteStream::new(tcp)),
+                )
+                .await
+                {
                     Ok(Ok(stream)) => {
                         let _ = tx.send(Ok(stream)).await;
                     }
