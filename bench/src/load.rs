@@ -280,6 +280,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
     }
     let before = args.server_pid.and_then(proc_stats::read);
     let generator_before = proc_stats::read(std::process::id());
+    let machine_before = proc_stats::read_machine();
     let driven = drive(
         &clients,
         prepared.clone(),
@@ -294,6 +295,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
     .await;
     let after = args.server_pid.and_then(proc_stats::read);
     let generator_after = proc_stats::read(std::process::id());
+    let machine_after = proc_stats::read_machine();
     let baseline = match (yardstick, limit_before) {
         (Some(yardstick), Some(limit_before)) => {
             let limit_after = yardstick.limit_per_core();
@@ -334,6 +336,9 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
         latency: driven.latency,
         server: before.zip(after),
         generator: generator_before.zip(generator_after),
+        steal_percent: machine_before
+            .zip(machine_after)
+            .map(|(before, after)| proc_stats::steal_percent(before, after)),
         baseline,
     };
     if args.json {

@@ -41,6 +41,45 @@ pub(crate) fn read(pid: u32) -> Option<ProcStats> {
     })
 }
 
+/// The whole machine's CPU time so far, from the first line of
+/// `/proc/stat`, in clock ticks.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct MachineCpu {
+    /// All CPU time (user, nice, system, idle, iowait, irq, softirq, steal).
+    pub(crate) total_ticks: u64,
+    /// Time a virtual machine's CPUs wanted to run but the hypervisor ran
+    /// something else (other guests): numbers measured while it is high
+    /// say more about the host than about the code.
+    pub(crate) steal_ticks: u64,
+}
+
+/// Reads the machine's CPU time, or `None` if `/proc/stat` cannot tell.
+pub(crate) fn read_machine() -> Option<MachineCpu> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let line = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let fields: Vec<u64> = line
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .map(|v| v.parse().ok())
+        .collect::<Option<Vec<u64>>>()?;
+    Some(MachineCpu {
+        total_ticks: fields.iter().sum(),
+        steal_ticks: fields.get(7).copied().unwrap_or(0),
+    })
+}
+
+/// The share of CPU time stolen between two readings, in percent.
+pub(crate) fn steal_percent(before: MachineCpu, after: MachineCpu) -> f64 {
+    let total = after.total_ticks.saturating_sub(before.total_ticks);
+    let steal = after.steal_ticks.saturating_sub(before.steal_ticks);
+    if total == 0 {
+        0.0
+    } else {
+        100.0 * steal as f64 / total as f64
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -48,5 +87,17 @@ mod tests {
         let stats = super::read(std::process::id()).expect("/proc");
         assert!(stats.peak_rss_bytes > 0);
         assert!(stats.peak_rss_bytes >= stats.rss_bytes);
+    }
+
+    #[test]
+    fn reads_the_machine() {
+        let before = super::read_machine().expect("/proc/stat");
+        assert!(before.total_ticks > 0 && before.steal_ticks <= before.total_ticks);
+        let after = super::MachineCpu {
+            total_ticks: before.total_ticks + 200,
+            steal_ticks: before.steal_ticks + 50,
+        };
+        assert_eq!(super::steal_percent(before, after), 25.0);
+        assert_eq!(super::steal_percent(before, before), 0.0);
     }
 }

@@ -37,6 +37,8 @@ pub(crate) struct RunReport {
     pub(crate) server: Option<(ProcStats, ProcStats)>,
     /// The load generator's own CPU and memory over the window.
     pub(crate) generator: Option<(ProcStats, ProcStats)>,
+    /// Share of the machine's CPU time the hypervisor gave to others.
+    pub(crate) steal_percent: Option<f64>,
     /// The crypto limit, if measured.
     pub(crate) baseline: Option<Baseline>,
 }
@@ -74,6 +76,9 @@ impl RunReport {
                 "rss_mib": after.rss_bytes as f64 / 1048576.0,
                 "certs_per_cpu_second": if cpu > 0.0 { self.ok as f64 / cpu } else { 0.0 },
             });
+        }
+        if let Some(steal) = self.steal_percent {
+            out["machine"] = json!({ "cpu_steal_percent": steal });
         }
         if let Some((before, after)) = self.generator {
             let cpu = after.cpu_seconds - before.cpu_seconds;
@@ -128,6 +133,16 @@ impl RunReport {
                 server["cores_used"].as_f64().unwrap_or(0.0),
                 server["certs_per_cpu_second"].as_f64().unwrap_or(0.0),
                 server["peak_rss_mib"].as_f64().unwrap_or(0.0),
+            );
+        }
+        if let Some(steal) = self.steal_percent {
+            s += &format!(
+                "machine: {steal:.1}% of CPU time stolen by the hypervisor during the run{}\n",
+                if steal >= 5.0 {
+                    " (high: latency and throughput say more about the host than about the code)"
+                } else {
+                    ""
+                }
             );
         }
         if let Some(generator) = j.get("generator") {

@@ -23,7 +23,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use base64::Engine;
-use jsonwebtoken::{Algorithm, DecodingKey, Validation};
+use jsonwebtoken::{Algorithm, DecodingKey};
 use meshca_certs::token::ServiceAccountClaims;
 use meshca_certs::{SpiffeId, TrustDomain};
 use rustls_pki_types::CertificateDer;
@@ -172,28 +172,78 @@ fn truncate(s: &str, max: usize) -> String {
     s.chars().take(max).collect()
 }
 
-/// Reads `iss` from a JWT without verifying it (to route the token to the
-/// authenticator of its issuer).
+/// Reads `iss` from a JWT without verifying it (to name the issuer in
+/// the error when no authenticator takes the token).
 fn peek_issuer(token: &str) -> Result<String, AuthnError> {
-    #[derive(serde::Deserialize)]
-    struct Iss {
-        iss: Option<String>,
-    }
-    if token.len() > MAX_TOKEN_LEN {
-        return Err(AuthnError::MalformedToken);
-    }
-    let mut parts = token.split('.');
-    let (Some(_), Some(payload), Some(_), None) =
-        (parts.next(), parts.next(), parts.next(), parts.next())
-    else {
-        return Err(AuthnError::MalformedToken);
-    };
-    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(payload.trim_end_matches('='))
-        .map_err(|_| AuthnError::MalformedToken)?;
-    let iss: Iss = serde_json::from_slice(&bytes).map_err(|_| AuthnError::MalformedToken)?;
-    iss.iss
+    UnverifiedJwt::parse(token)?
+        .issuer()
+        .map(str::to_string)
         .ok_or_else(|| AuthnError::InvalidToken("it has no \"iss\" claim".into()))
+}
+
+/// A compact JWT split into its parts and decoded once; nothing in it is
+/// verified yet.
+struct UnverifiedJwt<'a> {
+    header: jsonwebtoken::Header,
+    /// The claims, or why they are not a service-account token's.
+    claims: Result<ServiceAccountClaims, String>,
+    /// `iss` when the claims did not parse (to route the token anyway).
+    loose_issuer: Option<String>,
+    /// `base64url(header) "." base64url(payload)`: what the signature covers.
+    signing_input: &'a str,
+    /// The signature, base64url.
+    signature: &'a str,
+}
+
+impl<'a> UnverifiedJwt<'a> {
+    fn parse(token: &'a str) -> Result<Self, AuthnError> {
+        #[derive(serde::Deserialize)]
+        struct Iss {
+            iss: Option<String>,
+        }
+        if token.len() > MAX_TOKEN_LEN {
+            return Err(AuthnError::MalformedToken);
+        }
+        let (signing_input, signature) =
+            token.rsplit_once('.').ok_or(AuthnError::MalformedToken)?;
+        let (header_b64, payload_b64) = signing_input
+            .split_once('.')
+            .ok_or(AuthnError::MalformedToken)?;
+        if payload_b64.contains('.') {
+            return Err(AuthnError::MalformedToken);
+        }
+        let decode = |part: &str| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(part.trim_end_matches('='))
+                .map_err(|_| AuthnError::MalformedToken)
+        };
+        let header: jsonwebtoken::Header =
+            serde_json::from_slice(&decode(header_b64)?).map_err(|_| AuthnError::MalformedToken)?;
+        let payload = decode(payload_b64)?;
+        let (claims, loose_issuer) = match serde_json::from_slice::<ServiceAccountClaims>(&payload)
+        {
+            Ok(claims) => (Ok(claims), None),
+            Err(e) => {
+                let iss: Iss =
+                    serde_json::from_slice(&payload).map_err(|_| AuthnError::MalformedToken)?;
+                (Err(e.to_string()), iss.iss)
+            }
+        };
+        Ok(Self {
+            header,
+            claims,
+            loose_issuer,
+            signing_input,
+            signature,
+        })
+    }
+
+    fn issuer(&self) -> Option<&str> {
+        match &self.claims {
+            Ok(claims) => Some(claims.iss.as_str()),
+            Err(_) => self.loose_issuer.as_deref(),
+        }
+    }
 }
 
 fn now_unix() -> u64 {
@@ -335,10 +385,7 @@ impl JwtAuthenticator {
         self.keys.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    fn knows_key_of(&self, token: &str) -> bool {
-        let Ok(header) = jsonwebtoken::decode_header(token) else {
-            return true;
-        };
+    fn knows_key_of(&self, header: &jsonwebtoken::Header) -> bool {
         self.key_snapshot().iter().any(|k| {
             k.algorithm == header.alg
                 && match (&header.kid, &k.kid) {
@@ -350,54 +397,58 @@ impl JwtAuthenticator {
 
     /// Validates a token of this issuer and returns the caller.
     pub fn validate(&self, token: &str) -> Result<Caller, AuthnError> {
-        let header = jsonwebtoken::decode_header(token).map_err(|_| AuthnError::MalformedToken)?;
+        let jwt = UnverifiedJwt::parse(token)?;
+        self.validate_parsed(&jwt)
+    }
+
+    /// The checks after parsing: key, signature, issuer, audience, times.
+    /// Each part of the token was decoded once, by [`UnverifiedJwt::parse`].
+    fn validate_parsed(&self, jwt: &UnverifiedJwt<'_>) -> Result<Caller, AuthnError> {
         let keys = self.key_snapshot();
-        let candidates: Vec<&JwtKey> = keys
+        let mut candidates = keys
             .iter()
-            .filter(|k| k.algorithm == header.alg)
-            .filter(|k| match (&header.kid, &k.kid) {
+            .filter(|k| k.algorithm == jwt.header.alg)
+            .filter(|k| match (&jwt.header.kid, &k.kid) {
                 (Some(want), Some(have)) => want == have,
                 _ => true,
             })
-            .collect();
-        if candidates.is_empty() {
+            .peekable();
+        if candidates.peek().is_none() {
             return Err(AuthnError::InvalidToken(format!(
                 "no key of issuer {:?} matches its key ID and algorithm {:?}",
-                self.issuer, header.alg
+                self.issuer, jwt.header.alg
             )));
         }
-        let mut validation = Validation::new(header.alg);
-        validation.set_issuer(&[&self.issuer]);
-        validation.set_audience(&self.audiences);
-        validation.validate_exp = false;
-        validation.validate_nbf = false;
-        validation.leeway = 0;
-        validation.set_required_spec_claims(&["exp", "iss", "aud"]);
-        let mut last_err = None;
-        for candidate in candidates {
-            match jsonwebtoken::decode::<ServiceAccountClaims>(token, &candidate.key, &validation) {
-                Ok(data) => return self.caller_from_claims(data.claims),
-                Err(e) => last_err = Some(e),
-            }
+        // The signature first: nothing in an unverified token is trusted.
+        let verified = candidates.any(|candidate| {
+            jsonwebtoken::crypto::verify(
+                jwt.signature,
+                jwt.signing_input.as_bytes(),
+                &candidate.key,
+                candidate.algorithm,
+            )
+            .unwrap_or(false)
+        });
+        if !verified {
+            return Err(AuthnError::InvalidToken(
+                "its signature does not verify".into(),
+            ));
         }
-        use jsonwebtoken::errors::ErrorKind;
-        Err(match last_err.as_ref().map(|e| e.kind()) {
-            Some(ErrorKind::InvalidAudience) => AuthnError::WrongAudience(self.audiences.clone()),
-            Some(ErrorKind::InvalidIssuer) => AuthnError::UntrustedIssuer(self.issuer.clone()),
-            Some(ErrorKind::InvalidSignature) => {
-                AuthnError::InvalidToken("its signature does not verify".into())
-            }
-            Some(ErrorKind::MissingRequiredClaim(c)) => {
-                AuthnError::InvalidToken(format!("it has no {c:?} claim"))
-            }
-            Some(ErrorKind::Json(_)) => AuthnError::InvalidToken(
-                "its claims are not those of a service-account token".into(),
-            ),
-            _ => AuthnError::InvalidToken("it cannot be verified".into()),
-        })
+        let claims = jwt.claims.as_ref().map_err(|e| {
+            AuthnError::InvalidToken(format!(
+                "its claims are not those of a service-account token: {e}"
+            ))
+        })?;
+        if claims.iss != self.issuer {
+            return Err(AuthnError::UntrustedIssuer(truncate(&claims.iss, 128)));
+        }
+        if !self.audiences.iter().any(|a| claims.aud.contains(a)) {
+            return Err(AuthnError::WrongAudience(self.audiences.clone()));
+        }
+        self.caller_from_claims(claims)
     }
 
-    fn caller_from_claims(&self, claims: ServiceAccountClaims) -> Result<Caller, AuthnError> {
+    fn caller_from_claims(&self, claims: &ServiceAccountClaims) -> Result<Caller, AuthnError> {
         let now = now_unix();
         if now >= claims.exp {
             return Err(AuthnError::Expired(claims.exp));
@@ -440,11 +491,13 @@ impl Authenticator for JwtAuthenticator {
             return Ok(None);
         };
         // Not a JWT, or another issuer's: not this authenticator's to decide.
-        match peek_issuer(token) {
-            Ok(iss) if iss == self.issuer => {}
-            _ => return Ok(None),
+        let Ok(jwt) = UnverifiedJwt::parse(token) else {
+            return Ok(None);
+        };
+        if jwt.issuer() != Some(self.issuer.as_str()) {
+            return Ok(None);
         }
-        if self.refresher.is_some() && !self.knows_key_of(token) {
+        if self.refresher.is_some() && !self.knows_key_of(&jwt.header) {
             let due = self
                 .last_refresh
                 .lock()
@@ -461,7 +514,7 @@ impl Authenticator for JwtAuthenticator {
                 }
             }
         }
-        self.validate(token).map(Some)
+        self.validate_parsed(&jwt).map(Some)
     }
 }
 
@@ -608,6 +661,61 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(err, AuthnError::NoCredentials);
+    }
+
+    /// The token with its payload's JSON edited (its signature no longer fits).
+    fn with_payload(token: &str, edit: impl FnOnce(&mut serde_json::Value)) -> String {
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        let parts: Vec<&str> = token.split('.').collect();
+        let mut payload: serde_json::Value =
+            serde_json::from_slice(&b64.decode(parts[1]).unwrap()).unwrap();
+        edit(&mut payload);
+        let payload = b64.encode(serde_json::to_vec(&payload).unwrap());
+        format!("{}.{}.{}", parts[0], payload, parts[2])
+    }
+
+    #[tokio::test]
+    async fn tokens_are_routed_by_issuer_and_trusted_only_once_verified() {
+        let (issuer, authn) = issuer_and_authn(&["istio-ca"]);
+        let chain = AuthenticatorChain::new().with(Arc::new(authn));
+        let creds = |t: String| Credentials {
+            bearer: Some(t),
+            peer_chain: None,
+        };
+        let good = mint(&issuer, "istio-ca", 600, SystemTime::now());
+        // Another issuer's token is not this authenticator's: the chain
+        // names the issuer nobody trusts.
+        let foreign = with_payload(&good, |p| p["iss"] = "https://elsewhere".into());
+        assert_eq!(
+            chain.authenticate(&creds(foreign)).await.unwrap_err(),
+            AuthnError::UntrustedIssuer("https://elsewhere".into())
+        );
+        // Our issuer, edited claims: the signature fails before any claim
+        // is believed (here: another service account, or no expiry).
+        for edited in [
+            with_payload(&good, |p| {
+                p["sub"] = "system:serviceaccount:kube-system:admin".into()
+            }),
+            with_payload(&good, |p| {
+                p.as_object_mut().unwrap().remove("exp");
+            }),
+        ] {
+            let err = chain.authenticate(&creds(edited)).await.unwrap_err();
+            assert_eq!(
+                err,
+                AuthnError::InvalidToken("its signature does not verify".into())
+            );
+        }
+        // Not three parts, or parts that are not base64 JSON.
+        for bad in [
+            format!("{good}.extra"),
+            "a.b".to_string(),
+            "e30.e30.".to_string(),
+            "!!.e30.sig".to_string(),
+        ] {
+            let err = chain.authenticate(&creds(bad.clone())).await.unwrap_err();
+            assert!(matches!(err, AuthnError::MalformedToken), "{bad}: {err}");
+        }
     }
 
     #[test]
