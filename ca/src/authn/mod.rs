@@ -719,6 +719,47 @@ mod tests {
     }
 
     #[test]
+    fn no_single_byte_change_of_a_good_token_is_accepted() {
+        let (issuer, authn) = issuer_and_authn(&["istio-ca"]);
+        let good = mint(&issuer, "istio-ca", 600, SystemTime::now());
+        assert!(authn.validate(&good).is_ok());
+        let bytes = good.as_bytes();
+        // Every position, a few replacement bytes each (a deterministic
+        // stand-in for the `token` fuzz target).
+        for i in 0..bytes.len() {
+            for replacement in [b'A', b'_', b'.', b'=', 0xff] {
+                if bytes[i] == replacement {
+                    continue;
+                }
+                let mut changed = bytes.to_vec();
+                changed[i] = replacement;
+                let Ok(text) = String::from_utf8(changed) else {
+                    continue;
+                };
+                // base64url has spare bits in the last character of a
+                // part: a change there can decode to the same bytes.
+                let same_bytes = text.split('.').count() == 3
+                    && text
+                        .split('.')
+                        .zip(good.split('.'))
+                        .all(|(a, b)| decode_part(a) == decode_part(b));
+                if !same_bytes {
+                    assert!(
+                        authn.validate(&text).is_err(),
+                        "byte {i} set to {replacement:#x} was accepted"
+                    );
+                }
+            }
+        }
+    }
+
+    fn decode_part(part: &str) -> Option<Vec<u8>> {
+        base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(part.trim_end_matches('='))
+            .ok()
+    }
+
+    #[test]
     fn errors_never_contain_the_token() {
         let (issuer, authn) = issuer_and_authn(&["istio-ca"]);
         let token = mint(&issuer, "other", 600, SystemTime::now());
