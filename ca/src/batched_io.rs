@@ -31,6 +31,11 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 /// large response streams out instead of growing the buffer.
 pub const MAX_BUFFERED_BYTES: usize = 64 * 1024;
 
+/// A drained buffer keeps its allocation only up to this size, so ten
+/// thousand mostly idle agent connections do not each hold on to the
+/// largest burst they ever had.
+pub const RETAINED_CAPACITY: usize = 4 * 1024;
+
 /// A stream whose writes are buffered and whose flushes are batched; see
 /// the module documentation.
 #[derive(Debug)]
@@ -77,7 +82,11 @@ impl<S: AsyncWrite + Unpin> BatchedWriteStream<S> {
             }
             self.written += n;
         }
-        self.buffer.clear();
+        if self.buffer.capacity() > RETAINED_CAPACITY {
+            self.buffer = Vec::new();
+        } else {
+            self.buffer.clear();
+        }
         self.written = 0;
         self.flush_deferred = false;
         Poll::Ready(Ok(()))
@@ -239,5 +248,7 @@ mod tests {
         }
         batched.shutdown().await.unwrap();
         assert_eq!(reader.await.unwrap(), expected);
+        // The burst's allocation is not kept.
+        assert!(batched.buffer.capacity() <= RETAINED_CAPACITY);
     }
 }
