@@ -61,16 +61,20 @@ fn free_addr() -> anyhow::Result<SocketAddr> {
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
 }
 
-async fn healthz(addr: SocketAddr) -> Result<(), String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr)
-        .await
+/// One `GET /healthz`, blocking, bounded by `timeout` per step. Blocking on
+/// a thread of its own, like a kubelet probe from another process: the
+/// answer time is the server's, not this busy load generator's.
+fn healthz(addr: SocketAddr, timeout: Duration) -> Result<(), String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, timeout).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    s.set_write_timeout(Some(timeout))
         .map_err(|e| e.to_string())?;
     s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n")
-        .await
         .map_err(|e| e.to_string())?;
     let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
+    s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
     if buf.starts_with(b"HTTP/1.0 200") || buf.starts_with(b"HTTP/1.1 200") {
         Ok(())
     } else {
@@ -115,7 +119,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     let child = KillOnDrop(child);
     let pid = child.0.id();
     let deadline = Instant::now() + Duration::from_secs(30);
-    while healthz(monitoring).await.is_err() {
+    while healthz(monitoring, Duration::from_secs(2)).is_err() {
         anyhow::ensure!(
             Instant::now() < deadline,
             "meshca did not start: {}",
@@ -156,22 +160,23 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     let clients = load::connect_istio(&run_args.addr, &root_pem, args.connections).await?;
     let rss_before = proc_stats::read(pid);
 
-    // Health checks every 50 ms while the storm lasts.
+    // Health checks every 50 ms while the storm lasts, from a thread of
+    // their own (the tasks of this process are as busy as the server).
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let health = {
         let stop = stop.clone();
-        tokio::spawn(async move {
+        std::thread::spawn(move || {
             let mut hist = new_histogram();
             let mut failures = 0u64;
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 let t = Instant::now();
-                match tokio::time::timeout(Duration::from_secs(2), healthz(monitoring)).await {
-                    Ok(Ok(())) => {
+                match healthz(monitoring, Duration::from_secs(2)) {
+                    Ok(()) => {
                         let _ = hist.record(t.elapsed().as_micros().max(1) as u64);
                     }
-                    _ => failures += 1,
+                    Err(_) => failures += 1,
                 }
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                std::thread::sleep(Duration::from_millis(50));
             }
             (hist, failures)
         })
@@ -237,7 +242,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     }
     let drained = start.elapsed();
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let (health_hist, health_failures) = health.await.unwrap_or((new_histogram(), u64::MAX));
+    let (health_hist, health_failures) = health.join().unwrap_or((new_histogram(), u64::MAX));
     let stats = proc_stats::read(pid);
     let ms = |h: &hdrhistogram::Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
     let report = json!({

@@ -253,6 +253,59 @@ async fn ready_handler(State(state): State<MonitoringState>) -> impl IntoRespons
     }
 }
 
+/// Serves the monitoring endpoints on a thread of their own with its own
+/// event loop, so `/healthz` and `/ready` answer at once even while every
+/// worker of the main runtime is busy signing (a mass restart): a kubelet
+/// probe that times out would restart a CA that is merely busy. Completes
+/// when the server has stopped after `stop` turned true.
+fn spawn_monitoring_thread(
+    listener: TcpListener,
+    app: axum::Router,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::sync::oneshot::Receiver<()>, ServeError> {
+    let addr = listener
+        .local_addr()
+        .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
+    let bind_error = move |source: std::io::Error| ServeError::Bind {
+        flag: "--monitoring-listen",
+        addr,
+        source,
+    };
+    let std_listener = listener.into_std().map_err(bind_error)?;
+    let (done_tx, done_rx) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("meshca-monitoring".into())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(runtime) => runtime,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start the monitoring endpoints' event loop");
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let listener = match TcpListener::from_std(std_listener) {
+                    Ok(listener) => listener,
+                    Err(e) => {
+                        tracing::error!(error = %e, "cannot serve the monitoring endpoints");
+                        return;
+                    }
+                };
+                let _ = axum::serve(listener, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = stop.wait_for(|stopped| *stopped).await;
+                    })
+                    .await;
+            });
+            let _ = done_tx.send(());
+        })
+        .map_err(bind_error)?;
+    Ok(done_rx)
+}
+
 fn update_expiry_metrics(authority: &Authority, metrics: &Metrics) {
     let now = OffsetDateTime::now_utc();
     let state = authority.current();
@@ -565,14 +618,7 @@ pub async fn run(
         .route("/ready", get(ready_handler))
         .route("/healthz", get(|| async { "ok\n" }))
         .with_state(monitoring_state);
-    let mut monitoring_stop = stop_rx.clone();
-    let monitoring = tokio::spawn(async move {
-        let _ = axum::serve(monitoring_listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = monitoring_stop.changed().await;
-            })
-            .await;
-    });
+    let monitoring = spawn_monitoring_thread(monitoring_listener, app, stop_rx.clone())?;
 
     // Server certificate renewal.
     let renewal = tokio::spawn(tls::renew_server_cert(
