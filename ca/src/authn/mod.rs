@@ -613,14 +613,18 @@ mod tests {
             .unwrap()
     }
 
+    /// A bearer token and no client certificate.
+    fn creds(token: String) -> Credentials {
+        Credentials {
+            bearer: Some(token),
+            peer_chain: None,
+        }
+    }
+
     #[tokio::test]
     async fn accepts_a_good_token_and_refuses_bad_ones() {
         let (issuer, authn) = issuer_and_authn(&["istio-ca"]);
         let chain = AuthenticatorChain::new().with(Arc::new(authn));
-        let creds = |t: String| Credentials {
-            bearer: Some(t),
-            peer_chain: None,
-        };
         let caller = chain
             .authenticate(&creds(mint(&issuer, "istio-ca", 600, SystemTime::now())))
             .await
@@ -678,10 +682,6 @@ mod tests {
     async fn tokens_are_routed_by_issuer_and_trusted_only_once_verified() {
         let (issuer, authn) = issuer_and_authn(&["istio-ca"]);
         let chain = AuthenticatorChain::new().with(Arc::new(authn));
-        let creds = |t: String| Credentials {
-            bearer: Some(t),
-            peer_chain: None,
-        };
         let good = mint(&issuer, "istio-ca", 600, SystemTime::now());
         // Another issuer's token is not this authenticator's: the chain
         // names the issuer nobody trusts.
