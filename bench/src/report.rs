@@ -88,6 +88,9 @@ impl RunReport {
                 "cpu_microseconds_per_request": if self.ok > 0 { cpu * 1e6 / self.ok as f64 } else { 0.0 },
             });
         }
+        if let Some(every) = self.token_repeat_interval() {
+            out["token_repeats_every_seconds"] = json!(every);
+        }
         if let Some(b) = &self.baseline {
             out["crypto_baseline"] = b.to_json();
             if let Some((before, after)) = self.server {
@@ -167,6 +170,26 @@ impl RunReport {
                 r * 100.0
             );
         }
+        if let (Some(every), Some(b)) = (self.token_repeat_interval(), &self.baseline) {
+            if b.operations.contains("token") {
+                s += &format!(
+                    "note: each identity's token came again every {every:.2} s; a CA that reuses a verified token \
+                     (meshca: --jwt-cache-ttl, 10 s by default) skips the token check the limit counts. \
+                     For one token check per request start meshca with MESHCA_JWT_CACHE_TTL=0.\n"
+                );
+            }
+        }
         s
+    }
+
+    /// Seconds between two uses of one identity's token (identities are
+    /// asked in turn), when the run sent tokens.
+    fn token_repeat_interval(&self) -> Option<f64> {
+        let auth = self.setup.get("auth")?.as_str()?;
+        if auth == "none" || self.ok == 0 {
+            return None;
+        }
+        let identities = self.setup.get("identities")?.as_f64()?;
+        Some(identities / self.throughput())
     }
 }

@@ -73,6 +73,13 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_JWT_ISSUER")]
     pub jwt_issuer: Option<String>,
 
+    /// How long a token that passed offline validation is accepted again
+    /// without checking its signature (never past its `exp`; forgotten when
+    /// the keys change); 0 checks every request. The Kubernetes API server
+    /// caches its own token checks for 10 s the same way.
+    #[arg(long, env = "MESHCA_JWT_CACHE_TTL", default_value = "10s", value_parser = parse_duration)]
+    pub jwt_cache_ttl: Duration,
+
     /// Kubernetes API access (TokenReview). In a pod, the in-cluster
     /// service account is used without this flag.
     #[arg(long, env = "MESHCA_KUBECONFIG")]
@@ -226,6 +233,8 @@ pub struct Config {
     pub external_jwt: Option<(PathBuf, String)>,
     /// Issuer whose keys come from the Kubernetes API's OIDC discovery.
     pub discovered_jwt_issuer: Option<String>,
+    /// How long a token that passed offline validation is reused.
+    pub jwt_cache_ttl: Duration,
     /// All DNS names of the server certificate.
     pub server_dns: Vec<String>,
     /// Kubernetes API access.
@@ -388,6 +397,7 @@ impl TryFrom<ServeArgs> for Config {
                 None
             },
             external_jwt: args.jwks.zip(args.jwt_issuer),
+            jwt_cache_ttl: args.jwt_cache_ttl,
             server_dns,
             kubernetes: KubernetesConfig {
                 kubeconfig: args.kubeconfig,

@@ -124,7 +124,8 @@ async fn discovered_jwt_authenticator(
         config.trust_domain.clone(),
     )
     .map_err(|e| ServeError::Kubernetes(format!("the Kubernetes API's JWKS: {e}")))?
-    .with_refresher(fetcher);
+    .with_refresher(fetcher)
+    .with_cache_ttl(config.jwt_cache_ttl);
     let authn = Arc::new(authn);
     let refreshing = authn.clone();
     background.spawn(async move {
@@ -168,7 +169,8 @@ async fn build_authenticators(
         .map_err(|e: JwksError| ServeError::Jwks {
             path: config.data_dir.display().to_string(),
             reason: e.to_string(),
-        })?;
+        })?
+        .with_cache_ttl(config.jwt_cache_ttl);
         chain = chain.with(Arc::new(local_authn));
     }
     if let Some((path, issuer)) = &config.external_jwt {
@@ -186,7 +188,8 @@ async fn build_authenticators(
         .map_err(|e| ServeError::Jwks {
             path: path.display().to_string(),
             reason: e.to_string(),
-        })?;
+        })?
+        .with_cache_ttl(config.jwt_cache_ttl);
         chain = chain.with(Arc::new(authn));
     }
     if let Some(client) = kube {

@@ -13,9 +13,11 @@
 //!
 //! Tokens and keys never appear in errors or logs.
 
+pub mod cache;
 pub mod oidc;
 pub mod token_review;
 
+pub use cache::VerifiedTokenCache;
 pub use token_review::{TokenReviewAuthenticator, TokenReviewConfig};
 
 use std::sync::Arc;
@@ -279,6 +281,9 @@ pub struct JwtAuthenticator {
     trust_domain: TrustDomain,
     refresher: Option<Arc<dyn JwksFetcher>>,
     last_refresh: std::sync::Mutex<Option<std::time::Instant>>,
+    /// SHA-256 of the JWKS document the keys came from, when fetched.
+    jwks_digest: std::sync::Mutex<Option<[u8; 32]>>,
+    cache: VerifiedTokenCache,
 }
 
 /// Where fresh keys of an issuer come from (e.g. the Kubernetes API's
@@ -356,6 +361,8 @@ impl JwtAuthenticator {
             trust_domain,
             refresher: None,
             last_refresh: std::sync::Mutex::new(None),
+            jwks_digest: std::sync::Mutex::new(Some(VerifiedTokenCache::key(jwks_json))),
+            cache: VerifiedTokenCache::new(std::time::Duration::ZERO),
         })
     }
 
@@ -364,6 +371,16 @@ impl JwtAuthenticator {
     /// [`JwtAuthenticator::refresh`] is called.
     pub fn with_refresher(mut self, fetcher: Arc<dyn JwksFetcher>) -> Self {
         self.refresher = Some(fetcher);
+        self
+    }
+
+    /// Reuses a successful validation of the same token for up to `ttl`
+    /// (never past its `exp`; zero, the default, checks every time). Saves
+    /// the signature check when one caller presents one token many times: a
+    /// node agent asking for every pod of its node, retries after backoff.
+    /// Forgotten whenever the keys are refreshed.
+    pub fn with_cache_ttl(mut self, ttl: std::time::Duration) -> Self {
+        self.cache = VerifiedTokenCache::new(ttl);
         self
     }
 
@@ -377,7 +394,16 @@ impl JwtAuthenticator {
         let text = fetcher.fetch_jwks().await?;
         let keys = parse_jwks(&text).map_err(|e| e.to_string())?;
         let n = keys.len();
-        *self.keys.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(keys);
+        let digest = VerifiedTokenCache::key(&text);
+        let changed = {
+            let mut last = self.jwks_digest.lock().unwrap_or_else(|e| e.into_inner());
+            last.replace(digest) != Some(digest)
+        };
+        if changed {
+            *self.keys.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(keys);
+            // A key may have been withdrawn: nothing validated with it is reused.
+            self.cache.clear();
+        }
         Ok(n)
     }
 
@@ -490,6 +516,13 @@ impl Authenticator for JwtAuthenticator {
         let Some(token) = &credentials.bearer else {
             return Ok(None);
         };
+        let cache_key = self
+            .cache
+            .is_enabled()
+            .then(|| VerifiedTokenCache::key(token));
+        if let Some(caller) = cache_key.as_ref().and_then(|key| self.cache.get(key)) {
+            return Ok(Some(caller));
+        }
         // Not a JWT, or another issuer's: not this authenticator's to decide.
         let Ok(jwt) = UnverifiedJwt::parse(token) else {
             return Ok(None);
@@ -514,7 +547,11 @@ impl Authenticator for JwtAuthenticator {
                 }
             }
         }
-        self.validate_parsed(&jwt).map(Some)
+        let caller = self.validate_parsed(&jwt)?;
+        if let (Some(key), Ok(claims)) = (cache_key, &jwt.claims) {
+            self.cache.insert(key, caller.clone(), Some(claims.exp));
+        }
+        Ok(Some(caller))
     }
 }
 
@@ -665,6 +702,88 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(err, AuthnError::NoCredentials);
+    }
+
+    /// A JWKS source whose document a test can swap.
+    struct SwitchableJwks(std::sync::Mutex<String>);
+
+    #[async_trait]
+    impl JwksFetcher for SwitchableJwks {
+        async fn fetch_jwks(&self) -> Result<String, String> {
+            Ok(self.0.lock().unwrap().clone())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cached_token_is_reused_only_while_its_key_and_expiry_hold() {
+        let issuer = TokenIssuer::generate().unwrap();
+        let jwks = Arc::new(SwitchableJwks(std::sync::Mutex::new(issuer.jwks_json())));
+        let authn = JwtAuthenticator::from_jwks(
+            "local",
+            issuer.issuer(),
+            &issuer.jwks_json(),
+            vec!["istio-ca".into()],
+            TrustDomain::default(),
+        )
+        .unwrap()
+        .with_refresher(jwks.clone())
+        .with_cache_ttl(Duration::from_secs(3600));
+
+        let good = mint(&issuer, "istio-ca", 600, SystemTime::now());
+        for _ in 0..2 {
+            let caller = authn.authenticate(&creds(good.clone())).await.unwrap();
+            assert_eq!(
+                caller.unwrap().identity.as_str(),
+                "spiffe://cluster.local/ns/default/sa/web"
+            );
+        }
+        assert_eq!(authn.cache.len(), 1, "one entry per token");
+
+        // After a good token is cached, no single-byte change of it passes.
+        let bytes = good.as_bytes();
+        for i in (0..bytes.len()).step_by(3) {
+            let mut changed = bytes.to_vec();
+            changed[i] = if bytes[i] == b'A' { b'B' } else { b'A' };
+            let text = String::from_utf8(changed).unwrap();
+            if text
+                .split('.')
+                .zip(good.split('.'))
+                .all(|(a, b)| decode_part(a) == decode_part(b))
+            {
+                continue;
+            }
+            assert!(
+                !matches!(authn.authenticate(&creds(text)).await, Ok(Some(_))),
+                "byte {i} changed was accepted"
+            );
+        }
+        // (Changed key IDs made it fetch the keys again: the same document,
+        // so the cache stays.)
+        assert_eq!(authn.cache.len(), 1, "failures are not cached");
+
+        // The issuer's key is withdrawn: the refresh forgets what it vouched for.
+        let replacement = TokenIssuer::generate().unwrap();
+        *jwks.0.lock().unwrap() = replacement.jwks_json();
+        authn.refresh().await.unwrap();
+        assert!(authn.cache.is_empty());
+        let err = authn.authenticate(&creds(good)).await.unwrap_err();
+        assert!(matches!(err, AuthnError::InvalidToken(_)), "{err}");
+
+        // A cached token still dies at its `exp`.
+        let short = mint(&replacement, "istio-ca", 1, SystemTime::now());
+        assert!(authn.authenticate(&creds(short.clone())).await.is_ok());
+        assert_eq!(authn.cache.len(), 1);
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let err = authn.authenticate(&creds(short)).await.unwrap_err();
+        assert!(matches!(err, AuthnError::Expired(_)), "{err}");
+    }
+
+    #[tokio::test]
+    async fn without_a_cache_ttl_nothing_is_kept() {
+        let (issuer, authn) = issuer_and_authn(&["istio-ca"]);
+        let good = mint(&issuer, "istio-ca", 600, SystemTime::now());
+        assert!(authn.authenticate(&creds(good)).await.unwrap().is_some());
+        assert!(authn.cache.is_empty());
     }
 
     /// The token with its payload's JSON edited (its signature no longer fits).

@@ -14,7 +14,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use base64::Engine;
@@ -24,8 +24,8 @@ use kube::Api;
 use meshca_certs::token::parse_service_account_username;
 use meshca_certs::{SpiffeId, TrustDomain};
 use tokio::sync::{OnceCell, Semaphore};
-use tokio::time::Instant;
 
+use super::cache::{TokenHash, VerifiedTokenCache};
 use super::{Authenticator, AuthnError, Caller, CallerKind, Credentials, MAX_TOKEN_LEN};
 
 /// Group every service account is in.
@@ -50,20 +50,14 @@ pub struct TokenReviewConfig {
     pub max_in_flight: usize,
 }
 
-type TokenHash = [u8; 32];
 type ReviewResult = Result<Caller, AuthnError>;
-
-struct CachedCaller {
-    caller: Caller,
-    until: Instant,
-}
 
 /// Authenticates bearer tokens with the Kubernetes TokenReview API.
 pub struct TokenReviewAuthenticator {
     api: Api<TokenReview>,
     config: TokenReviewConfig,
     limiter: Semaphore,
-    cache: Mutex<HashMap<TokenHash, CachedCaller>>,
+    cache: VerifiedTokenCache,
     in_flight: Mutex<HashMap<TokenHash, Arc<OnceCell<ReviewResult>>>>,
 }
 
@@ -81,8 +75,8 @@ impl TokenReviewAuthenticator {
         Self {
             api: Api::all(client),
             limiter: Semaphore::new(config.max_in_flight.max(1)),
+            cache: VerifiedTokenCache::new(config.cache_ttl),
             config,
-            cache: Mutex::new(HashMap::new()),
             in_flight: Mutex::new(HashMap::new()),
         }
     }
@@ -93,8 +87,8 @@ impl TokenReviewAuthenticator {
         if token.len() > MAX_TOKEN_LEN {
             return Err(AuthnError::MalformedToken);
         }
-        let hash = token_hash(token);
-        if let Some(caller) = self.cached(&hash) {
+        let hash = VerifiedTokenCache::key(token);
+        if let Some(caller) = self.cache.get(&hash) {
             return Ok(caller);
         }
         let cell = {
@@ -105,7 +99,7 @@ impl TokenReviewAuthenticator {
             .get_or_init(|| async {
                 let result = self.call_api(token).await;
                 if let Ok(caller) = &result {
-                    self.store(hash, caller.clone(), token);
+                    self.cache.insert(hash, caller.clone(), token_expiry(token));
                 }
                 result
             })
@@ -118,48 +112,6 @@ impl TokenReviewAuthenticator {
             .unwrap_or_else(|e| e.into_inner())
             .remove(&hash);
         result
-    }
-
-    fn cached(&self, hash: &TokenHash) -> Option<Caller> {
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        match cache.get(hash) {
-            Some(entry) if entry.until > Instant::now() => Some(entry.caller.clone()),
-            Some(_) => {
-                cache.remove(hash);
-                None
-            }
-            None => None,
-        }
-    }
-
-    fn store(&self, hash: TokenHash, caller: Caller, token: &str) {
-        if self.config.cache_ttl.is_zero() {
-            return;
-        }
-        let mut ttl = self.config.cache_ttl;
-        if let Some(exp) = token_expiry(token) {
-            let now = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap_or_default()
-                .as_secs();
-            ttl = ttl.min(Duration::from_secs(exp.saturating_sub(now)));
-        }
-        if ttl.is_zero() {
-            return;
-        }
-        let mut cache = self.cache.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        // Keep the cache bounded: drop expired entries when it grows.
-        if cache.len() > 100_000 {
-            cache.retain(|_, e| e.until > now);
-        }
-        cache.insert(
-            hash,
-            CachedCaller {
-                caller,
-                until: now + ttl,
-            },
-        );
     }
 
     async fn call_api(&self, token: &str) -> ReviewResult {
@@ -262,13 +214,6 @@ fn describe_kube_error(e: &kube::Error) -> String {
         source = s.source();
     }
     message.chars().take(300).collect()
-}
-
-fn token_hash(token: &str) -> TokenHash {
-    let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
-    let mut out = [0u8; 32];
-    out.copy_from_slice(digest.as_ref());
-    out
 }
 
 /// The `exp` of a JWT, read without verification (the API server verified it).
