@@ -267,7 +267,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
         .crypto_baseline
         .then(|| baseline::Yardstick::new(args.key, with_token))
         .transpose()?;
-    let limit_before = yardstick.as_ref().map(|y| y.limit_per_core());
+    let limit_before = yardstick.as_ref().map(|y| y.limits_per_core());
     if !args.warmup.is_zero() {
         drive(
             &clients,
@@ -298,12 +298,16 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
     let machine_after = proc_stats::read_machine();
     let baseline = match (yardstick, limit_before) {
         (Some(yardstick), Some(limit_before)) => {
-            let limit_after = yardstick.limit_per_core();
+            let limit_after = yardstick.limits_per_core();
             let csrs: Vec<String> = prepared.iter().take(256).map(|p| p.csr.clone()).collect();
             Some(baseline::Baseline {
-                limit_per_core: (limit_before + limit_after) / 2.0,
-                limit_before,
-                limit_after,
+                limit_per_core: (limit_before.full + limit_after.full) / 2.0,
+                limit_before: limit_before.full,
+                limit_after: limit_after.full,
+                limit_without_token_per_core: limit_before
+                    .without_token
+                    .zip(limit_after.without_token)
+                    .map(|(b, a)| (b + a) / 2.0),
                 operations: yardstick.operations(),
                 in_process_path_per_core: yardstick.in_process_path_per_core(&csrs)?,
             })

@@ -27,6 +27,7 @@ fn a_few_hundred_requests_without_an_error() {
             "2",
         ])
         .args(["--warmup", "0s", "--server-pid", &pid, "--json"])
+        .arg("--crypto-baseline")
         .output()
         .unwrap();
     assert!(
@@ -49,6 +50,27 @@ fn a_few_hundred_requests_without_an_error() {
         "{report}"
     );
     assert!(report["throughput_per_second"].as_f64().unwrap() > 0.0);
+    // The yardstick: with tokens, the limit with and without the token check.
+    let baseline = &report["crypto_baseline"];
+    let full = baseline["limit_per_core"].as_f64().unwrap();
+    let without_token = baseline["limit_without_token_check_per_core"]
+        .as_f64()
+        .unwrap();
+    assert!(full > 0.0 && without_token > full, "{report}");
+    assert!(
+        report["ratio_to_crypto_limit_without_token_check"]
+            .as_f64()
+            .unwrap()
+            < report["ratio_to_crypto_limit_per_server_cpu_second"]
+                .as_f64()
+                .unwrap(),
+        "{report}"
+    );
+    // 50 identities asked in turn: each token came back many times.
+    assert!(
+        report["token_repeats_every_seconds"].as_f64().unwrap() > 0.0,
+        "{report}"
+    );
     // The server issued exactly what the generator counted.
     let metrics = http_get(server.monitoring, "/metrics").unwrap().1;
     assert!(
