@@ -19,8 +19,9 @@ meshca_pid=
 cfssl_pid=
 trap 'kill $meshca_pid $cfssl_pid 2>/dev/null; rm -rf "$work"' EXIT
 
-# meshca, embedded mode (self-signed P-256 root, local token issuer).
-MESHCA_LOG=warn "$bin/meshca" serve --data-dir "$work/meshca" --listen 127.0.0.1:15912 --monitoring-listen 127.0.0.1:15914 \
+# meshca, embedded mode (self-signed P-256 root, local token issuer), checking
+# every token's signature (no reuse of verified tokens: cfssl has no auth at all).
+MESHCA_LOG=warn MESHCA_JWT_CACHE_TTL=0 "$bin/meshca" serve --data-dir "$work/meshca" --listen 127.0.0.1:15912 --monitoring-listen 127.0.0.1:15914 \
     >/dev/null 2>"$work/meshca.log" &
 meshca_pid=$!
 # cfssl with a P-256 CA made by meshca-certs.
