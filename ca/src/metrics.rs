@@ -95,6 +95,8 @@ pub struct Metrics {
     pub leader: Gauge<i64>,
     /// Bundle ConfigMaps created or updated.
     pub bundle_configmap_writes: IstioCounter,
+    /// Requests authenticated from the cache of verified tokens.
+    pub token_cache_hits: IstioCounter,
 }
 
 /// Label of `meshca_root_rotation_phase`.
@@ -125,6 +127,7 @@ impl Default for Metrics {
             root_rotation_phase: Default::default(),
             leader: Default::default(),
             bundle_configmap_writes: Default::default(),
+            token_cache_hits: Default::default(),
         }
     }
 }
@@ -222,6 +225,11 @@ impl Metrics {
             "meshca_bundle_configmap_write_count",
             "istio-ca-root-cert ConfigMaps created or updated",
             self.bundle_configmap_writes.clone(),
+        );
+        r.register(
+            "meshca_token_cache_hit_count",
+            "Requests authenticated from the cache of verified tokens (--jwt-cache-ttl, --token-review-cache-ttl): no signature check or TokenReview",
+            self.token_cache_hits.clone(),
         );
         r
     }

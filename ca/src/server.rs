@@ -31,7 +31,7 @@ use crate::cluster::leader::{self, candidate_identity, LeaderElector, LeaderTimi
 use crate::cluster::root_secret::{RotationPhase, RotationPolicy};
 use crate::cluster::{self, bundle_publisher, ClusterError, SecretLoad};
 use crate::config::Config;
-use crate::metrics::{encode_text, Metrics};
+use crate::metrics::{encode_text, IstioCounter, Metrics};
 use crate::reload;
 use crate::service::CaService;
 use crate::store::{self, CaMaterial, StoreError};
@@ -103,6 +103,7 @@ pub fn load_material(config: &Config) -> Result<CaMaterial, StoreError> {
 /// discovery and refreshed every [`JWKS_REFRESH_PERIOD`] and on unknown key IDs.
 async fn discovered_jwt_authenticator(
     config: &Config,
+    cache_hits: IstioCounter,
     issuer: &str,
     client: kube::Client,
     background: &mut tokio::task::JoinSet<()>,
@@ -125,7 +126,8 @@ async fn discovered_jwt_authenticator(
     )
     .map_err(|e| ServeError::Kubernetes(format!("the Kubernetes API's JWKS: {e}")))?
     .with_refresher(fetcher)
-    .with_cache_ttl(config.jwt_cache_ttl);
+    .with_cache_ttl(config.jwt_cache_ttl)
+    .counting_cache_hits(cache_hits);
     let authn = Arc::new(authn);
     let refreshing = authn.clone();
     background.spawn(async move {
@@ -148,6 +150,7 @@ pub const JWKS_REFRESH_PERIOD: Duration = Duration::from_secs(300);
 
 async fn build_authenticators(
     config: &Config,
+    metrics: &Metrics,
     authority: &Arc<Authority>,
     kube: Option<kube::Client>,
     background: &mut tokio::task::JoinSet<()>,
@@ -170,7 +173,8 @@ async fn build_authenticators(
             path: config.data_dir.display().to_string(),
             reason: e.to_string(),
         })?
-        .with_cache_ttl(config.jwt_cache_ttl);
+        .with_cache_ttl(config.jwt_cache_ttl)
+        .counting_cache_hits(metrics.token_cache_hits.clone());
         chain = chain.with(Arc::new(local_authn));
     }
     if let Some((path, issuer)) = &config.external_jwt {
@@ -189,25 +193,36 @@ async fn build_authenticators(
             path: path.display().to_string(),
             reason: e.to_string(),
         })?
-        .with_cache_ttl(config.jwt_cache_ttl);
+        .with_cache_ttl(config.jwt_cache_ttl)
+        .counting_cache_hits(metrics.token_cache_hits.clone());
         chain = chain.with(Arc::new(authn));
     }
     if let Some(client) = kube {
         if let Some(issuer) = &config.discovered_jwt_issuer {
             chain = chain.with(
-                discovered_jwt_authenticator(config, issuer, client.clone(), background).await?,
+                discovered_jwt_authenticator(
+                    config,
+                    metrics.token_cache_hits.clone(),
+                    issuer,
+                    client.clone(),
+                    background,
+                )
+                .await?,
             );
         }
-        chain = chain.with(Arc::new(TokenReviewAuthenticator::new(
-            client,
-            TokenReviewConfig {
-                audiences: config.token_audiences.clone(),
-                trust_domain: config.trust_domain.clone(),
-                cache_ttl: config.kubernetes.token_review_cache_ttl,
-                timeout: config.kubernetes.api_timeout,
-                max_in_flight: config.kubernetes.api_max_in_flight,
-            },
-        )));
+        chain = chain.with(Arc::new(
+            TokenReviewAuthenticator::new(
+                client,
+                TokenReviewConfig {
+                    audiences: config.token_audiences.clone(),
+                    trust_domain: config.trust_domain.clone(),
+                    cache_ttl: config.kubernetes.token_review_cache_ttl,
+                    timeout: config.kubernetes.api_timeout,
+                    max_in_flight: config.kubernetes.api_max_in_flight,
+                },
+            )
+            .counting_cache_hits(metrics.token_cache_hits.clone()),
+        ));
     }
     Ok(chain)
 }
@@ -509,7 +524,9 @@ pub async fn run(
         tracing::error!(error = %reason, "the CA cannot sign; serving anyway so /ready and the metrics can tell");
     }
     let mut background = tokio::task::JoinSet::new();
-    let authn = build_authenticators(&config, &authority, kube.clone(), &mut background).await?;
+    let metrics = Metrics::default();
+    let authn =
+        build_authenticators(&config, &metrics, &authority, kube.clone(), &mut background).await?;
     if config.discovered_jwt_issuer.is_some() && kube.is_none() {
         return Err(ServeError::Kubernetes(
             "--jwt-issuer without --jwks needs the Kubernetes API (--kubeconfig, or running in a pod) for OIDC discovery"
@@ -534,7 +551,6 @@ pub async fn run(
         )))
     };
     tracing::info!(authenticators = ?authn, "authentication configured");
-    let metrics = Metrics::default();
     let registry = Arc::new(metrics.register());
     update_expiry_metrics(&authority, &metrics);
     metrics.set_rotation_phase(RotationPhase::Stable);

@@ -549,16 +549,18 @@ async fn two_hundred_concurrent_requests_get_distinct_serials() {
     assert_eq!(serials.len(), 200);
 }
 
+/// The value of the unlabelled metric `name` in a /metrics page.
+fn metric(body: &str, name: &str) -> u64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+        .unwrap_or_else(|| panic!("{name} missing in\n{body}"))
+}
+
 #[tokio::test]
 async fn metrics_move_and_readiness_reports() {
     let (_dir, server) = server();
-    let metric = |body: &str, name: &str| -> u64 {
-        body.lines()
-            .find_map(|l| l.strip_prefix(&format!("{name} ")))
-            .and_then(|v| v.trim().parse::<f64>().ok())
-            .map(|v| v as u64)
-            .unwrap_or_else(|| panic!("{name} missing in\n{body}"))
-    };
     let (code, before) = http_get(server.monitoring, "/metrics").unwrap();
     assert_eq!(code, 200);
     assert_eq!(
@@ -589,6 +591,69 @@ async fn metrics_move_and_readiness_reports() {
     assert!(after.contains("# TYPE citadel_server_csr_count counter"));
     let (code, _) = http_get(server.monitoring, "/ready").unwrap();
     assert_eq!(code, 200);
+}
+
+#[tokio::test]
+async fn a_verified_token_is_reused_until_it_expires_and_only_when_enabled() {
+    let (_dir, server) = server();
+    let cache_hits = || {
+        let (_, body) = http_get(server.monitoring, "/metrics").unwrap();
+        metric(&body, "meshca_token_cache_hit_count")
+    };
+    let mut client = server.client().await;
+    let token = server.token("default", "web");
+    for _ in 0..3 {
+        let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
+        client
+            .create_certificate(with_token(request, &token))
+            .await
+            .unwrap();
+    }
+    assert_eq!(
+        cache_hits(),
+        2,
+        "the second and third use come from the cache"
+    );
+
+    // A cached token still dies at its `exp`.
+    let short = mint_token(
+        &server.data_dir,
+        "default",
+        "web",
+        "istio-ca",
+        // `exp` is whole seconds: 2 s from now leaves at least 1 s to use it.
+        Duration::from_secs(2),
+    );
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
+    client
+        .create_certificate(with_token(request, &short))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
+    let status = client
+        .create_certificate(with_token(request, &short))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    assert!(status.message().contains("expired"), "{status:?}");
+    assert_eq!(cache_hits(), 2);
+
+    // Off: every request checks the signature.
+    let dir = tempfile::tempdir().unwrap();
+    let uncached = MeshcaServer::start(&dir.path().join("data"), &["--jwt-cache-ttl", "0s"])
+        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let mut client = uncached.client().await;
+    let token = uncached.token("default", "web");
+    for _ in 0..3 {
+        let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
+        client
+            .create_certificate(with_token(request, &token))
+            .await
+            .unwrap();
+    }
+    let (_, body) = http_get(uncached.monitoring, "/metrics").unwrap();
+    assert_eq!(metric(&body, "meshca_token_cache_hit_count"), 0);
 }
 
 #[tokio::test]

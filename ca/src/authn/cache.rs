@@ -18,6 +18,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::Caller;
+use crate::metrics::IstioCounter;
 
 /// The SHA-256 of a token: the cache key.
 pub type TokenHash = [u8; 32];
@@ -35,6 +36,7 @@ pub struct VerifiedTokenCache {
     ttl: Duration,
     max_entries: usize,
     entries: Mutex<HashMap<TokenHash, CachedCaller>>,
+    hits: IstioCounter,
 }
 
 impl std::fmt::Debug for VerifiedTokenCache {
@@ -58,7 +60,19 @@ impl VerifiedTokenCache {
             ttl,
             max_entries,
             entries: Mutex::new(HashMap::new()),
+            hits: IstioCounter::default(),
         }
+    }
+
+    /// Counts every hit on `hits` (e.g. a metric shared by several caches).
+    pub fn counting_hits(mut self, hits: IstioCounter) -> Self {
+        self.hits = hits;
+        self
+    }
+
+    /// Hits so far.
+    pub fn hits(&self) -> u64 {
+        self.hits.get()
     }
 
     /// Whether results are kept at all.
@@ -81,7 +95,10 @@ impl VerifiedTokenCache {
         }
         let mut entries = self.lock();
         match entries.get(key) {
-            Some(entry) if entry.until > Instant::now() => Some(entry.caller.clone()),
+            Some(entry) if entry.until > Instant::now() => {
+                self.hits.inc();
+                Some(entry.caller.clone())
+            }
             Some(_) => {
                 entries.remove(key);
                 None
@@ -175,6 +192,7 @@ mod tests {
         let key = VerifiedTokenCache::key("token-a");
         cache.insert(key, caller("a"), Some(now_unix() + 3600));
         let hit = cache.get(&key).expect("cached");
+        assert_eq!(cache.hits(), 1);
         assert_eq!(
             hit.identity.to_string(),
             "spiffe://cluster.local/ns/default/sa/a"

@@ -384,6 +384,12 @@ impl JwtAuthenticator {
         self
     }
 
+    /// Counts cache hits on `hits` (the `meshca_token_cache_hit_count` metric).
+    pub fn counting_cache_hits(mut self, hits: crate::metrics::IstioCounter) -> Self {
+        self.cache = self.cache.counting_hits(hits);
+        self
+    }
+
     /// Fetches the keys again (keeps the old ones if that fails).
     pub async fn refresh(&self) -> Result<usize, String> {
         let Some(fetcher) = &self.refresher else {
@@ -770,10 +776,11 @@ mod tests {
         assert!(matches!(err, AuthnError::InvalidToken(_)), "{err}");
 
         // A cached token still dies at its `exp`.
-        let short = mint(&replacement, "istio-ca", 1, SystemTime::now());
+        // (`exp` is whole seconds: 2 s from now leaves at least 1 s to use it.)
+        let short = mint(&replacement, "istio-ca", 2, SystemTime::now());
         assert!(authn.authenticate(&creds(short.clone())).await.is_ok());
         assert_eq!(authn.cache.len(), 1);
-        tokio::time::sleep(Duration::from_millis(1100)).await;
+        tokio::time::sleep(Duration::from_millis(2100)).await;
         let err = authn.authenticate(&creds(short)).await.unwrap_err();
         assert!(matches!(err, AuthnError::Expired(_)), "{err}");
     }

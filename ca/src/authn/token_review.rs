@@ -81,6 +81,12 @@ impl TokenReviewAuthenticator {
         }
     }
 
+    /// Counts cache hits on `hits` (the `meshca_token_cache_hit_count` metric).
+    pub fn counting_cache_hits(mut self, hits: crate::metrics::IstioCounter) -> Self {
+        self.cache = self.cache.counting_hits(hits);
+        self
+    }
+
     /// Authenticates one token: from the cache, by joining a review already
     /// in flight for it, or by a new review.
     pub async fn review(&self, token: &str) -> ReviewResult {
