@@ -1,5 +1,6 @@
-//! Each authenticator on its hot path: an offline-validated JWT (ES256),
-//! a client SVID chain, and TokenReview (cached, and a real review over
+//! Each authenticator on its hot path: an offline-validated JWT (ES256,
+//! and the same token again from the cache of verified tokens), a client
+//! SVID chain, and TokenReview (cached, and a real review over
 //! HTTPS against the fake API server of the end-to-end tests).
 //! Run: `cargo bench -p meshca-ca --bench authn`.
 
@@ -55,6 +56,27 @@ fn authn(c: &mut Criterion) {
         .unwrap();
     c.bench_function("authn/jwt_offline_es256", |b| {
         b.iter(|| jwt.validate(black_box(&token)).unwrap())
+    });
+    // The same token again, with --jwt-cache-ttl: its SHA-256 and a lookup.
+    let cached_jwt = JwtAuthenticator::from_jwks(
+        "local",
+        issuer.issuer(),
+        &issuer.jwks_json(),
+        vec!["istio-ca".into()],
+        td.clone(),
+    )
+    .unwrap()
+    .with_cache_ttl(Duration::from_secs(3600));
+    let with_token = Credentials {
+        bearer: Some(token.clone()),
+        peer_chain: None,
+    };
+    c.bench_function("authn/jwt_offline_cached", |b| {
+        b.iter(|| {
+            runtime
+                .block_on(cached_jwt.authenticate(black_box(&with_token)))
+                .unwrap()
+        })
     });
 
     // Client certificate (an SVID this CA issued).
