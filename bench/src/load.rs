@@ -25,6 +25,9 @@ pub(crate) struct Prepared {
     pub(crate) csr: String,
     /// `authorization` header value, if any.
     pub(crate) authorization: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
+    /// The identity asked for on behalf of a pod, as a node agent (ztunnel)
+    /// does: sent in the request's metadata.
+    pub(crate) impersonate: Option<String>,
 }
 
 /// Makes `n` CSRs (and tokens) for identities `ns/sa-<i>`.
@@ -68,7 +71,11 @@ pub(crate) fn prepare(
             ),
             None => None,
         };
-        out.push(Prepared { csr, authorization });
+        out.push(Prepared {
+            csr,
+            authorization,
+            impersonate: None,
+        });
     }
     Ok(out)
 }
@@ -87,10 +94,19 @@ impl Client {
     pub(crate) async fn call(&mut self, p: &Prepared) -> Result<(), String> {
         match self {
             Client::Istio(c) => {
+                let metadata = p.impersonate.as_ref().map(|id| prost_types::Struct {
+                    fields: [(
+                        meshca_proto::IMPERSONATED_IDENTITY_KEY.to_string(),
+                        prost_types::Value {
+                            kind: Some(prost_types::value::Kind::StringValue(id.clone())),
+                        },
+                    )]
+                    .into(),
+                });
                 let mut request = tonic::Request::new(IstioCertificateRequest {
                     csr: p.csr.clone(),
                     validity_duration: 0,
-                    metadata: None,
+                    metadata,
                 });
                 if let Some(a) = &p.authorization {
                     request.metadata_mut().insert("authorization", a.clone());

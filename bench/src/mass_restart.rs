@@ -24,6 +24,12 @@ use crate::{proc_stats, RunArgs};
 
 /// Retries of one identity before it gives up.
 const MAX_RETRIES: u32 = 6;
+/// The trusted node agent of `--node-agent`.
+const NODE_AGENT: &str = "istio-system/ztunnel";
+/// Its token at the fake API server.
+const NODE_AGENT_TOKEN: &str = "ztunnel-token";
+/// The node of the agent and of every pod.
+const NODE: &str = "node-a";
 
 /// Flags of `meshca-bench mass-restart`.
 #[derive(Debug, Clone, Args)]
@@ -40,6 +46,12 @@ pub(crate) struct MassRestartArgs {
     /// Client connections the requests are spread over (HTTP/2).
     #[arg(long, default_value_t = 64)]
     pub(crate) connections: usize,
+    /// One node agent asks for every identity, as ztunnel does for the pods
+    /// of its node after a restart: one token (istio-system/ztunnel, a
+    /// trusted node agent), one pod per identity on the agent's node, each
+    /// request naming the pod's identity in its metadata.
+    #[arg(long)]
+    pub(crate) node_agent: bool,
     /// Extra flags for `meshca serve`, e.g. `--max-concurrent-requests=512`.
     #[arg(long = "meshca-arg", allow_hyphen_values = true)]
     pub(crate) meshca_args: Vec<String>,
@@ -109,6 +121,11 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         .arg(dir.path().join("data"))
         .arg("--kubeconfig")
         .arg(&kube.kubeconfig)
+        .args(if args.node_agent {
+            &["--trusted-node-agent", NODE_AGENT][..]
+        } else {
+            &[]
+        })
         .args(&args.meshca_args)
         .env("MESHCA_LOG", "warn")
         .stdin(Stdio::null())
@@ -131,10 +148,30 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
 
     eprintln!("meshca-bench: preparing {} identities…", args.identities);
     let mut tokens = Vec::with_capacity(args.identities);
+    if args.node_agent {
+        // ztunnel's own pod and token; FakeUser binds the token to `ztunnel-pod`.
+        kube.add_pod(
+            "istio-system",
+            "ztunnel-pod",
+            "uid-ztunnel",
+            "ztunnel",
+            NODE,
+        );
+        kube.add_token(
+            NODE_AGENT_TOKEN,
+            FakeUser::service_account("istio-system", "ztunnel"),
+        );
+    }
     for i in 0..args.identities {
         let (ns, sa) = ("bench".to_string(), format!("sa-{i}"));
-        let token = format!("token-{i}-{}", i.wrapping_mul(2654435761));
-        kube.add_token(&token, FakeUser::service_account(&ns, &sa));
+        let token = if args.node_agent {
+            kube.add_pod(&ns, &format!("pod-{i}"), &format!("uid-{i}"), &sa, NODE);
+            NODE_AGENT_TOKEN.to_string()
+        } else {
+            let token = format!("token-{i}-{}", i.wrapping_mul(2654435761));
+            kube.add_token(&token, FakeUser::service_account(&ns, &sa));
+            token
+        };
         tokens.push((ns, sa, token));
     }
     let run_args = RunArgs {
@@ -156,8 +193,29 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         json: false,
         threads: 2,
     };
-    let prepared: Arc<Vec<Prepared>> = Arc::new(load::prepare(&run_args, None, Some(&tokens))?);
+    let mut prepared = load::prepare(&run_args, None, Some(&tokens))?;
+    if args.node_agent {
+        for (p, (ns, sa, _)) in prepared.iter_mut().zip(&tokens) {
+            p.impersonate = Some(format!("spiffe://cluster.local/ns/{ns}/sa/{sa}"));
+        }
+    }
+    let prepared: Arc<Vec<Prepared>> = Arc::new(prepared);
     let clients = load::connect_istio(&run_args.addr, &root_pem, args.connections).await?;
+    if args.node_agent {
+        // The agent was running before its pods restarted: its token has
+        // been reviewed and meshca's pod index is in sync. One request
+        // until it succeeds stands for that.
+        let mut client = clients[0].clone();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while let Err(code) = client.call(&prepared[0]).await {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the node agent's first request kept failing ({code}): {}",
+                std::fs::read_to_string(dir.path().join("meshca.log")).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
     let rss_before = proc_stats::read(pid);
 
     // Health checks every 50 ms while the storm lasts, from a thread of
@@ -246,7 +304,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     let stats = proc_stats::read(pid);
     let ms = |h: &hdrhistogram::Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
     let report = json!({
-        "scenario": "mass-restart",
+        "scenario": if args.node_agent { "mass-restart-node-agent" } else { "mass-restart" },
         "identities": args.identities,
         "connections": args.connections,
         "api_latency_ms": args.api_latency.as_secs_f64() * 1000.0,
