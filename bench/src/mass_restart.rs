@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use meshca_certs::parse_duration;
-use meshca_tests::fake_kube::{FakeKube, FakeUser};
+use meshca_tests::fake_kube::{FakeKube, FakeUser, OIDC_ISSUER};
 use serde_json::json;
 
 use crate::load::{self, Prepared};
@@ -52,6 +52,10 @@ pub(crate) struct MassRestartArgs {
     /// request naming the pod's identity in its metadata.
     #[arg(long)]
     pub(crate) node_agent: bool,
+    /// Tokens signed with the cluster's key and checked offline (meshca
+    /// with `--jwt-issuer`, keys by OIDC discovery) instead of TokenReview.
+    #[arg(long)]
+    pub(crate) offline_jwt: bool,
     /// Extra flags for `meshca serve`, e.g. `--max-concurrent-requests=512`.
     #[arg(long = "meshca-arg", allow_hyphen_values = true)]
     pub(crate) meshca_args: Vec<String>,
@@ -126,6 +130,11 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         } else {
             &[]
         })
+        .args(if args.offline_jwt {
+            &["--jwt-issuer", OIDC_ISSUER][..]
+        } else {
+            &[]
+        })
         .args(&args.meshca_args)
         .env("MESHCA_LOG", "warn")
         .stdin(Stdio::null())
@@ -149,7 +158,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     eprintln!("meshca-bench: preparing {} identities…", args.identities);
     let mut tokens = Vec::with_capacity(args.identities);
     if args.node_agent {
-        // ztunnel's own pod and token; FakeUser binds the token to `ztunnel-pod`.
+        // ztunnel's own pod; its token is bound to it.
         kube.add_pod(
             "istio-system",
             "ztunnel-pod",
@@ -157,16 +166,28 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
             "ztunnel",
             NODE,
         );
+    }
+    let node_agent_token = if args.offline_jwt {
+        kube.mint_token(
+            "istio-system",
+            "ztunnel",
+            Some(("ztunnel-pod", "uid-ztunnel")),
+        )
+    } else {
+        // FakeUser binds a reviewed token to `ztunnel-pod` too.
         kube.add_token(
             NODE_AGENT_TOKEN,
             FakeUser::service_account("istio-system", "ztunnel"),
         );
-    }
+        NODE_AGENT_TOKEN.to_string()
+    };
     for i in 0..args.identities {
         let (ns, sa) = ("bench".to_string(), format!("sa-{i}"));
         let token = if args.node_agent {
             kube.add_pod(&ns, &format!("pod-{i}"), &format!("uid-{i}"), &sa, NODE);
-            NODE_AGENT_TOKEN.to_string()
+            node_agent_token.clone()
+        } else if args.offline_jwt {
+            kube.mint_token(&ns, &sa, None)
         } else {
             let token = format!("token-{i}-{}", i.wrapping_mul(2654435761));
             kube.add_token(&token, FakeUser::service_account(&ns, &sa));
@@ -305,6 +326,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     let ms = |h: &hdrhistogram::Histogram<u64>, q: f64| h.value_at_quantile(q) as f64 / 1000.0;
     let report = json!({
         "scenario": if args.node_agent { "mass-restart-node-agent" } else { "mass-restart" },
+        "auth": if args.offline_jwt { "offline-jwt" } else { "token-review" },
         "identities": args.identities,
         "connections": args.connections,
         "api_latency_ms": args.api_latency.as_secs_f64() * 1000.0,
