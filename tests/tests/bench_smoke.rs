@@ -105,22 +105,34 @@ fn a_node_agent_gets_every_pod_on_its_node_with_one_token_review() {
     // `meshca-bench mass-restart` starts the `meshca` next to it (built by
     // `binaries()` into the same directory) against the fake API server.
     let meshca = &binaries().meshca;
-    let out = std::process::Command::new(bench_binary())
-        .args(["mass-restart", "--node-agent", "--identities", "40"])
-        .args(["--connections", "4", "--api-latency", "1ms", "--json"])
-        .arg("--meshca")
-        .arg(meshca)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "meshca-bench failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let out = std::process::Command::new(bench_binary())
+            .args(["mass-restart", "--node-agent", "--identities", "40"])
+            .args(["--connections", "4", "--api-latency", "1ms", "--json"])
+            .args(extra)
+            .arg("--meshca")
+            .arg(meshca)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "meshca-bench failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let report = run(&[]);
     assert_eq!(report["scenario"], "mass-restart-node-agent", "{report}");
+    assert_eq!(report["auth"], "token-review", "{report}");
     assert_eq!(report["ok"], 40, "{report}");
     assert_eq!(report["errors"], serde_json::json!({}), "{report}");
     // One token for all 40 pods: reviewed once, then from the cache.
     assert_eq!(report["token_reviews"], 1, "{report}");
+
+    // The agent's token signed by the cluster and checked offline: no review.
+    let report = run(&["--offline-jwt"]);
+    assert_eq!(report["auth"], "offline-jwt", "{report}");
+    assert_eq!(report["ok"], 40, "{report}");
+    assert_eq!(report["errors"], serde_json::json!({}), "{report}");
+    assert_eq!(report["token_reviews"], 0, "{report}");
 }
