@@ -7,6 +7,21 @@
 
 use meshca_tests::*;
 
+/// Runs `meshca-bench` with the arguments `args` adds; it must succeed,
+/// and its output is the JSON report.
+fn run_bench(
+    args: impl FnOnce(&mut std::process::Command) -> &mut std::process::Command,
+) -> serde_json::Value {
+    let mut bench = std::process::Command::new(bench_binary());
+    let out = args(&mut bench).output().unwrap();
+    assert!(
+        out.status.success(),
+        "meshca-bench failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
 #[test]
 fn a_few_hundred_requests_without_an_error() {
     let dir = tempfile::tempdir().unwrap();
@@ -14,28 +29,22 @@ fn a_few_hundred_requests_without_an_error() {
     let server = MeshcaServer::start(&data, &[]).unwrap();
     let pid = server.pid().to_string();
     let addr = format!("https://{}", server.grpc);
-    let out = std::process::Command::new(bench_binary())
-        .args(["--addr", &addr, "--data-dir", data.to_str().unwrap()])
-        .args([
-            "--identities",
-            "50",
-            "--requests",
-            "300",
-            "--concurrency",
-            "8",
-            "--connections",
-            "2",
-        ])
-        .args(["--warmup", "0s", "--server-pid", &pid, "--json"])
-        .arg("--crypto-baseline")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "meshca-bench failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let report = run_bench(|bench| {
+        bench
+            .args(["--addr", &addr, "--data-dir", data.to_str().unwrap()])
+            .args([
+                "--identities",
+                "50",
+                "--requests",
+                "300",
+                "--concurrency",
+                "8",
+                "--connections",
+                "2",
+            ])
+            .args(["--warmup", "0s", "--server-pid", &pid, "--json"])
+            .arg("--crypto-baseline")
+    });
     assert_eq!(report["ok"], 300, "{report}");
     assert_eq!(report["errors"], serde_json::json!({}), "{report}");
     assert_eq!(report["setup"]["auth"], "offline-jwt");
@@ -105,21 +114,15 @@ fn a_node_agent_gets_every_pod_on_its_node_with_one_token_review() {
     // `meshca-bench mass-restart` starts the `meshca` next to it (built by
     // `binaries()` into the same directory) against the fake API server.
     let meshca = &binaries().meshca;
-    let run = |extra: &[&str]| -> serde_json::Value {
-        let out = std::process::Command::new(bench_binary())
-            .args(["mass-restart", "--node-agent", "--identities", "40"])
-            .args(["--connections", "4", "--api-latency", "1ms", "--json"])
-            .args(extra)
-            .arg("--meshca")
-            .arg(meshca)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "meshca-bench failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+    let run = |extra: &[&str]| {
+        run_bench(|bench| {
+            bench
+                .args(["mass-restart", "--node-agent", "--identities", "40"])
+                .args(["--connections", "4", "--api-latency", "1ms", "--json"])
+                .args(extra)
+                .arg("--meshca")
+                .arg(meshca)
+        })
     };
     let report = run(&[]);
     assert_eq!(report["scenario"], "mass-restart-node-agent", "{report}");

@@ -593,13 +593,8 @@ async fn metrics_move_and_readiness_reports() {
     assert_eq!(code, 200);
 }
 
-#[tokio::test]
-async fn a_verified_token_is_reused_until_it_expires_and_only_when_enabled() {
-    let (_dir, server) = server();
-    let cache_hits = || {
-        let (_, body) = http_get(server.monitoring, "/metrics").unwrap();
-        metric(&body, "meshca_token_cache_hit_count")
-    };
+/// Three certificates for `web`, all with one token.
+async fn issue_three_times(server: &MeshcaServer) {
     let mut client = server.client().await;
     let token = server.token("default", "web");
     for _ in 0..3 {
@@ -609,6 +604,17 @@ async fn a_verified_token_is_reused_until_it_expires_and_only_when_enabled() {
             .await
             .unwrap();
     }
+}
+
+#[tokio::test]
+async fn a_verified_token_is_reused_until_it_expires_and_only_when_enabled() {
+    let (_dir, server) = server();
+    let cache_hits = || {
+        let (_, body) = http_get(server.monitoring, "/metrics").unwrap();
+        metric(&body, "meshca_token_cache_hit_count")
+    };
+    let mut client = server.client().await;
+    issue_three_times(&server).await;
     assert_eq!(
         cache_hits(),
         2,
@@ -643,15 +649,7 @@ async fn a_verified_token_is_reused_until_it_expires_and_only_when_enabled() {
     let dir = tempfile::tempdir().unwrap();
     let uncached = MeshcaServer::start(&dir.path().join("data"), &["--jwt-cache-ttl", "0s"])
         .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
-    let mut client = uncached.client().await;
-    let token = uncached.token("default", "web");
-    for _ in 0..3 {
-        let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
-        client
-            .create_certificate(with_token(request, &token))
-            .await
-            .unwrap();
-    }
+    issue_three_times(&uncached).await;
     let (_, body) = http_get(uncached.monitoring, "/metrics").unwrap();
     assert_eq!(metric(&body, "meshca_token_cache_hit_count"), 0);
 }
