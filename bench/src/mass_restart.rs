@@ -157,35 +157,38 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
 
     eprintln!("meshca-bench: preparing {} identities…", args.identities);
     let mut tokens = Vec::with_capacity(args.identities);
-    if args.node_agent {
-        // ztunnel's own pod; its token is bound to it.
-        kube.add_pod(
-            "istio-system",
-            "ztunnel-pod",
-            "uid-ztunnel",
-            "ztunnel",
-            NODE,
-        );
-    }
-    let node_agent_token = if args.offline_jwt {
-        kube.mint_token(
-            "istio-system",
-            "ztunnel",
-            Some(("ztunnel-pod", "uid-ztunnel")),
-        )
-    } else {
-        // FakeUser binds a reviewed token to `ztunnel-pod` too.
-        kube.add_token(
-            NODE_AGENT_TOKEN,
-            FakeUser::service_account("istio-system", "ztunnel"),
-        );
-        NODE_AGENT_TOKEN.to_string()
+    // The node agent: ztunnel's own pod, and its token bound to that pod.
+    let node_agent_token = match (args.node_agent, args.offline_jwt) {
+        (false, _) => None,
+        (true, offline_jwt) => {
+            kube.add_pod(
+                "istio-system",
+                "ztunnel-pod",
+                "uid-ztunnel",
+                "ztunnel",
+                NODE,
+            );
+            Some(if offline_jwt {
+                kube.mint_token(
+                    "istio-system",
+                    "ztunnel",
+                    Some(("ztunnel-pod", "uid-ztunnel")),
+                )
+            } else {
+                // FakeUser binds a reviewed token to `ztunnel-pod` too.
+                kube.add_token(
+                    NODE_AGENT_TOKEN,
+                    FakeUser::service_account("istio-system", "ztunnel"),
+                );
+                NODE_AGENT_TOKEN.to_string()
+            })
+        }
     };
     for i in 0..args.identities {
         let (ns, sa) = ("bench".to_string(), format!("sa-{i}"));
-        let token = if args.node_agent {
+        let token = if let Some(agent_token) = &node_agent_token {
             kube.add_pod(&ns, &format!("pod-{i}"), &format!("uid-{i}"), &sa, NODE);
-            node_agent_token.clone()
+            agent_token.clone()
         } else if args.offline_jwt {
             kube.mint_token(&ns, &sa, None)
         } else {
