@@ -34,14 +34,17 @@ fn authn(c: &mut Criterion) {
 
     // Offline JWT.
     let issuer = TokenIssuer::generate().unwrap();
-    let jwt = JwtAuthenticator::from_jwks(
-        "local",
-        issuer.issuer(),
-        &issuer.jwks_json(),
-        vec!["istio-ca".into()],
-        td.clone(),
-    )
-    .unwrap();
+    let offline_authenticator = || {
+        JwtAuthenticator::from_jwks(
+            "local",
+            issuer.issuer(),
+            &issuer.jwks_json(),
+            vec!["istio-ca".into()],
+            td.clone(),
+        )
+        .unwrap()
+    };
+    let jwt = offline_authenticator();
     let token = issuer
         .mint(
             &TokenRequest {
@@ -58,15 +61,7 @@ fn authn(c: &mut Criterion) {
         b.iter(|| jwt.validate(black_box(&token)).unwrap())
     });
     // The same token again, with --jwt-cache-ttl: its SHA-256 and a lookup.
-    let cached_jwt = JwtAuthenticator::from_jwks(
-        "local",
-        issuer.issuer(),
-        &issuer.jwks_json(),
-        vec!["istio-ca".into()],
-        td.clone(),
-    )
-    .unwrap()
-    .with_cache_ttl(Duration::from_secs(3600));
+    let cached_jwt = offline_authenticator().with_cache_ttl(Duration::from_secs(3600));
     let with_token = Credentials {
         bearer: Some(token.clone()),
         peer_chain: None,
