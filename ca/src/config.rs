@@ -121,6 +121,12 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
     pub max_concurrent_requests: usize,
 
+    /// Event loops (threads) serving gRPC connections; 0: one per CPU.
+    /// Each connection lives on one loop; a request moves to an idle loop
+    /// when its own is backed up.
+    #[arg(long, env = "MESHCA_EVENT_LOOPS", default_value_t = 0)]
+    pub event_loops: usize,
+
     /// Time allowed for in-flight requests to finish on SIGTERM/SIGINT.
     #[arg(long, env = "MESHCA_SHUTDOWN_GRACE", default_value = "15s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
@@ -245,6 +251,8 @@ pub struct Config {
     pub cluster_id: String,
     /// Concurrency limit of CreateCertificate.
     pub max_concurrent_requests: usize,
+    /// Event loops serving gRPC connections (at least one).
+    pub event_loops: usize,
     /// Drain time on shutdown.
     pub shutdown_grace: Duration,
     /// Signing stops this long before the signing certificate expires.
@@ -407,6 +415,10 @@ impl TryFrom<ServeArgs> for Config {
             },
             cluster_id: args.cluster_id,
             max_concurrent_requests: args.max_concurrent_requests,
+            event_loops: match args.event_loops {
+                0 => std::thread::available_parallelism().map_or(1, usize::from),
+                n => n,
+            },
             shutdown_grace: args.shutdown_grace,
             ca_expiry_margin: args.ca_expiry_margin,
             ca_dir_check_interval: args.ca_dir_check_interval.max(Duration::from_millis(100)),

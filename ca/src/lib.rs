@@ -38,6 +38,7 @@ pub mod authz;
 pub mod batched_io;
 pub mod cluster;
 pub mod config;
+pub mod event_loops;
 pub mod metrics;
 pub mod reload;
 pub mod server;

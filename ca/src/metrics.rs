@@ -97,6 +97,8 @@ pub struct Metrics {
     pub bundle_configmap_writes: IstioCounter,
     /// Requests authenticated from the cache of verified tokens.
     pub token_cache_hits: IstioCounter,
+    /// Requests run on an idle event loop instead of their connection's.
+    pub requests_moved: IstioCounter,
 }
 
 /// Label of `meshca_root_rotation_phase`.
@@ -128,6 +130,7 @@ impl Default for Metrics {
             leader: Default::default(),
             bundle_configmap_writes: Default::default(),
             token_cache_hits: Default::default(),
+            requests_moved: Default::default(),
         }
     }
 }
@@ -230,6 +233,11 @@ impl Metrics {
             "meshca_token_cache_hit_count",
             "Requests authenticated from the cache of verified tokens (--jwt-cache-ttl, --token-review-cache-ttl): no signature check or TokenReview",
             self.token_cache_hits.clone(),
+        );
+        r.register(
+            "meshca_request_moved_to_idle_loop_count",
+            "CreateCertificate requests run on an idle event loop because their connection's loop was backed up",
+            self.requests_moved.clone(),
         );
         r
     }

@@ -31,6 +31,7 @@ use crate::cluster::leader::{self, candidate_identity, LeaderElector, LeaderTimi
 use crate::cluster::root_secret::{RotationPhase, RotationPolicy};
 use crate::cluster::{self, bundle_publisher, ClusterError, SecretLoad};
 use crate::config::Config;
+use crate::event_loops::EventLoops;
 use crate::metrics::{encode_text, IstioCounter, Metrics};
 use crate::reload;
 use crate::service::CaService;
@@ -79,6 +80,12 @@ pub enum ServeError {
     /// The gRPC server failed.
     #[error("gRPC server: {0}")]
     Grpc(#[from] tonic::transport::Error),
+    /// The event loops could not be started.
+    #[error("cannot start the event loops: {0}")]
+    EventLoops(std::io::Error),
+    /// An event loop's server stopped abnormally.
+    #[error("an event loop failed: {0}")]
+    EventLoopFailed(String),
 }
 
 /// A running server's addresses (useful when binding port 0).
@@ -609,6 +616,7 @@ pub async fn run(
             .unwrap_or(config.monitoring_listen),
     };
 
+    let loops = EventLoops::start(config.event_loops).map_err(ServeError::EventLoops)?;
     let service = CaService::new(
         authority.clone(),
         authn,
@@ -616,7 +624,8 @@ pub async fn run(
         metrics.clone(),
         config.cluster_id.clone(),
         config.max_concurrent_requests,
-    );
+    )
+    .with_spare_loops(loops.spare());
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<IstioCertificateServiceServer<CaService>>()
@@ -656,7 +665,7 @@ pub async fn run(
 
     // Shutdown: mark not ready, report NOT_SERVING, then let tonic stop
     // accepting and drain in-flight requests, for at most the grace period.
-    let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
+    let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
     let serving_flag = serving.clone();
     let reporter = health_reporter.clone();
     tokio::spawn(async move {
@@ -666,41 +675,59 @@ pub async fn run(
         reporter
             .set_not_serving::<IstioCertificateServiceServer<CaService>>()
             .await;
-        let _ = drain_tx.send(());
+        let _ = drain_tx.send(true);
         let _ = draining_tx.send(true);
     });
 
+    // One gRPC server per event loop, each serving the connections dealt to it.
     let grpc =
         IstioCertificateServiceServer::new(service).max_decoding_message_size(MAX_REQUEST_BYTES);
-    let incoming = tls::tls_incoming(grpc_listener, acceptor);
-    let server = tonic::transport::Server::builder()
-        .max_concurrent_streams(Some(1024))
-        // Large flow-control windows: no WINDOW_UPDATE round trip every
-        // few dozen small requests.
-        .initial_connection_window_size(Some(4 << 20))
-        .initial_stream_window_size(Some(1 << 20))
-        .http2_keepalive_interval(Some(Duration::from_secs(30)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-        .layer(tower::util::MapResponseLayer::new(
-            oversized_is_invalid_argument,
-        ))
-        .add_service(health_service)
-        .add_service(grpc)
-        .serve_with_incoming_shutdown(incoming, async move {
-            let _ = drain_rx.await;
+    let handles: Vec<_> = (0..loops.len()).map(|i| loops.handle(i).clone()).collect();
+    let incoming = tls::tls_incoming(grpc_listener, acceptor, &handles);
+    let servers = incoming
+        .into_iter()
+        .zip(&handles)
+        .map(|(incoming, handle)| {
+            let mut drain = drain_rx.clone();
+            let server = tonic::transport::Server::builder()
+                .max_concurrent_streams(Some(1024))
+                // Large flow-control windows: no WINDOW_UPDATE round trip every
+                // few dozen small requests.
+                .initial_connection_window_size(Some(4 << 20))
+                .initial_stream_window_size(Some(1 << 20))
+                .http2_keepalive_interval(Some(Duration::from_secs(30)))
+                .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+                .layer(tower::util::MapResponseLayer::new(
+                    oversized_is_invalid_argument,
+                ))
+                .add_service(health_service.clone())
+                .add_service(grpc.clone())
+                .serve_with_incoming_shutdown(incoming, async move {
+                    let _ = drain.wait_for(|d| *d).await;
+                });
+            handle.spawn(server)
         });
+    let server = futures::future::try_join_all(servers);
     tokio::pin!(server);
-    let result = tokio::select! {
-        r = &mut server => r,
+    let finished = tokio::select! {
+        r = &mut server => Some(r),
         _ = draining_rx.wait_for(|d| *d) => {
             match tokio::time::timeout(config.shutdown_grace, &mut server).await {
-                Ok(r) => r,
+                Ok(r) => Some(r),
                 Err(_) => {
                     tracing::warn!(grace = ?config.shutdown_grace, "shutdown grace period over; stopping with requests still in flight");
-                    Ok(())
+                    None
                 }
             }
         }
+    };
+    let result = match finished {
+        None => Ok(()),
+        Some(Ok(results)) => results
+            .into_iter()
+            .collect::<Result<(), _>>()
+            .map_err(ServeError::from),
+        Some(Err(e)) => Err(ServeError::EventLoopFailed(e.to_string())),
     };
     let _ = stop_tx.send(true);
     let _ = monitoring.await;
@@ -710,6 +737,8 @@ pub async fn run(
         // Give the Lease back so another replica takes over at once.
         let _ = tokio::time::timeout(Duration::from_secs(3), elector).await;
     }
+    // Off the runtime: joining the loops' threads blocks.
+    let _ = tokio::task::spawn_blocking(move || loops.stop()).await;
     tracing::info!("meshca stopped");
-    result.map_err(ServeError::from)
+    result
 }

@@ -16,6 +16,7 @@ use tonic::{Request, Response, Status};
 use crate::authn::{AuthenticatorChain, AuthnError, CallerKind, Credentials};
 use crate::authority::{Authority, SignError};
 use crate::authz::Authorizer;
+use crate::event_loops::SpareLoops;
 use crate::metrics::Metrics;
 
 /// Header naming the cluster a request is for (empty: this one).
@@ -38,6 +39,7 @@ pub struct CaService {
     limiter: Arc<Semaphore>,
     waiting: Arc<AtomicUsize>,
     max_waiting: usize,
+    spare_loops: Option<SpareLoops>,
 }
 
 impl std::fmt::Debug for CaService {
@@ -68,7 +70,15 @@ impl CaService {
             limiter: Arc::new(Semaphore::new(max_concurrent_requests.max(1))),
             waiting: Arc::new(AtomicUsize::new(0)),
             max_waiting: max_concurrent_requests.max(1) * QUEUE_PER_SLOT,
+            spare_loops: None,
         }
+    }
+
+    /// Served from [`crate::event_loops`]: a request whose loop is backed
+    /// up runs on an idle loop instead.
+    pub fn with_spare_loops(mut self, spare_loops: SpareLoops) -> Self {
+        self.spare_loops = Some(spare_loops);
+        self
     }
 
     async fn handle(
@@ -209,6 +219,20 @@ impl IstioCertificateService for CaService {
         request: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
         self.metrics.csr_count.inc();
+        if let Some(idle) = self.spare_loops.as_ref().and_then(SpareLoops::claim) {
+            self.metrics.requests_moved.inc();
+            let service = self.clone();
+            return idle
+                .spawn(async move { service.handle(request).await })
+                .await
+                .unwrap_or_else(|e| {
+                    Err(if e.is_panic() {
+                        Status::internal("issuing the certificate failed")
+                    } else {
+                        Status::unavailable("the CA is shutting down; retry")
+                    })
+                });
+        }
         self.handle(request).await
     }
 }

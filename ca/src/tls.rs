@@ -224,19 +224,28 @@ pub fn server_config(
     Ok(config)
 }
 
-/// Accepts TCP connections on `listener`, runs TLS handshakes concurrently
-/// (each bounded by [`HANDSHAKE_TIMEOUT`]) and yields established streams.
-/// Stops when the returned stream is dropped.
+/// An established connection, as the gRPC server gets it.
+pub type TlsConnection = TlsStream<BatchedWriteStream<TcpStream>>;
+
+/// Accepts TCP connections on `listener` and deals them out to `loops` in
+/// turn: each connection's TLS handshake (bounded by [`HANDSHAKE_TIMEOUT`])
+/// and then its whole life run on one loop. Returns one stream of
+/// established connections per loop. Stops when every stream is dropped.
 pub fn tls_incoming(
     listener: TcpListener,
     acceptor: TlsAcceptor,
-) -> ReceiverStream<Result<TlsStream<BatchedWriteStream<TcpStream>>, io::Error>> {
-    let (tx, rx) = mpsc::channel(128);
+    loops: &[tokio::runtime::Handle],
+) -> Vec<ReceiverStream<Result<TlsConnection, io::Error>>> {
+    let (senders, receivers): (Vec<_>, Vec<_>) = loops.iter().map(|_| mpsc::channel(128)).unzip();
+    let loops = loops.to_vec();
     tokio::spawn(async move {
+        let all_closed = futures::future::join_all(senders.iter().map(|tx| tx.closed()));
+        tokio::pin!(all_closed);
+        let mut next = 0usize;
         loop {
             let accepted = tokio::select! {
                 accepted = listener.accept() => accepted,
-                _ = tx.closed() => return,
+                _ = &mut all_closed => return,
             };
             let (tcp, peer) = match accepted {
                 Ok(pair) => pair,
@@ -248,9 +257,27 @@ pub fn tls_incoming(
                 }
             };
             let _ = tcp.set_nodelay(true);
+            let index = next % loops.len();
+            next = next.wrapping_add(1);
             let acceptor = acceptor.clone();
-            let tx = tx.clone();
-            tokio::spawn(async move {
+            let tx = senders[index].clone();
+            // The socket is registered with the reactor of the loop that
+            // polls it first: move it there as a std socket.
+            let tcp = match tcp.into_std() {
+                Ok(tcp) => tcp,
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "handing the connection to an event loop failed");
+                    continue;
+                }
+            };
+            loops[index].spawn(async move {
+                let tcp = match TcpStream::from_std(tcp) {
+                    Ok(tcp) => tcp,
+                    Err(e) => {
+                        tracing::debug!(%peer, error = %e, "registering the connection failed");
+                        return;
+                    }
+                };
                 match tokio::time::timeout(
                     HANDSHAKE_TIMEOUT,
                     acceptor.accept(BatchedWriteStream::new(tcp)),
@@ -266,5 +293,5 @@ pub fn tls_incoming(
             });
         }
     });
-    ReceiverStream::new(rx)
+    receivers.into_iter().map(ReceiverStream::new).collect()
 }
