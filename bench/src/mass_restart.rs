@@ -228,10 +228,12 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     if args.node_agent {
         // The agent was running before its pods restarted: its token has
         // been reviewed and meshca's pod index is in sync. One request
-        // until it succeeds stands for that.
+        // until it succeeds stands for that, for the pod added last: the
+        // pod watch delivers in order, so then every pod is indexed.
         let mut client = clients[0].clone();
+        let last = prepared.last().context("no identities")?;
         let deadline = Instant::now() + Duration::from_secs(30);
-        while let Err(code) = client.call(&prepared[0]).await {
+        while let Err(code) = client.call(last).await {
             anyhow::ensure!(
                 Instant::now() < deadline,
                 "the node agent's first request kept failing ({code}): {}",
