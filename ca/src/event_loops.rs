@@ -11,8 +11,10 @@
 //! carries most requests (ztunnel multiplexes a whole node on one), so a
 //! request may move: when its loop has been busy without a pause for
 //! [`BUSY_BEFORE_HANDOFF`] and another loop is idle (parked, with no task to
-//! run), the request is run there instead ([`SpareLoops::claim`]). Under even
-//! load no loop is idle and nothing moves.
+//! run), the request is run there instead ([`SpareLoops::claim`]); a loop
+//! helping that way takes a second request while it works on the first, so
+//! it never waits for the next one. Under even load no loop is idle and
+//! nothing moves.
 //!
 //! ```no_run
 //! # fn main() -> std::io::Result<()> {
@@ -30,7 +32,7 @@
 //! ```
 
 use std::cell::Cell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -53,11 +55,15 @@ struct LoopState {
     idle: AtomicBool,
     /// When the loop last woke up, in microseconds since `epoch`.
     busy_since_micros: AtomicU64,
+    /// Requests handed to this loop by others and not finished yet.
+    handed: AtomicUsize,
 }
 
 /// The loops' shared state.
 struct Shared {
     epoch: Instant,
+    /// [`BUSY_BEFORE_HANDOFF`] unless started otherwise.
+    handoff_after_micros: u64,
     /// Shared with the loops' park hooks, which write it.
     states: Arc<[LoopState]>,
     handles: Vec<Handle>,
@@ -88,12 +94,19 @@ impl std::fmt::Debug for EventLoops {
 impl EventLoops {
     /// Starts `count` loops (at least one), each on a thread of its own.
     pub fn start(count: usize) -> std::io::Result<Self> {
+        Self::start_with_handoff_after(count, BUSY_BEFORE_HANDOFF)
+    }
+
+    /// [`EventLoops::start`], with requests moving from a loop once it has
+    /// been busy for `busy` instead of [`BUSY_BEFORE_HANDOFF`].
+    pub fn start_with_handoff_after(count: usize, busy: Duration) -> std::io::Result<Self> {
         let count = count.max(1);
         let epoch = Instant::now();
         let states: Arc<[LoopState]> = (0..count)
             .map(|_| LoopState {
                 idle: AtomicBool::new(false),
                 busy_since_micros: AtomicU64::new(0),
+                handed: AtomicUsize::new(0),
             })
             .collect();
         let mut handles = Vec::with_capacity(count);
@@ -126,6 +139,7 @@ impl EventLoops {
         Ok(Self {
             shared: Arc::new(Shared {
                 epoch,
+                handoff_after_micros: u64::try_from(busy.as_micros()).unwrap_or(u64::MAX),
                 states,
                 handles,
             }),
@@ -187,10 +201,14 @@ impl std::fmt::Debug for SpareLoops {
 
 impl SpareLoops {
     /// Another loop to run the caller's request, if the caller runs on a
-    /// loop that has been busy for [`BUSY_BEFORE_HANDOFF`] and another loop
-    /// is idle. The loop returned is marked busy, so concurrent callers
-    /// claim different loops (or none). `None`: run the request here.
-    pub fn claim(&self) -> Option<Handle> {
+    /// loop that has been busy for [`BUSY_BEFORE_HANDOFF`] (or as started)
+    /// and another loop
+    /// is idle, or is already working for other loops and has at most one
+    /// such request (so it has the next one at hand when it finishes: one
+    /// busy connection keeps a helper loop busy). Concurrent callers never
+    /// queue more than [`HANDED_PER_LOOP`] requests on a helper. `None`:
+    /// run the request here.
+    pub fn claim(&self) -> Option<IdleLoop> {
         let current = CURRENT_LOOP.with(Cell::get)?;
         let shared = &*self.shared;
         let count = shared.states.len();
@@ -201,18 +219,81 @@ impl SpareLoops {
             .busy_since_micros
             .load(Ordering::Relaxed);
         let busy_for = shared.micros_now().saturating_sub(busy_since);
-        if busy_for < BUSY_BEFORE_HANDOFF.as_micros() as u64 {
+        if busy_for < shared.handoff_after_micros {
             return None;
         }
-        (1..count)
+        let helper = (1..count)
             .map(|step| (current + step) % count)
             .find(|&other| {
-                shared.states[other]
+                let state = &shared.states[other];
+                let handed = state.handed.load(Ordering::Acquire);
+                if handed > 0 {
+                    // Already helping: queue one more, never more.
+                    handed < HANDED_PER_LOOP
+                        && state
+                            .handed
+                            .compare_exchange(
+                                handed,
+                                handed + 1,
+                                Ordering::AcqRel,
+                                Ordering::Relaxed,
+                            )
+                            .is_ok()
+                } else if state
                     .idle
                     .compare_exchange(true, false, Ordering::AcqRel, Ordering::Relaxed)
                     .is_ok()
-            })
-            .map(|other| shared.handles[other].clone())
+                {
+                    state.handed.fetch_add(1, Ordering::AcqRel);
+                    true
+                } else {
+                    false
+                }
+            })?;
+        Some(IdleLoop {
+            shared: self.shared.clone(),
+            index: helper,
+        })
+    }
+}
+
+/// Most requests handed to one helper loop at a time.
+pub const HANDED_PER_LOOP: usize = 2;
+
+/// A loop claimed by [`SpareLoops::claim`] for one request.
+pub struct IdleLoop {
+    shared: Arc<Shared>,
+    index: usize,
+}
+
+impl std::fmt::Debug for IdleLoop {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IdleLoop")
+            .field("index", &self.index)
+            .finish()
+    }
+}
+
+impl IdleLoop {
+    /// Runs the request on the claimed loop.
+    pub fn spawn<F>(self, request: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        let handle = self.shared.handles[self.index].clone();
+        handle.spawn(async move {
+            let _done = self; // releases the claim when the request ends
+            request.await
+        })
+    }
+}
+
+impl Drop for IdleLoop {
+    fn drop(&mut self) {
+        self.shared.states[self.index]
+            .handed
+            .fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -251,33 +332,38 @@ mod tests {
 
     #[test]
     fn a_request_moves_only_from_a_busy_loop_to_an_idle_one() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        // A loop that just woke up for a request keeps it (a threshold no
+        // descheduling of this test's thread can reach).
+        let patient = EventLoops::start_with_handoff_after(2, Duration::from_secs(60)).unwrap();
+        let claim = patient.spare();
+        let fresh = runtime
+            .block_on(patient.handle(0).spawn(async move {
+                std::thread::sleep(Duration::from_millis(5));
+                claim.claim().is_some()
+            }))
+            .unwrap();
+        assert!(!fresh, "a loop that just woke up handed its request away");
+        patient.stop();
+
         let loops = EventLoops::start(2).unwrap();
         let spare = loops.spare();
         // Not on a loop: never moves.
         assert!(spare.claim().is_none());
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .unwrap();
-        // Loop 0 just woke up for this task: it keeps it.
-        let claim = spare.clone();
-        let fresh = runtime
-            .block_on(
-                loops
-                    .handle(0)
-                    .spawn(async move { claim.claim().is_some() }),
-            )
-            .unwrap();
-        assert!(!fresh, "a loop that just woke up handed its request away");
 
         // Loop 0 busy for longer than the threshold while loop 1 idles:
-        // the request goes to loop 1, and only one caller gets loop 1.
+        // the request goes to loop 1; one more may queue there, not a third.
         let claim = spare.clone();
         let moved = runtime
             .block_on(loops.handle(0).spawn(async move {
                 std::thread::sleep(BUSY_BEFORE_HANDOFF * 3);
                 let first = claim.claim();
                 let second = claim.claim();
-                let ran_on = match &first {
+                let third = claim.claim();
+                let claimed = (first.is_some(), second.is_some(), third.is_some());
+                let ran_on = match first {
                     Some(idle) => idle
                         .spawn(async { loop_of_this_thread() })
                         .await
@@ -285,10 +371,15 @@ mod tests {
                         .flatten(),
                     None => None,
                 };
-                (first.is_some(), second.is_some(), ran_on)
+                // The first has finished: room for one more again (loop 0
+                // waited for it, so it must be busy again first).
+                std::thread::sleep(BUSY_BEFORE_HANDOFF * 3);
+                let fourth = claim.claim().is_some();
+                drop(second);
+                (claimed, ran_on, fourth)
             }))
             .unwrap();
-        assert_eq!(moved, (true, false, Some(1)));
+        assert_eq!(moved, ((true, true, false), Some(1), true));
         loops.stop();
     }
 
