@@ -50,6 +50,7 @@ thread_local! {
 }
 
 /// What other threads know about one loop.
+#[derive(Debug)]
 struct LoopState {
     /// Parked: no task to run, waiting for I/O or a timer.
     idle: AtomicBool,
@@ -60,6 +61,7 @@ struct LoopState {
 }
 
 /// The loops' shared state.
+#[derive(Debug)]
 struct Shared {
     epoch: Instant,
     /// [`BUSY_BEFORE_HANDOFF`] unless started otherwise.
@@ -77,18 +79,11 @@ impl Shared {
 
 /// The running loops. Dropping this stops them too, without waiting for
 /// their threads.
+#[derive(Debug)]
 pub struct EventLoops {
     shared: Arc<Shared>,
     stops: Vec<tokio::sync::oneshot::Sender<()>>,
     threads: Vec<std::thread::JoinHandle<()>>,
-}
-
-impl std::fmt::Debug for EventLoops {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EventLoops")
-            .field("loops", &self.shared.handles.len())
-            .finish_non_exhaustive()
-    }
 }
 
 impl EventLoops {
@@ -186,28 +181,18 @@ impl EventLoops {
 }
 
 /// Lets a request on one loop move to another that is idle.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct SpareLoops {
     shared: Arc<Shared>,
-}
-
-impl std::fmt::Debug for SpareLoops {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SpareLoops")
-            .field("loops", &self.shared.handles.len())
-            .finish()
-    }
 }
 
 impl SpareLoops {
     /// Another loop to run the caller's request, if the caller runs on a
     /// loop that has been busy for [`BUSY_BEFORE_HANDOFF`] (or as started)
-    /// and another loop
-    /// is idle, or is already working for other loops and has at most one
-    /// such request (so it has the next one at hand when it finishes: one
-    /// busy connection keeps a helper loop busy). Concurrent callers never
-    /// queue more than [`HANDED_PER_LOOP`] requests on a helper. `None`:
-    /// run the request here.
+    /// and another loop is idle, or is already working for other loops and
+    /// has fewer than [`HANDED_PER_LOOP`] such requests (so it has the next
+    /// one at hand when it finishes: one busy connection keeps a helper
+    /// loop busy). `None`: run the request here.
     pub fn claim(&self) -> Option<IdleLoop> {
         let current = CURRENT_LOOP.with(Cell::get)?;
         let shared = &*self.shared;
@@ -261,17 +246,10 @@ impl SpareLoops {
 pub const HANDED_PER_LOOP: usize = 2;
 
 /// A loop claimed by [`SpareLoops::claim`] for one request.
+#[derive(Debug)]
 pub struct IdleLoop {
     shared: Arc<Shared>,
     index: usize,
-}
-
-impl std::fmt::Debug for IdleLoop {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IdleLoop")
-            .field("index", &self.index)
-            .finish()
-    }
 }
 
 impl IdleLoop {
