@@ -559,13 +559,13 @@ fn build_and_sign(
 
 /// Lowercase hex of bytes, for serials and key identifiers in logs.
 pub fn hex(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    bytes
-        .iter()
-        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-            let _ = write!(s, "{b:02x}");
-            s
-        })
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut hex = String::with_capacity(bytes.len() * 2);
+    for byte in bytes {
+        hex.push(char::from(DIGITS[usize::from(byte >> 4)]));
+        hex.push(char::from(DIGITS[usize::from(byte & 0x0f)]));
+    }
+    hex
 }
 
 #[cfg(test)]
@@ -573,6 +573,15 @@ mod tests {
     use super::*;
     use crate::keys::KeyAlgorithm;
     use x509_parser::extensions::{GeneralName, ParsedExtension};
+
+    #[test]
+    fn hex_is_lowercase_two_digits_per_byte() {
+        assert_eq!(hex(&[]), "");
+        assert_eq!(hex(&[0x00, 0x0f, 0xa0, 0xff, 0x7e]), "000fa0ff7e");
+        let all: Vec<u8> = (0..=255).collect();
+        let expected: String = all.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex(&all), expected);
+    }
 
     fn now() -> OffsetDateTime {
         OffsetDateTime::now_utc()
