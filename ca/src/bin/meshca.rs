@@ -7,12 +7,6 @@ use clap::{Parser, Subcommand};
 use meshca_ca::config::{Config, ServeArgs};
 use tracing_subscriber::EnvFilter;
 
-/// mimalloc instead of glibc's malloc: each event loop allocates and frees
-/// a request's buffers on its own thread, which mimalloc serves from a
-/// thread-local heap without locks (BENCHMARKS.md has the numbers).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 /// meshca: an Istio-compatible certificate authority for service meshes.
 #[derive(Parser)]
 #[command(name = "meshca", version, about)]
