@@ -161,6 +161,11 @@ impl EventLoops {
         &self.shared.handles[index]
     }
 
+    /// Every loop's runtime, in index order.
+    pub fn handles(&self) -> &[Handle] {
+        &self.shared.handles
+    }
+
     /// What a request needs to move to an idle loop.
     pub fn spare(&self) -> SpareLoops {
         SpareLoops {

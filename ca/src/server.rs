@@ -679,14 +679,13 @@ pub async fn run(
         let _ = draining_tx.send(true);
     });
 
-    // One gRPC server per event loop, each serving the connections dealt to it.
+    // One gRPC server per event loop, each serving the connections placed on it.
     let grpc =
         IstioCertificateServiceServer::new(service).max_decoding_message_size(MAX_REQUEST_BYTES);
-    let handles: Vec<_> = (0..loops.len()).map(|i| loops.handle(i).clone()).collect();
-    let incoming = tls::tls_incoming(grpc_listener, acceptor, &handles);
+    let incoming = tls::tls_incoming(grpc_listener, acceptor, loops.handles());
     let servers = incoming
         .into_iter()
-        .zip(&handles)
+        .zip(loops.handles())
         .map(|(incoming, handle)| {
             let mut drain = drain_rx.clone();
             let server = tonic::transport::Server::builder()

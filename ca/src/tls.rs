@@ -5,7 +5,10 @@
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -19,6 +22,7 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use time::OffsetDateTime;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
@@ -225,12 +229,140 @@ pub fn server_config(
 }
 
 /// An established connection, as the gRPC server gets it.
-pub type TlsConnection = TlsStream<BatchedWriteStream<TcpStream>>;
+pub type TlsConnection = TlsStream<BatchedWriteStream<SeatedStream<TcpStream>>>;
 
-/// Accepts TCP connections on `listener` and deals them out to `loops` in
-/// turn: each connection's TLS handshake (bounded by [`HANDSHAKE_TIMEOUT`])
-/// and then its whole life run on one loop. Returns one stream of
-/// established connections per loop. Stops when every stream is dropped.
+/// How many connections each event loop holds, to place a new one on the
+/// loop with the fewest. Dealing in turn would drift after churn: agents
+/// that reconnect after a restart can leave one loop with most of the
+/// long-lived connections.
+#[derive(Debug)]
+pub struct LoopOccupancy {
+    open: Box<[AtomicUsize]>,
+}
+
+impl LoopOccupancy {
+    /// No connections yet on any of `loops` loops (at least one).
+    pub fn new(loops: usize) -> Arc<Self> {
+        Arc::new(Self {
+            open: (0..loops.max(1)).map(|_| AtomicUsize::new(0)).collect(),
+        })
+    }
+
+    /// Takes a seat on the loop with the fewest open connections; among
+    /// equals the first at or after `start` (the caller rotates it, so
+    /// loops with equal counts take turns). The seat is given back when
+    /// the returned value is dropped.
+    pub fn seat(self: &Arc<Self>, start: usize) -> ConnectionSeat {
+        let n = self.open.len();
+        let index = (0..n)
+            .map(|k| (start.wrapping_add(k)) % n)
+            .min_by_key(|&i| self.open[i].load(Ordering::Relaxed))
+            .unwrap_or(0);
+        self.open[index].fetch_add(1, Ordering::Relaxed);
+        ConnectionSeat {
+            occupancy: self.clone(),
+            index,
+        }
+    }
+
+    /// Open connections on loop `index` (0 for a loop that does not exist).
+    pub fn open_on(&self, index: usize) -> usize {
+        self.open
+            .get(index)
+            .map_or(0, |open| open.load(Ordering::Relaxed))
+    }
+}
+
+/// One connection's place on a loop; counted until dropped.
+#[derive(Debug)]
+pub struct ConnectionSeat {
+    occupancy: Arc<LoopOccupancy>,
+    index: usize,
+}
+
+impl ConnectionSeat {
+    /// The loop this connection runs on.
+    pub fn loop_index(&self) -> usize {
+        self.index
+    }
+}
+
+impl Drop for ConnectionSeat {
+    fn drop(&mut self) {
+        self.occupancy.open[self.index].fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A stream that holds its connection's [`ConnectionSeat`] for as long as
+/// the connection lives; reads and writes go straight through.
+#[derive(Debug)]
+pub struct SeatedStream<S> {
+    inner: S,
+    _seat: ConnectionSeat,
+}
+
+impl<S> SeatedStream<S> {
+    /// `inner`, counted on `seat`'s loop until dropped.
+    pub fn new(inner: S, seat: ConnectionSeat) -> Self {
+        Self { inner, _seat: seat }
+    }
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for SeatedStream<S> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for SeatedStream<S> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
+    for SeatedStream<S>
+{
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+/// Accepts TCP connections on `listener` and places each on the loop of
+/// `loops` that holds the fewest open connections ([`LoopOccupancy`]):
+/// its TLS handshake (bounded by [`HANDSHAKE_TIMEOUT`]) and then its whole
+/// life run there. Returns one stream of established connections per loop.
+/// Stops when every stream is dropped.
 pub fn tls_incoming(
     listener: TcpListener,
     acceptor: TlsAcceptor,
@@ -238,6 +370,7 @@ pub fn tls_incoming(
 ) -> Vec<ReceiverStream<Result<TlsConnection, io::Error>>> {
     let (senders, receivers): (Vec<_>, Vec<_>) = loops.iter().map(|_| mpsc::channel(128)).unzip();
     let loops = loops.to_vec();
+    let occupancy = LoopOccupancy::new(loops.len());
     tokio::spawn(async move {
         let all_closed = futures::future::join_all(senders.iter().map(|tx| tx.closed()));
         tokio::pin!(all_closed);
@@ -257,8 +390,9 @@ pub fn tls_incoming(
                 }
             };
             let _ = tcp.set_nodelay(true);
-            let index = next % loops.len();
+            let seat = occupancy.seat(next);
             next = next.wrapping_add(1);
+            let index = seat.loop_index();
             let acceptor = acceptor.clone();
             let tx = senders[index].clone();
             // The socket is registered with the reactor of the loop that
@@ -280,7 +414,7 @@ pub fn tls_incoming(
                 };
                 match tokio::time::timeout(
                     HANDSHAKE_TIMEOUT,
-                    acceptor.accept(BatchedWriteStream::new(tcp)),
+                    acceptor.accept(BatchedWriteStream::new(SeatedStream::new(tcp, seat))),
                 )
                 .await
                 {
@@ -294,4 +428,54 @@ pub fn tls_incoming(
         }
     });
     receivers.into_iter().map(ReceiverStream::new).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_goes_to_the_loop_with_the_fewest() {
+        let occupancy = LoopOccupancy::new(2);
+        let first: Vec<_> = (0..4).map(|k| occupancy.seat(k)).collect();
+        // Equal counts: the loops take turns.
+        let placed: Vec<_> = first.iter().map(ConnectionSeat::loop_index).collect();
+        assert_eq!(placed, [0, 1, 0, 1]);
+        assert_eq!((occupancy.open_on(0), occupancy.open_on(1)), (2, 2));
+
+        // Both connections of loop 0 close: the next two go there, whatever
+        // the rotation says.
+        let mut first = first.into_iter();
+        let (a, b, c, d) = (first.next(), first.next(), first.next(), first.next());
+        drop((a, c));
+        assert_eq!((occupancy.open_on(0), occupancy.open_on(1)), (0, 2));
+        let e = occupancy.seat(5);
+        let f = occupancy.seat(7);
+        assert_eq!((e.loop_index(), f.loop_index()), (0, 0));
+        assert_eq!((occupancy.open_on(0), occupancy.open_on(1)), (2, 2));
+        drop((b, d, e, f));
+        assert_eq!((occupancy.open_on(0), occupancy.open_on(1)), (0, 0));
+        assert_eq!(occupancy.open_on(2), 0);
+    }
+
+    #[tokio::test]
+    async fn a_seated_stream_passes_bytes_through_and_frees_its_seat_when_dropped() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let occupancy = LoopOccupancy::new(3);
+        let (near, mut far) = tokio::io::duplex(64);
+        let seat = occupancy.seat(1);
+        assert_eq!(seat.loop_index(), 1);
+        let mut stream = SeatedStream::new(near, seat);
+        stream.write_all(b"ping").await.unwrap();
+        stream.flush().await.unwrap();
+        let mut got = [0u8; 4];
+        far.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"ping");
+        far.write_all(b"pong").await.unwrap();
+        stream.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"pong");
+        assert_eq!(occupancy.open_on(1), 1);
+        drop(stream);
+        assert_eq!(occupancy.open_on(1), 0);
+    }
 }
