@@ -37,23 +37,34 @@ pub const MAX_BUFFERED_BYTES: usize = 64 * 1024;
 pub const RETAINED_CAPACITY: usize = 4 * 1024;
 
 /// A stream whose writes are buffered and whose flushes are batched; see
-/// the module documentation.
+/// the module documentation. `G` is kept for as long as the connection
+/// lives and dropped with it (the server keeps the connection's seat on an
+/// event loop there: `tls::ConnectionSeat`).
 #[derive(Debug)]
-pub struct BatchedWriteStream<S> {
+pub struct BatchedWriteStream<S, G = ()> {
     inner: S,
     buffer: Vec<u8>,
     written: usize,
     flush_deferred: bool,
+    _guard: G,
 }
 
 impl<S> BatchedWriteStream<S> {
     /// Wraps `inner`.
     pub fn new(inner: S) -> Self {
+        Self::with_guard(inner, ())
+    }
+}
+
+impl<S, G> BatchedWriteStream<S, G> {
+    /// Wraps `inner`, holding `guard` until the stream is dropped.
+    pub fn with_guard(inner: S, guard: G) -> Self {
         Self {
             inner,
             buffer: Vec::new(),
             written: 0,
             flush_deferred: false,
+            _guard: guard,
         }
     }
 
@@ -67,7 +78,7 @@ impl<S> BatchedWriteStream<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> BatchedWriteStream<S> {
+impl<S: AsyncWrite + Unpin, G> BatchedWriteStream<S, G> {
     /// Writes out everything buffered.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while self.written < self.buffer.len() {
@@ -100,7 +111,7 @@ impl<S: AsyncWrite + Unpin> BatchedWriteStream<S> {
     }
 }
 
-impl<S: AsyncRead + Unpin> AsyncRead for BatchedWriteStream<S> {
+impl<S: AsyncRead + Unpin, G: Unpin> AsyncRead for BatchedWriteStream<S, G> {
     fn poll_read(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -112,7 +123,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for BatchedWriteStream<S> {
     }
 }
 
-impl<S: AsyncWrite + Unpin> AsyncWrite for BatchedWriteStream<S> {
+impl<S: AsyncWrite + Unpin, G: Unpin> AsyncWrite for BatchedWriteStream<S, G> {
     fn poll_write(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -174,8 +185,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for BatchedWriteStream<S> {
     }
 }
 
-impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
-    for BatchedWriteStream<S>
+impl<S: tonic::transport::server::Connected, G> tonic::transport::server::Connected
+    for BatchedWriteStream<S, G>
 {
     type ConnectInfo = S::ConnectInfo;
 

@@ -5,10 +5,8 @@
 
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use arc_swap::ArcSwap;
@@ -22,7 +20,6 @@ use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use rustls::{DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use time::OffsetDateTime;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio_rustls::server::TlsStream;
@@ -229,7 +226,7 @@ pub fn server_config(
 }
 
 /// An established connection, as the gRPC server gets it.
-pub type TlsConnection = TlsStream<BatchedWriteStream<SeatedStream<TcpStream>>>;
+pub type TlsConnection = TlsStream<BatchedWriteStream<TcpStream, ConnectionSeat>>;
 
 /// How many connections each event loop holds, to place a new one on the
 /// loop with the fewest. Dealing in turn would drift after churn: agents
@@ -293,71 +290,6 @@ impl Drop for ConnectionSeat {
     }
 }
 
-/// A stream that holds its connection's [`ConnectionSeat`] for as long as
-/// the connection lives; reads and writes go straight through.
-#[derive(Debug)]
-pub struct SeatedStream<S> {
-    inner: S,
-    _seat: ConnectionSeat,
-}
-
-impl<S> SeatedStream<S> {
-    /// `inner`, counted on `seat`'s loop until dropped.
-    pub fn new(inner: S, seat: ConnectionSeat) -> Self {
-        Self { inner, _seat: seat }
-    }
-}
-
-impl<S: AsyncRead + Unpin> AsyncRead for SeatedStream<S> {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
-    }
-}
-
-impl<S: AsyncWrite + Unpin> AsyncWrite for SeatedStream<S> {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[io::IoSlice<'_>],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
-    }
-}
-
-impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
-    for SeatedStream<S>
-{
-    type ConnectInfo = S::ConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
-    }
-}
-
 /// Accepts TCP connections on `listener` and places each on the loop of
 /// `loops` that holds the fewest open connections ([`LoopOccupancy`]):
 /// its TLS handshake (bounded by [`HANDSHAKE_TIMEOUT`]) and then its whole
@@ -414,7 +346,7 @@ pub fn tls_incoming(
                 };
                 match tokio::time::timeout(
                     HANDSHAKE_TIMEOUT,
-                    acceptor.accept(BatchedWriteStream::new(SeatedStream::new(tcp, seat))),
+                    acceptor.accept(BatchedWriteStream::with_guard(tcp, seat)),
                 )
                 .await
                 {
@@ -459,13 +391,13 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_seated_stream_passes_bytes_through_and_frees_its_seat_when_dropped() {
+    async fn a_connection_frees_its_seat_when_dropped() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let occupancy = LoopOccupancy::new(3);
         let (near, mut far) = tokio::io::duplex(64);
         let seat = occupancy.seat(1);
         assert_eq!(seat.loop_index(), 1);
-        let mut stream = SeatedStream::new(near, seat);
+        let mut stream = BatchedWriteStream::with_guard(near, seat);
         stream.write_all(b"ping").await.unwrap();
         stream.flush().await.unwrap();
         let mut got = [0u8; 4];
