@@ -59,33 +59,41 @@ pub(crate) fn write_unsigned_integer(out: &mut Vec<u8>, magnitude: &[u8]) {
     write_tlv(out, tag::INTEGER, &content);
 }
 
-/// Appends an X.509 Time: UTCTime through 2049, GeneralizedTime after.
+/// Appends an X.509 Time: UTCTime through 2049, GeneralizedTime after
+/// (RFC 5280 §4.1.2.5), always in UTC with seconds and no fraction.
 pub(crate) fn write_time(out: &mut Vec<u8>, t: OffsetDateTime) {
     let t = t.to_offset(time::UtcOffset::UTC);
-    let year = t.year();
-    if (1950..2050).contains(&year) {
-        let s = format!(
-            "{:02}{:02}{:02}{:02}{:02}{:02}Z",
-            year % 100,
-            u8::from(t.month()),
-            t.day(),
-            t.hour(),
-            t.minute(),
-            t.second()
-        );
-        write_tlv(out, tag::UTC_TIME, s.as_bytes());
+    // Digits written straight into a fixed buffer: two times per
+    // certificate, and `format!` cost ~2 k instructions each.
+    let year = u32::try_from(t.year()).unwrap_or(0).min(9999);
+    let mut text = [0u8; 15];
+    let (tag, mut at) = if (1950..2050).contains(&year) {
+        put_two_digits(&mut text[..2], year % 100);
+        (tag::UTC_TIME, 2)
     } else {
-        let s = format!(
-            "{:04}{:02}{:02}{:02}{:02}{:02}Z",
-            year,
-            u8::from(t.month()),
-            t.day(),
-            t.hour(),
-            t.minute(),
-            t.second()
-        );
-        write_tlv(out, tag::GENERALIZED_TIME, s.as_bytes());
+        put_two_digits(&mut text[..2], year / 100);
+        put_two_digits(&mut text[2..4], year % 100);
+        (tag::GENERALIZED_TIME, 4)
+    };
+    for part in [
+        u32::from(u8::from(t.month())),
+        u32::from(t.day()),
+        u32::from(t.hour()),
+        u32::from(t.minute()),
+        u32::from(t.second()),
+    ] {
+        put_two_digits(&mut text[at..at + 2], part);
+        at += 2;
     }
+    text[at] = b'Z';
+    write_tlv(out, tag, &text[..=at]);
+}
+
+/// Writes `value` (below 100) as two ASCII digits.
+fn put_two_digits(out: &mut [u8], value: u32) {
+    // Both digits are below 10, so the casts cannot truncate.
+    out[0] = b'0' + (value / 10 % 10) as u8;
+    out[1] = b'0' + (value % 10) as u8;
 }
 
 /// Appends an Extension `SEQUENCE { extnID, critical?, extnValue }`.
@@ -153,5 +161,63 @@ mod tests {
         write_time(&mut out, t);
         assert_eq!(out[0], tag::GENERALIZED_TIME);
         assert_eq!(&out[2..6], b"2051");
+    }
+
+    /// The text `format!` gives, the reference the digit writer must match.
+    fn reference_time_text(t: OffsetDateTime) -> (u8, String) {
+        let t = t.to_offset(time::UtcOffset::UTC);
+        let rest = format!(
+            "{:02}{:02}{:02}{:02}{:02}Z",
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second()
+        );
+        if (1950..2050).contains(&t.year()) {
+            (tag::UTC_TIME, format!("{:02}{rest}", t.year() % 100))
+        } else {
+            (tag::GENERALIZED_TIME, format!("{:04}{rest}", t.year()))
+        }
+    }
+
+    #[test]
+    fn times_match_the_formatted_text_across_both_encodings() {
+        use time::macros::datetime;
+        let mut cases = vec![
+            datetime!(1949-12-31 23:59:59 UTC),
+            datetime!(1950-01-01 00:00:00 UTC),
+            datetime!(1999-09-09 09:09:09 UTC),
+            datetime!(2000-02-29 12:34:56 UTC),
+            datetime!(2049-12-31 23:59:59 UTC),
+            datetime!(2050-01-01 00:00:00 UTC),
+            datetime!(9999-12-31 23:59:59 UTC),
+            datetime!(0001-01-01 00:00:00 UTC),
+            // Not UTC: written as the same instant in UTC.
+            datetime!(2049-12-31 23:30:00 -01:00),
+        ];
+        // Every second of a day, every day of a leap year, spread over years.
+        let start = datetime!(2024-01-01 00:00:00 UTC);
+        cases
+            .extend((0..366 * 24).map(|h| start + time::Duration::seconds(h * 3600 + h % 60 * 61)));
+        for t in cases {
+            let mut out = Vec::new();
+            write_time(&mut out, t);
+            let (tag, text) = reference_time_text(t);
+            assert_eq!(out[0], tag, "{t}");
+            assert_eq!(usize::from(out[1]), text.len(), "{t}");
+            assert_eq!(&out[2..], text.as_bytes(), "{t}");
+            // And a DER reader takes it back to the same instant.
+            let (rest, parsed) =
+                <x509_parser::time::ASN1Time as x509_parser::prelude::FromDer<_>>::from_der(&out)
+                    .map_err(|e| format!("{t}: {e}"))
+                    .unwrap();
+            assert!(rest.is_empty());
+            assert_eq!(
+                parsed.to_datetime(),
+                t.to_offset(time::UtcOffset::UTC),
+                "{t}"
+            );
+        }
     }
 }
