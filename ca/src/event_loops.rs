@@ -11,10 +11,12 @@
 //! carries most requests (ztunnel multiplexes a whole node on one), so a
 //! request may move: when its loop has been busy without a pause for
 //! [`BUSY_BEFORE_HANDOFF`] and another loop is idle (parked, with no task to
-//! run), the request is run there instead ([`SpareLoops::claim`]); a loop
+//! run, for at least [`IDLE_BEFORE_HELPING`]: a loop that parked only between
+//! bursts of its own connections keeps itself free for them), the request is
+//! run there instead ([`SpareLoops::claim`]); a loop
 //! helping that way takes a second request while it works on the first, so
-//! it never waits for the next one. Under even load no loop is idle and
-//! nothing moves.
+//! it never waits for the next one. Under even load loops park only briefly
+//! and nothing moves.
 //!
 //! ```no_run
 //! # fn main() -> std::io::Result<()> {
@@ -44,6 +46,15 @@ use tokio::runtime::Handle;
 /// hand-off costs a wake-up of the other thread).
 pub const BUSY_BEFORE_HANDOFF: Duration = Duration::from_micros(200);
 
+/// How long a loop must have been parked before it takes a request of
+/// another loop (unless it is already helping). Under even load every loop
+/// parks briefly between the bursts of its own connections; taking another
+/// loop's request then only makes its own next burst wait behind it (at
+/// concurrency 16 over 4 connections that cost ~0.9 ms of p99 and 5–10 %
+/// throughput: BENCHMARKS.md). A loop with no busy connection of its own
+/// (one connection carrying everything, ztunnel's case) idles far longer.
+pub const IDLE_BEFORE_HELPING: Duration = Duration::from_micros(1000);
+
 thread_local! {
     /// The index of the loop this thread runs, if it runs one.
     static CURRENT_LOOP: Cell<Option<usize>> = const { Cell::new(None) };
@@ -54,6 +65,8 @@ thread_local! {
 struct LoopState {
     /// Parked: no task to run, waiting for I/O or a timer.
     idle: AtomicBool,
+    /// When the loop last parked, in microseconds since `epoch`.
+    idle_since_micros: AtomicU64,
     /// When the loop last woke up, in microseconds since `epoch`.
     busy_since_micros: AtomicU64,
     /// Requests handed to this loop by others and not finished yet.
@@ -66,6 +79,8 @@ struct Shared {
     epoch: Instant,
     /// [`BUSY_BEFORE_HANDOFF`] unless started otherwise.
     handoff_after_micros: u64,
+    /// [`IDLE_BEFORE_HELPING`] unless started otherwise.
+    help_after_idle_micros: u64,
     /// Shared with the loops' park hooks, which write it.
     states: Arc<[LoopState]>,
     handles: Vec<Handle>,
@@ -95,11 +110,23 @@ impl EventLoops {
     /// [`EventLoops::start`], with requests moving from a loop once it has
     /// been busy for `busy` instead of [`BUSY_BEFORE_HANDOFF`].
     pub fn start_with_handoff_after(count: usize, busy: Duration) -> std::io::Result<Self> {
+        Self::start_with_thresholds(count, busy, IDLE_BEFORE_HELPING)
+    }
+
+    /// [`EventLoops::start`], with requests moving from a loop busy for
+    /// `busy` to one parked for `idle` (instead of [`BUSY_BEFORE_HANDOFF`]
+    /// and [`IDLE_BEFORE_HELPING`]).
+    pub fn start_with_thresholds(
+        count: usize,
+        busy: Duration,
+        idle: Duration,
+    ) -> std::io::Result<Self> {
         let count = count.max(1);
         let epoch = Instant::now();
         let states: Arc<[LoopState]> = (0..count)
             .map(|_| LoopState {
                 idle: AtomicBool::new(false),
+                idle_since_micros: AtomicU64::new(0),
                 busy_since_micros: AtomicU64::new(0),
                 handed: AtomicUsize::new(0),
             })
@@ -112,7 +139,12 @@ impl EventLoops {
             let woken = states.clone();
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
-                .on_thread_park(move || parked[index].idle.store(true, Ordering::Release))
+                .on_thread_park(move || {
+                    let state = &parked[index];
+                    let micros = u64::try_from(epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    state.idle_since_micros.store(micros, Ordering::Relaxed);
+                    state.idle.store(true, Ordering::Release);
+                })
                 .on_thread_unpark(move || {
                     let state = &woken[index];
                     let micros = u64::try_from(epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
@@ -135,6 +167,7 @@ impl EventLoops {
             shared: Arc::new(Shared {
                 epoch,
                 handoff_after_micros: u64::try_from(busy.as_micros()).unwrap_or(u64::MAX),
+                help_after_idle_micros: u64::try_from(idle.as_micros()).unwrap_or(u64::MAX),
                 states,
                 handles,
             }),
@@ -193,8 +226,9 @@ pub struct SpareLoops {
 
 impl SpareLoops {
     /// Another loop to run the caller's request, if the caller runs on a
-    /// loop that has been busy for [`BUSY_BEFORE_HANDOFF`] (or as started)
-    /// and another loop is idle, or is already working for other loops and
+    /// loop that has been busy for [`BUSY_BEFORE_HANDOFF`] and another loop
+    /// has been parked for [`IDLE_BEFORE_HELPING`] (or as started), or is
+    /// already working for other loops and
     /// has fewer than [`HANDED_PER_LOOP`] such requests (so it has the next
     /// one at hand when it finishes: one busy connection keeps a helper
     /// loop busy). `None`: run the request here.
@@ -208,7 +242,8 @@ impl SpareLoops {
         let busy_since = shared.states[current]
             .busy_since_micros
             .load(Ordering::Relaxed);
-        let busy_for = shared.micros_now().saturating_sub(busy_since);
+        let now = shared.micros_now();
+        let busy_for = now.saturating_sub(busy_since);
         if busy_for < shared.handoff_after_micros {
             return None;
         }
@@ -229,10 +264,13 @@ impl SpareLoops {
                                 Ordering::Relaxed,
                             )
                             .is_ok()
-                } else if state
-                    .idle
-                    .compare_exchange(true, false, Ordering::AcqRel, Ordering::Relaxed)
-                    .is_ok()
+                } else if state.idle.load(Ordering::Acquire)
+                    && now.saturating_sub(state.idle_since_micros.load(Ordering::Relaxed))
+                        >= shared.help_after_idle_micros
+                    && state
+                        .idle
+                        .compare_exchange(true, false, Ordering::AcqRel, Ordering::Relaxed)
+                        .is_ok()
                 {
                     state.handed.fetch_add(1, Ordering::AcqRel);
                     true
@@ -341,7 +379,9 @@ mod tests {
         let claim = spare.clone();
         let moved = runtime
             .block_on(loops.handle(0).spawn(async move {
-                std::thread::sleep(BUSY_BEFORE_HANDOFF * 3);
+                // Long enough for loop 0 to count as busy and loop 1 (parked
+                // since it started) as idle for long enough to help.
+                std::thread::sleep(BUSY_BEFORE_HANDOFF * 3 + IDLE_BEFORE_HELPING);
                 let first = claim.claim();
                 let second = claim.claim();
                 let third = claim.claim();
@@ -364,6 +404,32 @@ mod tests {
             .unwrap();
         assert_eq!(moved, ((true, true, false), Some(1), true));
         loops.stop();
+    }
+
+    #[test]
+    fn a_loop_that_parked_only_just_now_is_left_alone() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        // Loop 0 busy well past the threshold in both cases; whether loop 1
+        // helps depends only on how long it must have been parked.
+        for (idle_for, expect_move) in [(Duration::from_secs(60), false), (Duration::ZERO, true)] {
+            let loops =
+                EventLoops::start_with_thresholds(2, Duration::from_micros(100), idle_for).unwrap();
+            let claim = loops.spare();
+            let moved = runtime
+                .block_on(loops.handle(0).spawn(async move {
+                    std::thread::sleep(Duration::from_millis(2));
+                    claim.claim().map(|idle| idle.index)
+                }))
+                .unwrap();
+            assert_eq!(
+                moved,
+                expect_move.then_some(1),
+                "idle threshold {idle_for:?}"
+            );
+            loops.stop();
+        }
     }
 
     #[test]
