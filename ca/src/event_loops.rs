@@ -52,7 +52,9 @@ pub const BUSY_BEFORE_HANDOFF: Duration = Duration::from_micros(200);
 /// loop's request then only makes its own next burst wait behind it (at
 /// concurrency 16 over 4 connections that cost ~0.9 ms of p99 and 5–10 %
 /// throughput: BENCHMARKS.md). A loop with no busy connection of its own
-/// (one connection carrying everything, ztunnel's case) idles far longer.
+/// (one connection carrying everything, ztunnel's case) idles far longer,
+/// and once it helps it keeps helping: a loop that finished a handed request
+/// less than this long ago may take the next at once.
 pub const IDLE_BEFORE_HELPING: Duration = Duration::from_micros(1000);
 
 thread_local! {
@@ -71,6 +73,9 @@ struct LoopState {
     busy_since_micros: AtomicU64,
     /// Requests handed to this loop by others and not finished yet.
     handed: AtomicUsize,
+    /// When the loop last finished a request handed to it, in microseconds
+    /// since `epoch` (0: never).
+    last_helped_micros: AtomicU64,
 }
 
 /// The loops' shared state.
@@ -129,6 +134,7 @@ impl EventLoops {
                 idle_since_micros: AtomicU64::new(0),
                 busy_since_micros: AtomicU64::new(0),
                 handed: AtomicUsize::new(0),
+                last_helped_micros: AtomicU64::new(0),
             })
             .collect();
         let mut handles = Vec::with_capacity(count);
@@ -227,9 +233,9 @@ pub struct SpareLoops {
 impl SpareLoops {
     /// Another loop to run the caller's request, if the caller runs on a
     /// loop that has been busy for [`BUSY_BEFORE_HANDOFF`] and another loop
-    /// has been parked for [`IDLE_BEFORE_HELPING`] (or as started), or is
-    /// already working for other loops and
-    /// has fewer than [`HANDED_PER_LOOP`] such requests (so it has the next
+    /// has been parked for [`IDLE_BEFORE_HELPING`] (or as started) or
+    /// finished a request handed to it less than that long ago, or is
+    /// already working for other loops and has fewer than [`HANDED_PER_LOOP`] such requests (so it has the next
     /// one at hand when it finishes: one busy connection keeps a helper
     /// loop busy). `None`: run the request here.
     pub fn claim(&self) -> Option<IdleLoop> {
@@ -265,8 +271,9 @@ impl SpareLoops {
                             )
                             .is_ok()
                 } else if state.idle.load(Ordering::Acquire)
-                    && now.saturating_sub(state.idle_since_micros.load(Ordering::Relaxed))
+                    && (now.saturating_sub(state.idle_since_micros.load(Ordering::Relaxed))
                         >= shared.help_after_idle_micros
+                        || helped_recently(state, now, shared.help_after_idle_micros))
                     && state
                         .idle
                         .compare_exchange(true, false, Ordering::AcqRel, Ordering::Relaxed)
@@ -283,6 +290,15 @@ impl SpareLoops {
             index: helper,
         })
     }
+}
+
+/// Whether `state`'s loop finished a handed request less than `window`
+/// microseconds before `now`: a loop helping a busy one (one connection
+/// carrying everything) parks between the requests it is given, and must
+/// not have to idle for [`IDLE_BEFORE_HELPING`] again before the next.
+fn helped_recently(state: &LoopState, now: u64, window: u64) -> bool {
+    let last = state.last_helped_micros.load(Ordering::Relaxed);
+    last != 0 && now.saturating_sub(last) < window
 }
 
 /// Most requests handed to one helper loop at a time.
@@ -312,9 +328,11 @@ impl IdleLoop {
 
 impl Drop for IdleLoop {
     fn drop(&mut self) {
-        self.shared.states[self.index]
-            .handed
-            .fetch_sub(1, Ordering::AcqRel);
+        let state = &self.shared.states[self.index];
+        state
+            .last_helped_micros
+            .store(self.shared.micros_now().max(1), Ordering::Relaxed);
+        state.handed.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -430,6 +448,38 @@ mod tests {
             );
             loops.stop();
         }
+    }
+
+    #[test]
+    fn a_loop_that_just_helped_may_help_again_at_once() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let idle_for = Duration::from_millis(200);
+        let loops =
+            EventLoops::start_with_thresholds(2, Duration::from_micros(100), idle_for).unwrap();
+        let claim = loops.spare();
+        let moved = runtime
+            .block_on(loops.handle(0).spawn(async move {
+                // Loop 1 idle for longer than the threshold: it helps.
+                std::thread::sleep(idle_for + Duration::from_millis(10));
+                let first = match claim.claim() {
+                    Some(idle) => idle
+                        .spawn(async { loop_of_this_thread() })
+                        .await
+                        .ok()
+                        .flatten(),
+                    None => None,
+                };
+                // Loop 1 parked again just now, far less than 200 ms ago, but
+                // it has just helped: it takes the next one too.
+                std::thread::sleep(Duration::from_millis(2));
+                let second = claim.claim().map(|idle| idle.index);
+                (first, second)
+            }))
+            .unwrap();
+        assert_eq!(moved, (Some(1), Some(1)));
+        loops.stop();
     }
 
     #[test]
