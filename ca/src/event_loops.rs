@@ -93,8 +93,13 @@ struct Shared {
 
 impl Shared {
     fn micros_now(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
+        micros_since(self.epoch)
     }
+}
+
+/// Microseconds since `epoch`, the clock of the loops' time stamps.
+fn micros_since(epoch: Instant) -> u64 {
+    u64::try_from(epoch.elapsed().as_micros()).unwrap_or(u64::MAX)
 }
 
 /// The running loops. Dropping this stops them too, without waiting for
@@ -147,13 +152,13 @@ impl EventLoops {
                 .enable_all()
                 .on_thread_park(move || {
                     let state = &parked[index];
-                    let micros = u64::try_from(epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    let micros = micros_since(epoch);
                     state.idle_since_micros.store(micros, Ordering::Relaxed);
                     state.idle.store(true, Ordering::Release);
                 })
                 .on_thread_unpark(move || {
                     let state = &woken[index];
-                    let micros = u64::try_from(epoch.elapsed().as_micros()).unwrap_or(u64::MAX);
+                    let micros = micros_since(epoch);
                     state.busy_since_micros.store(micros, Ordering::Relaxed);
                     state.idle.store(false, Ordering::Release);
                 })
@@ -235,9 +240,10 @@ impl SpareLoops {
     /// loop that has been busy for [`BUSY_BEFORE_HANDOFF`] and another loop
     /// has been parked for [`IDLE_BEFORE_HELPING`] (or as started) or
     /// finished a request handed to it less than that long ago, or is
-    /// already working for other loops and has fewer than [`HANDED_PER_LOOP`] such requests (so it has the next
-    /// one at hand when it finishes: one busy connection keeps a helper
-    /// loop busy). `None`: run the request here.
+    /// already working for other loops and has fewer than
+    /// [`HANDED_PER_LOOP`] such requests (so it has the next one at hand
+    /// when it finishes: one busy connection keeps a helper loop busy).
+    /// `None`: run the request here.
     pub fn claim(&self) -> Option<IdleLoop> {
         let current = CURRENT_LOOP.with(Cell::get)?;
         let shared = &*self.shared;
