@@ -350,6 +350,15 @@ mod tests {
         CURRENT_LOOP.with(Cell::get)
     }
 
+    /// Runs a request on the claimed loop, if any: the loop it ran on.
+    async fn ran_on(claimed: Option<IdleLoop>) -> Option<usize> {
+        let idle = claimed?;
+        idle.spawn(async { loop_of_this_thread() })
+            .await
+            .ok()
+            .flatten()
+    }
+
     #[test]
     fn each_loop_runs_on_a_thread_of_its_own() {
         let loops = EventLoops::start(3).unwrap();
@@ -410,14 +419,7 @@ mod tests {
                 let second = claim.claim();
                 let third = claim.claim();
                 let claimed = (first.is_some(), second.is_some(), third.is_some());
-                let ran_on = match first {
-                    Some(idle) => idle
-                        .spawn(async { loop_of_this_thread() })
-                        .await
-                        .ok()
-                        .flatten(),
-                    None => None,
-                };
+                let ran_on = ran_on(first).await;
                 // The first has finished: room for one more again (loop 0
                 // waited for it, so it must be busy again first).
                 std::thread::sleep(BUSY_BEFORE_HANDOFF * 3);
@@ -469,14 +471,7 @@ mod tests {
             .block_on(loops.handle(0).spawn(async move {
                 // Loop 1 idle for longer than the threshold: it helps.
                 std::thread::sleep(idle_for + Duration::from_millis(10));
-                let first = match claim.claim() {
-                    Some(idle) => idle
-                        .spawn(async { loop_of_this_thread() })
-                        .await
-                        .ok()
-                        .flatten(),
-                    None => None,
-                };
+                let first = ran_on(claim.claim()).await;
                 // Loop 1 parked again just now, far less than 200 ms ago, but
                 // it has just helped: it takes the next one too.
                 std::thread::sleep(Duration::from_millis(2));
