@@ -196,7 +196,7 @@ mod tests {
             // Not UTC: written as the same instant in UTC.
             datetime!(2049-12-31 23:30:00 -01:00),
         ];
-        // Every second of a day, every day of a leap year, spread over years.
+        // Every hour of a leap year, minutes and seconds varied along.
         let start = datetime!(2024-01-01 00:00:00 UTC);
         cases
             .extend((0..366 * 24).map(|h| start + time::Duration::seconds(h * 3600 + h % 60 * 61)));
