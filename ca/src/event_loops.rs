@@ -151,6 +151,8 @@ impl EventLoops {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .on_thread_park(move || {
+                    // Out of work: the log lines of this turn go out now.
+                    crate::log_lines::write_gathered();
                     let state = &parked[index];
                     let micros = micros_since(epoch);
                     state.idle_since_micros.store(micros, Ordering::Relaxed);
@@ -170,7 +172,10 @@ impl EventLoops {
                 .name(format!("meshca-loop-{index}"))
                 .spawn(move || {
                     CURRENT_LOOP.with(|current| current.set(Some(index)));
+                    crate::log_lines::gather_on_this_thread();
                     let _ = runtime.block_on(stop_rx);
+                    drop(runtime);
+                    crate::log_lines::write_gathered();
                 })?;
             threads.push(thread);
         }
@@ -327,7 +332,10 @@ impl IdleLoop {
         let handle = self.shared.handles[self.index].clone();
         handle.spawn(async move {
             let _done = self; // releases the claim when the request ends
-            request.await
+            let output = request.await;
+            // Its log lines go out before the answer reaches its own loop.
+            crate::log_lines::write_gathered();
+            output
         })
     }
 }

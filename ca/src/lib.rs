@@ -39,6 +39,7 @@ pub mod batched_io;
 pub mod cluster;
 pub mod config;
 pub mod event_loops;
+pub mod log_lines;
 pub mod metrics;
 pub mod reload;
 pub mod server;

@@ -411,14 +411,54 @@ fn signature_algorithm_der(kind: KeyKind) -> Result<&'static [u8], ProfileError>
     })
 }
 
+/// Bytes of a serial number.
+const SERIAL_LEN: usize = 17;
+
+/// Serials drawn from one read of the operating system's random generator.
+const SERIALS_PER_FILL: usize = 64;
+
+/// Random bytes from the operating system, read for [`SERIALS_PER_FILL`]
+/// serials at a time: one `getrandom` call per 64 certificates instead of
+/// one per certificate. Every byte is handed out once and wiped from the
+/// pool as it is taken.
+struct SerialRandomPool {
+    bytes: [u8; SERIAL_LEN * SERIALS_PER_FILL],
+    next: usize,
+}
+
+impl SerialRandomPool {
+    const EMPTY: Self = Self {
+        bytes: [0; SERIAL_LEN * SERIALS_PER_FILL],
+        next: SERIAL_LEN * SERIALS_PER_FILL,
+    };
+
+    fn take(&mut self) -> Result<[u8; SERIAL_LEN], ProfileError> {
+        use ring::rand::SecureRandom;
+        if self.next == self.bytes.len() {
+            ring::rand::SystemRandom::new()
+                .fill(&mut self.bytes)
+                .map_err(|_| ProfileError::Random)?;
+            self.next = 0;
+        }
+        let taken = &mut self.bytes[self.next..self.next + SERIAL_LEN];
+        let mut serial = [0u8; SERIAL_LEN];
+        serial.copy_from_slice(taken);
+        taken.fill(0);
+        self.next += SERIAL_LEN;
+        Ok(serial)
+    }
+}
+
+thread_local! {
+    static SERIAL_RANDOM: std::cell::RefCell<SerialRandomPool> =
+        const { std::cell::RefCell::new(SerialRandomPool::EMPTY) };
+}
+
 /// A random positive serial: 17 bytes, first byte in 1..=0x7f, so at least
-/// 128 random bits, never zero, always encoded in 17 bytes.
-fn random_serial() -> Result<[u8; 17], ProfileError> {
-    use ring::rand::SecureRandom;
-    let mut serial = [0u8; 17];
-    ring::rand::SystemRandom::new()
-        .fill(&mut serial)
-        .map_err(|_| ProfileError::Random)?;
+/// 128 random bits, never zero, always encoded in 17 bytes. The bytes come
+/// from the operating system's generator (through a per-thread pool).
+fn random_serial() -> Result<[u8; SERIAL_LEN], ProfileError> {
+    let mut serial = SERIAL_RANDOM.with(|pool| pool.borrow_mut().take())?;
     serial[0] &= 0x7f;
     if serial[0] == 0 {
         serial[0] = 1;
@@ -748,6 +788,26 @@ mod tests {
         for _ in 0..1000 {
             assert!(seen.insert(random_serial().unwrap()));
         }
+    }
+
+    #[test]
+    fn the_serial_pool_hands_out_each_byte_once_and_refills() {
+        let mut pool = SerialRandomPool::EMPTY;
+        let mut seen = std::collections::HashSet::new();
+        // Three fills' worth: every serial distinct, and each one wiped
+        // from the pool as it is taken.
+        for i in 0..3 * SERIALS_PER_FILL {
+            let serial = pool.take().unwrap();
+            assert!(seen.insert(serial), "serial {i} repeated");
+            let taken_at = pool.next - SERIAL_LEN;
+            assert!(pool.bytes[taken_at..pool.next].iter().all(|b| *b == 0));
+        }
+        assert_eq!(pool.next, pool.bytes.len());
+        // Serials differ between threads, which have pools of their own.
+        let other = std::thread::spawn(|| random_serial().unwrap())
+            .join()
+            .unwrap();
+        assert!(!seen.contains(&other));
     }
 
     #[test]
