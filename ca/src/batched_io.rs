@@ -10,26 +10,37 @@
 //! sender's `writev`, so each call is expensive.
 //!
 //! [`BatchedWriteStream`] sits under TLS and holds written bytes in a
-//! buffer. The first flush of a burst yields once to the runtime (the task
-//! wakes itself and returns `Pending`), so the tasks that are ready to run
-//! (the stream that is about to send its trailers, other responses ready
-//! on the same connection) add their frames first; the next flush writes
-//! everything in one call. The wrapper relies on the `AsyncWrite` contract:
-//! a flush that returned `Pending` is polled again once the task is woken,
-//! and it wakes the task at once. h2 flushes at the end of every poll of
-//! its connection, so nothing is ever left in the buffer. Reads do not
-//! flush: h2 reads before it writes out the frames that became ready, and
-//! a flush there would split the response again.
+//! buffer. A flush with bytes held yields to the runtime (the task wakes
+//! itself and returns `Pending`), so the tasks that are ready to run (the
+//! streams about to send their trailers, other responses finishing on the
+//! same connection) add their frames first: at least once, and up to
+//! [`FLUSH_YIELDS_MAX`] times while the oldest byte held is younger than
+//! [`FLUSH_HOLD_MAX`]; then one call writes everything. (Yielding once left
+//! ~1.3 responses per `sendto` at 16 requests in flight over 4 connections;
+//! up to 4 times within 500 µs, ~4: BENCHMARKS.md.) The wrapper relies on
+//! the `AsyncWrite` contract: a flush that returned `Pending` is polled
+//! again once the task is woken, and it wakes the task at once. h2 flushes
+//! at the end of every poll of its connection, so nothing is ever left in
+//! the buffer. Reads do not flush: h2 reads before it writes out the frames
+//! that became ready, and a flush there would split the response again.
 
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Above this many buffered bytes a write first drains the buffer, so a
 /// large response streams out instead of growing the buffer.
 pub const MAX_BUFFERED_BYTES: usize = 64 * 1024;
+
+/// Most times a flush yields before it writes (see the module documentation).
+pub const FLUSH_YIELDS_MAX: u8 = 4;
+
+/// After the first yield, a flush yields again only while the oldest byte
+/// held is younger than this, so batching never holds an answer longer.
+pub const FLUSH_HOLD_MAX: Duration = Duration::from_micros(500);
 
 /// A drained buffer keeps its allocation only up to this size, so ten
 /// thousand mostly idle agent connections do not each hold on to the
@@ -45,7 +56,12 @@ pub struct BatchedWriteStream<S, G = ()> {
     inner: S,
     buffer: Vec<u8>,
     written: usize,
-    flush_deferred: bool,
+    /// When the oldest byte still held was written.
+    held_since: Option<Instant>,
+    /// How often the flush of the bytes held has yielded.
+    flush_yields: u8,
+    max_flush_yields: u8,
+    max_hold: Duration,
     _guard: G,
 }
 
@@ -63,7 +79,10 @@ impl<S, G> BatchedWriteStream<S, G> {
             inner,
             buffer: Vec::new(),
             written: 0,
-            flush_deferred: false,
+            held_since: None,
+            flush_yields: 0,
+            max_flush_yields: FLUSH_YIELDS_MAX,
+            max_hold: FLUSH_HOLD_MAX,
             _guard: guard,
         }
     }
@@ -99,15 +118,30 @@ impl<S: AsyncWrite + Unpin, G> BatchedWriteStream<S, G> {
             self.buffer.clear();
         }
         self.written = 0;
-        self.flush_deferred = false;
+        self.held_since = None;
+        self.flush_yields = 0;
         Poll::Ready(Ok(()))
     }
 
     fn make_room(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         if self.buffer.len() >= MAX_BUFFERED_BYTES {
-            return self.poll_drain(cx);
+            std::task::ready!(self.poll_drain(cx))?;
+        }
+        if self.held_since.is_none() {
+            self.held_since = Some(Instant::now());
         }
         Poll::Ready(Ok(()))
+    }
+
+    /// Whether a flush should yield (again) before it writes.
+    fn should_yield(&self) -> bool {
+        match self.flush_yields {
+            0 => true,
+            n if n >= self.max_flush_yields => false,
+            _ => self
+                .held_since
+                .is_some_and(|since| since.elapsed() < self.max_hold),
+        }
     }
 }
 
@@ -161,12 +195,11 @@ impl<S: AsyncWrite + Unpin, G: Unpin> AsyncWrite for BatchedWriteStream<S, G> {
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         if this.pending().is_empty() {
-            this.flush_deferred = false;
             return Pin::new(&mut this.inner).poll_flush(cx);
         }
-        if !this.flush_deferred {
-            // Yield once: let the tasks that are ready add their frames.
-            this.flush_deferred = true;
+        if this.should_yield() {
+            // Let the tasks that are ready add their frames first.
+            this.flush_yields += 1;
             cx.waker().wake_by_ref();
             return Poll::Pending;
         }
@@ -223,22 +256,47 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_deferred_flush_writes_everything_on_its_next_poll() {
+    async fn a_flush_yields_at_most_the_limit_then_writes_everything() {
         let (client, mut server) = tokio::io::duplex(1 << 20);
         let mut batched = BatchedWriteStream::new(client);
+        // Time is not what stops the yields here.
+        batched.max_hold = Duration::from_secs(3600);
         batched.write_all(b"headers+data").await.unwrap();
         let waker = futures::task::noop_waker();
         let mut cx = Context::from_waker(&waker);
-        // The first poll defers (and wakes the task to come back).
-        assert!(Pin::new(&mut batched).poll_flush(&mut cx).is_pending());
-        // What the yield let other tasks add goes out with it.
-        batched.write_all(b"+trailers").await.unwrap();
+        // The first polls defer (and wake the task to come back); what the
+        // yields let other tasks add goes out with the rest.
+        for n in 0..FLUSH_YIELDS_MAX {
+            assert!(Pin::new(&mut batched).poll_flush(&mut cx).is_pending());
+            batched.write_all(&[b'0' + n]).await.unwrap();
+        }
         assert!(Pin::new(&mut batched).poll_flush(&mut cx).is_ready());
-        let mut got = vec![0u8; 21];
+        let mut got = vec![0u8; 16];
         server.read_exact(&mut got).await.unwrap();
-        assert_eq!(&got, b"headers+data+trailers");
+        assert_eq!(&got, b"headers+data0123");
         // Nothing buffered: a flush is the inner flush, at once.
         assert!(Pin::new(&mut batched).poll_flush(&mut cx).is_ready());
+        // The next burst starts counting again.
+        batched.write_all(b"next").await.unwrap();
+        assert!(Pin::new(&mut batched).poll_flush(&mut cx).is_pending());
+    }
+
+    #[tokio::test]
+    async fn bytes_held_past_the_hold_limit_go_out_after_one_yield() {
+        let (client, mut server) = tokio::io::duplex(1 << 20);
+        let mut batched = BatchedWriteStream::new(client);
+        batched.max_hold = Duration::from_millis(5);
+        batched.write_all(b"answer").await.unwrap();
+        let waker = futures::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        // Always one yield, however old the bytes.
+        std::thread::sleep(Duration::from_millis(10));
+        assert!(Pin::new(&mut batched).poll_flush(&mut cx).is_pending());
+        // Older than the limit: written now, not held for more yields.
+        assert!(Pin::new(&mut batched).poll_flush(&mut cx).is_ready());
+        let mut got = vec![0u8; 6];
+        server.read_exact(&mut got).await.unwrap();
+        assert_eq!(&got, b"answer");
     }
 
     #[tokio::test]
