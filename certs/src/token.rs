@@ -53,13 +53,52 @@ pub enum TokenError {
 }
 
 /// `aud` may be one string or a list.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(untagged)]
 pub enum Audiences {
     /// A single audience.
     One(String),
     /// Several audiences.
     Many(Vec<String>),
+}
+
+/// Read by the JSON value's type (a string or a list), where serde's
+/// `untagged` would buffer the value and build an error for the variant
+/// that does not fit: with list audiences, as Kubernetes writes them, that
+/// was a formatted error message per token checked.
+impl<'de> Deserialize<'de> for Audiences {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct AudiencesVisitor;
+
+        impl<'de> serde::de::Visitor<'de> for AudiencesVisitor {
+            type Value = Audiences;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string or a list of strings")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, one: &str) -> Result<Audiences, E> {
+                Ok(Audiences::One(one.to_owned()))
+            }
+
+            fn visit_string<E: serde::de::Error>(self, one: String) -> Result<Audiences, E> {
+                Ok(Audiences::One(one))
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Audiences, A::Error> {
+                let mut many = Vec::with_capacity(seq.size_hint().unwrap_or(1).min(16));
+                while let Some(aud) = seq.next_element::<String>()? {
+                    many.push(aud);
+                }
+                Ok(Audiences::Many(many))
+            }
+        }
+
+        deserializer.deserialize_any(AudiencesVisitor)
+    }
 }
 
 impl Audiences {
@@ -310,6 +349,29 @@ fn key_id(spki_der: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn audiences_are_one_string_or_a_list_of_strings() {
+        let one: Audiences = serde_json::from_str(r#""istio-ca""#).unwrap();
+        assert_eq!(one, Audiences::One("istio-ca".into()));
+        let escaped: Audiences = serde_json::from_str(r#""istio\u002dca""#).unwrap();
+        assert_eq!(escaped, Audiences::One("istio-ca".into()));
+        let many: Audiences = serde_json::from_str(r#"["api", "istio-ca"]"#).unwrap();
+        assert_eq!(many, Audiences::Many(vec!["api".into(), "istio-ca".into()]));
+        assert!(many.contains("istio-ca") && !many.contains("other"));
+        let none: Audiences = serde_json::from_str("[]").unwrap();
+        assert_eq!(none, Audiences::Many(vec![]));
+        // Written back as read.
+        assert_eq!(
+            serde_json::to_string(&many).unwrap(),
+            r#"["api","istio-ca"]"#
+        );
+        assert_eq!(serde_json::to_string(&one).unwrap(), r#""istio-ca""#);
+        for bad in ["42", "[1]", "{}", "null", r#"["a", null]"#] {
+            let err = serde_json::from_str::<Audiences>(bad).unwrap_err();
+            assert!(err.to_string().contains("string"), "{bad}: {err}");
+        }
+    }
 
     #[test]
     fn minted_tokens_verify_against_the_jwks() {
