@@ -100,6 +100,11 @@ impl<S, G> BatchedWriteStream<S, G> {
 impl<S: AsyncWrite + Unpin, G> BatchedWriteStream<S, G> {
     /// Writes out everything buffered.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.written < self.buffer.len() {
+            // The audit lines of the answers about to leave go out first:
+            // a client that has its certificate finds it in the log.
+            crate::log_lines::write_gathered();
+        }
         while self.written < self.buffer.len() {
             let pending = &self.buffer[self.written..];
             let n = match Pin::new(&mut self.inner).poll_write(cx, pending) {

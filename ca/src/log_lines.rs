@@ -6,16 +6,18 @@
 //! server's CPU under load, measured with perf; into a pipe, as under
 //! Kubernetes, each call also wakes the reader). On an event loop
 //! ([`gather_on_this_thread`]) lines are gathered in a buffer of the thread
-//! and written together: when the loop runs out of work and parks, when a
-//! request it ran for another loop ends, when the buffer would pass
+//! and written together: before the loop writes to a client connection
+//! (`batched_io`: the audit line of a certificate is out before the
+//! certificate), when the loop runs out of work and parks, when a request
+//! it ran for another loop ends, when the buffer would pass
 //! [`GATHERED_BYTES_MAX`], and when the loop stops. Each `write` is whole
 //! lines, at most [`GATHERED_BYTES_MAX`] bytes (the size a pipe writes
 //! without interleaving), under the process's lock on standard error.
 //!
-//! What this costs: a line reaches standard error when its loop next parks
-//! (at once when the CA is not saturated), and a process killed outright
-//! (`SIGKILL`, out of memory) loses at most the last
-//! [`GATHERED_BYTES_MAX`] bytes of lines of each loop.
+//! Since answers are themselves written several at a time, this is one log
+//! `write` per few certificates. What it costs: a process killed outright
+//! (`SIGKILL`, out of memory) can lose lines not yet written, but never
+//! the line of a certificate that has left the CA.
 //!
 //! ```no_run
 //! tracing_subscriber::fmt()
