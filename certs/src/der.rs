@@ -27,22 +27,43 @@ pub(crate) fn write_tlv(out: &mut Vec<u8>, tag: u8, content: &[u8]) {
     out.extend_from_slice(content);
 }
 
-/// Appends a TLV whose content is produced by `f`.
+/// Appends a TLV whose content `f` appends to `out` itself: the content is
+/// written in place and its length filled in afterwards (one byte reserved;
+/// a longer length shifts the content up by a few bytes), so nesting costs
+/// no buffer of its own — a certificate is a dozen levels of nesting, built
+/// once per issuance.
 pub(crate) fn write_nested(out: &mut Vec<u8>, tag: u8, f: impl FnOnce(&mut Vec<u8>)) {
-    let mut inner = Vec::with_capacity(128);
-    f(&mut inner);
-    write_tlv(out, tag, &inner);
+    out.push(tag);
+    let len_at = out.len();
+    out.push(0);
+    f(out);
+    let len = out.len() - len_at - 1;
+    let (octets, count) = len_octets(len);
+    out[len_at] = octets[0];
+    if count > 1 {
+        out.splice(len_at + 1..len_at + 1, octets[1..count].iter().copied());
+    }
 }
 
 fn write_len(out: &mut Vec<u8>, len: usize) {
+    let (octets, count) = len_octets(len);
+    out.extend_from_slice(&octets[..count]);
+}
+
+/// The DER length octets of `len` (short form below 0x80, else 0x80 | n
+/// followed by n big-endian octets) and how many of the array they use.
+fn len_octets(len: usize) -> ([u8; 9], usize) {
+    let mut octets = [0u8; 9];
     if len < 0x80 {
-        out.push(len as u8);
-    } else {
-        let bytes = len.to_be_bytes();
-        let skip = bytes.iter().take_while(|b| **b == 0).count();
-        out.push(0x80 | (bytes.len() - skip) as u8);
-        out.extend_from_slice(&bytes[skip..]);
+        octets[0] = len as u8;
+        return (octets, 1);
     }
+    let bytes = len.to_be_bytes();
+    let skip = bytes.iter().take_while(|b| **b == 0).count();
+    let n = bytes.len() - skip;
+    octets[0] = 0x80 | n as u8;
+    octets[1..=n].copy_from_slice(&bytes[skip..]);
+    (octets, n + 1)
 }
 
 /// Appends a non-negative INTEGER from big-endian magnitude bytes.
@@ -51,12 +72,12 @@ pub(crate) fn write_unsigned_integer(out: &mut Vec<u8>, magnitude: &[u8]) {
         let skip = magnitude.iter().take_while(|b| **b == 0).count();
         &magnitude[skip.min(magnitude.len().saturating_sub(1))..]
     };
-    let mut content = Vec::with_capacity(trimmed.len() + 1);
-    if trimmed.first().is_some_and(|b| b & 0x80 != 0) || trimmed.is_empty() {
-        content.push(0);
-    }
-    content.extend_from_slice(trimmed);
-    write_tlv(out, tag::INTEGER, &content);
+    write_nested(out, tag::INTEGER, |content| {
+        if trimmed.first().is_some_and(|b| b & 0x80 != 0) || trimmed.is_empty() {
+            content.push(0);
+        }
+        content.extend_from_slice(trimmed);
+    });
 }
 
 /// Appends an X.509 Time: UTCTime through 2049, GeneralizedTime after
@@ -98,12 +119,23 @@ fn put_two_digits(out: &mut [u8], value: u32) {
 
 /// Appends an Extension `SEQUENCE { extnID, critical?, extnValue }`.
 pub(crate) fn write_extension(out: &mut Vec<u8>, oid_der: &[u8], critical: bool, value: &[u8]) {
+    write_extension_with(out, oid_der, critical, |v| v.extend_from_slice(value));
+}
+
+/// Appends an Extension whose value (the DER inside `extnValue`) `value`
+/// writes in place.
+pub(crate) fn write_extension_with(
+    out: &mut Vec<u8>,
+    oid_der: &[u8],
+    critical: bool,
+    value: impl FnOnce(&mut Vec<u8>),
+) {
     write_nested(out, tag::SEQUENCE, |ext| {
         write_tlv(ext, tag::OID, oid_der);
         if critical {
             write_tlv(ext, tag::BOOLEAN, &[0xff]);
         }
-        write_tlv(ext, tag::OCTET_STRING, value);
+        write_nested(ext, tag::OCTET_STRING, value);
     });
 }
 
@@ -148,6 +180,29 @@ mod tests {
         let mut out = Vec::new();
         write_unsigned_integer(&mut out, &[0x00]);
         assert_eq!(out, [0x02, 0x01, 0x00]);
+    }
+
+    #[test]
+    fn nested_content_gets_the_length_a_separate_buffer_would() {
+        // Short form, the edges of one and two length octets, and nesting.
+        for len in [0usize, 1, 0x7f, 0x80, 0xff, 0x100, 0xffff, 0x10000] {
+            let content: Vec<u8> = (0..len).map(|i| i as u8).collect();
+            let mut expected = vec![0xaa];
+            write_tlv(&mut expected, tag::SEQUENCE, &content);
+            let mut out = vec![0xaa];
+            write_nested(&mut out, tag::SEQUENCE, |c| c.extend_from_slice(&content));
+            assert_eq!(out, expected, "{len} bytes");
+
+            let mut inner = Vec::new();
+            write_tlv(&mut inner, tag::OCTET_STRING, &content);
+            let mut expected = Vec::new();
+            write_tlv(&mut expected, 0xa3, &inner);
+            let mut out = Vec::new();
+            write_nested(&mut out, 0xa3, |outer| {
+                write_nested(outer, tag::OCTET_STRING, |c| c.extend_from_slice(&content));
+            });
+            assert_eq!(out, expected, "nested, {len} bytes");
+        }
     }
 
     #[test]

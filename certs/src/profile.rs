@@ -466,19 +466,83 @@ fn random_serial() -> Result<[u8; SERIAL_LEN], ProfileError> {
     Ok(serial)
 }
 
-fn key_usage_bits(bits: &[u8]) -> Vec<u8> {
+fn key_usage_bits(bits: &[u8]) -> [u8; 4] {
     // bits are bit positions 0..=7 (digitalSignature = 0, ...).
     let byte = bits.iter().fold(0u8, |acc, b| acc | (0x80 >> b));
     let unused = byte.trailing_zeros().min(7) as u8;
-    let mut out = Vec::new();
-    der::write_tlv(&mut out, tag::BIT_STRING, &[unused, byte]);
-    out
+    // BIT STRING, two content octets: the unused-bit count, then the bits.
+    [tag::BIT_STRING, 2, unused, byte]
 }
 
 const KU_DIGITAL_SIGNATURE: u8 = 0;
 const KU_KEY_ENCIPHERMENT: u8 = 2;
 const KU_KEY_CERT_SIGN: u8 = 5;
 const KU_CRL_SIGN: u8 = 6;
+
+/// Appends the extensions of `profile`, each written in place.
+fn write_extensions(
+    out: &mut Vec<u8>,
+    profile: &Profile<'_>,
+    subject: &SubjectKey,
+    subject_is_empty: bool,
+    issuer_key_identifier: Option<&[u8]>,
+) {
+    match profile {
+        Profile::EndEntity { uris, dns, ips } => {
+            der::write_extension_with(out, oid::SUBJECT_ALT_NAME, subject_is_empty, |san| {
+                der::write_nested(san, tag::SEQUENCE, |names| {
+                    for uri in uris.iter() {
+                        der::write_tlv(names, 0x86, uri.as_bytes());
+                    }
+                    for name in dns.iter() {
+                        der::write_tlv(names, 0x82, name.as_bytes());
+                    }
+                    for ip in ips.iter() {
+                        match ip {
+                            IpAddr::V4(v4) => der::write_tlv(names, 0x87, &v4.octets()),
+                            IpAddr::V6(v6) => der::write_tlv(names, 0x87, &v6.octets()),
+                        }
+                    }
+                });
+            });
+            der::write_extension(out, oid::BASIC_CONSTRAINTS, true, &[0x30, 0x00]);
+            let ku = if subject.kind().is_rsa() {
+                key_usage_bits(&[KU_DIGITAL_SIGNATURE, KU_KEY_ENCIPHERMENT])
+            } else {
+                key_usage_bits(&[KU_DIGITAL_SIGNATURE])
+            };
+            der::write_extension(out, oid::KEY_USAGE, true, &ku);
+            der::write_extension_with(out, oid::EXT_KEY_USAGE, false, |eku| {
+                der::write_nested(eku, tag::SEQUENCE, |seq| {
+                    der::write_tlv(seq, tag::OID, oid::KP_SERVER_AUTH);
+                    der::write_tlv(seq, tag::OID, oid::KP_CLIENT_AUTH);
+                });
+            });
+        }
+        Profile::Ca { path_len } => {
+            der::write_extension_with(out, oid::BASIC_CONSTRAINTS, true, |bc| {
+                der::write_nested(bc, tag::SEQUENCE, |seq| {
+                    der::write_tlv(seq, tag::BOOLEAN, &[0xff]);
+                    if let Some(len) = path_len {
+                        der::write_unsigned_integer(seq, &[*len]);
+                    }
+                });
+            });
+            let ku = key_usage_bits(&[KU_KEY_CERT_SIGN, KU_CRL_SIGN]);
+            der::write_extension(out, oid::KEY_USAGE, true, &ku);
+        }
+    }
+    der::write_extension_with(out, oid::SUBJECT_KEY_IDENTIFIER, false, |ski| {
+        der::write_tlv(ski, tag::OCTET_STRING, &subject.key_identifier);
+    });
+    if let Some(aki_id) = issuer_key_identifier {
+        der::write_extension_with(out, oid::AUTHORITY_KEY_IDENTIFIER, false, |aki| {
+            der::write_nested(aki, tag::SEQUENCE, |seq| {
+                der::write_tlv(seq, 0x80, aki_id);
+            });
+        });
+    }
+}
 
 #[allow(clippy::too_many_arguments)]
 fn build_and_sign(
@@ -500,68 +564,6 @@ fn build_and_sign(
     let serial = random_serial()?;
     let subject_is_empty = subject_name_der == [0x30, 0x00];
 
-    let mut extensions = Vec::with_capacity(256);
-    match &profile {
-        Profile::EndEntity { uris, dns, ips } => {
-            let mut names = Vec::new();
-            for uri in uris.iter() {
-                der::write_tlv(&mut names, 0x86, uri.as_bytes());
-            }
-            for name in dns.iter() {
-                der::write_tlv(&mut names, 0x82, name.as_bytes());
-            }
-            for ip in ips.iter() {
-                match ip {
-                    IpAddr::V4(v4) => der::write_tlv(&mut names, 0x87, &v4.octets()),
-                    IpAddr::V6(v6) => der::write_tlv(&mut names, 0x87, &v6.octets()),
-                }
-            }
-            let mut san = Vec::new();
-            der::write_tlv(&mut san, tag::SEQUENCE, &names);
-            der::write_extension(
-                &mut extensions,
-                oid::SUBJECT_ALT_NAME,
-                subject_is_empty,
-                &san,
-            );
-            der::write_extension(&mut extensions, oid::BASIC_CONSTRAINTS, true, &[0x30, 0x00]);
-            let ku = if subject.kind().is_rsa() {
-                key_usage_bits(&[KU_DIGITAL_SIGNATURE, KU_KEY_ENCIPHERMENT])
-            } else {
-                key_usage_bits(&[KU_DIGITAL_SIGNATURE])
-            };
-            der::write_extension(&mut extensions, oid::KEY_USAGE, true, &ku);
-            let mut eku = Vec::new();
-            der::write_nested(&mut eku, tag::SEQUENCE, |seq| {
-                der::write_tlv(seq, tag::OID, oid::KP_SERVER_AUTH);
-                der::write_tlv(seq, tag::OID, oid::KP_CLIENT_AUTH);
-            });
-            der::write_extension(&mut extensions, oid::EXT_KEY_USAGE, false, &eku);
-        }
-        Profile::Ca { path_len } => {
-            let mut bc = Vec::new();
-            der::write_nested(&mut bc, tag::SEQUENCE, |seq| {
-                der::write_tlv(seq, tag::BOOLEAN, &[0xff]);
-                if let Some(len) = path_len {
-                    der::write_unsigned_integer(seq, &[*len]);
-                }
-            });
-            der::write_extension(&mut extensions, oid::BASIC_CONSTRAINTS, true, &bc);
-            let ku = key_usage_bits(&[KU_KEY_CERT_SIGN, KU_CRL_SIGN]);
-            der::write_extension(&mut extensions, oid::KEY_USAGE, true, &ku);
-        }
-    }
-    let mut ski = Vec::new();
-    der::write_tlv(&mut ski, tag::OCTET_STRING, &subject.key_identifier);
-    der::write_extension(&mut extensions, oid::SUBJECT_KEY_IDENTIFIER, false, &ski);
-    if let Some(aki_id) = issuer_key_identifier {
-        let mut aki = Vec::new();
-        der::write_nested(&mut aki, tag::SEQUENCE, |seq| {
-            der::write_tlv(seq, 0x80, aki_id);
-        });
-        der::write_extension(&mut extensions, oid::AUTHORITY_KEY_IDENTIFIER, false, &aki);
-    }
-
     let mut tbs = Vec::with_capacity(512 + subject.spki_der.len());
     der::write_nested(&mut tbs, tag::SEQUENCE, |tbs| {
         der::write_tlv(tbs, 0xa0, &[0x02, 0x01, 0x02]); // version v3
@@ -575,7 +577,15 @@ fn build_and_sign(
         tbs.extend_from_slice(subject_name_der);
         tbs.extend_from_slice(&subject.spki_der);
         der::write_nested(tbs, 0xa3, |exts| {
-            der::write_tlv(exts, tag::SEQUENCE, &extensions);
+            der::write_nested(exts, tag::SEQUENCE, |seq| {
+                write_extensions(
+                    seq,
+                    &profile,
+                    subject,
+                    subject_is_empty,
+                    issuer_key_identifier,
+                );
+            });
         });
     });
 
@@ -585,10 +595,10 @@ fn build_and_sign(
     der::write_nested(&mut cert, tag::SEQUENCE, |c| {
         c.extend_from_slice(&tbs);
         c.extend_from_slice(signature_algorithm);
-        let mut bits = Vec::with_capacity(signature.len() + 1);
-        bits.push(0);
-        bits.extend_from_slice(&signature);
-        der::write_tlv(c, tag::BIT_STRING, &bits);
+        der::write_nested(c, tag::BIT_STRING, |bits| {
+            bits.push(0); // no unused bits
+            bits.extend_from_slice(&signature);
+        });
     });
     Ok(IssuedCert {
         der: cert,
