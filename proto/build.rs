@@ -6,6 +6,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
+        // Message-sized buffers instead of tonic's 8 KiB per call (see codec.rs).
+        .codec_path("crate::codec::CaCodec")
         .compile_fds(fds)?;
     println!("cargo:rerun-if-changed=proto/ca.proto");
     Ok(())

@@ -153,7 +153,21 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let root_pem = std::fs::read_to_string(dir.path().join("data/root-cert.pem"))?;
+    // The bundle file is written by a task of its own, maybe just after
+    // the health endpoint answers (a slow start, e.g. under valgrind).
+    let root_path = dir.path().join("data/root-cert.pem");
+    let root_pem = loop {
+        match std::fs::read_to_string(&root_path) {
+            Ok(pem) if !pem.is_empty() => break pem,
+            result => {
+                if Instant::now() >= deadline {
+                    result.with_context(|| format!("reading {}", root_path.display()))?;
+                    anyhow::bail!("{} stayed empty", root_path.display());
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
 
     eprintln!("meshca-bench: preparing {} identities…", args.identities);
     let mut tokens = Vec::with_capacity(args.identities);

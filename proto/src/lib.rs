@@ -17,6 +17,8 @@
 //! assert_eq!(request.validity_duration, 3600);
 //! ```
 
+pub mod codec;
+
 /// Generated protobuf packages, laid out as their proto package names.
 pub mod istio {
     /// `istio.v1`
