@@ -41,6 +41,14 @@ use crate::tls::{self, TlsError};
 /// Largest gRPC request message accepted (a CSR is at most 32 KiB of PEM).
 pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 
+/// HTTP/2 streams (requests) one connection may have open at once. A node
+/// agent such as ztunnel asks for every pod of its node over one
+/// connection; beyond this many its HTTP/2 client holds further requests
+/// until an answer frees a stream, so a 10,000-pod restart does not sit in
+/// the CA's memory at once (hyper's default is 200, nginx's 128). 256 in
+/// flight is far more than the CA's cores need to stay busy.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
+
 /// Why the server could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -689,7 +697,7 @@ pub async fn run(
         .map(|(incoming, handle)| {
             let mut drain = drain_rx.clone();
             let server = tonic::transport::Server::builder()
-                .max_concurrent_streams(Some(1024))
+                .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
                 // Large flow-control windows: no WINDOW_UPDATE round trip every
                 // few dozen small requests.
                 .initial_connection_window_size(Some(4 << 20))
