@@ -372,8 +372,9 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn accepts_the_pem_variants_agents_send() {
+    /// A P-256 key, its CSR for `id()` as PEM, the CSR's DER, and the same
+    /// CSR with 76-column base64 lines (as some PEM writers wrap).
+    fn agent_csr() -> (PrivateKey, String, Vec<u8>, String) {
         let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
         let plain = build_csr(&key, &id()).unwrap();
         let der = pem::parse(&plain).unwrap().into_contents();
@@ -381,6 +382,12 @@ mod tests {
             &pem::Pem::new(PEM_TAG, der.clone()),
             pem::EncodeConfig::new().set_line_wrap(76),
         );
+        (key, plain, der, wrapped_76)
+    }
+
+    #[test]
+    fn accepts_the_pem_variants_agents_send() {
+        let (key, plain, _, wrapped_76) = agent_csr();
         let variants = [
             plain.clone(),
             plain.replace('\n', "\r\n"),
@@ -414,13 +421,7 @@ mod tests {
 
     #[test]
     fn the_one_block_road_reads_what_the_pem_crate_reads_and_nothing_more() {
-        let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
-        let plain = build_csr(&key, &id()).unwrap();
-        let der = pem::parse(&plain).unwrap().into_contents();
-        let wrapped_76 = pem::encode_config(
-            &pem::Pem::new(PEM_TAG, der.clone()),
-            pem::EncodeConfig::new().set_line_wrap(76),
-        );
+        let (_, plain, der, wrapped_76) = agent_csr();
         for text in [
             plain.clone(),
             plain.replace('\n', "\r\n"),
