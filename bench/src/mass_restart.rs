@@ -43,9 +43,15 @@ pub(crate) struct MassRestartArgs {
     /// Latency of every Kubernetes API answer.
     #[arg(long, default_value = "5ms", value_parser = parse_duration)]
     pub(crate) api_latency: Duration,
-    /// Client connections the requests are spread over (HTTP/2).
-    #[arg(long, default_value_t = 64)]
+    /// Client connections the requests are spread over (HTTP/2), opened
+    /// before the storm.
+    #[arg(long, default_value_t = 64, conflicts_with = "connection_per_identity")]
     pub(crate) connections: usize,
+    /// Every identity opens its own connection when the storm starts, as
+    /// restarted sidecars do: TCP connect and TLS handshake are part of
+    /// each request's time, and the server sees one connection per pod.
+    #[arg(long)]
+    pub(crate) connection_per_identity: bool,
     /// One node agent asks for every identity, as ztunnel does for the pods
     /// of its node after a restart: one token (istio-system/ztunnel, a
     /// trusted node agent), one pod per identity on the agent's node, each
@@ -238,7 +244,15 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         }
     }
     let prepared: Arc<Vec<Prepared>> = Arc::new(prepared);
-    let clients = load::connect_istio(&run_args.addr, &root_pem, args.connections).await?;
+    // With a connection per identity, one shared connection is still
+    // needed: the node agent's warm-up below.
+    let shared_connections = if args.connection_per_identity {
+        1
+    } else {
+        args.connections
+    };
+    let clients = load::connect_istio(&run_args.addr, &root_pem, shared_connections).await?;
+    let root_pem: Arc<str> = root_pem.into();
     if args.node_agent {
         // The agent was running before its pods restarted: its token has
         // been reviewed and meshca's pod index is in sync. One request
@@ -285,10 +299,31 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(args.identities);
     for (i, p) in prepared.iter().enumerate() {
-        let mut client = clients[i % clients.len()].clone();
+        let shared = clients[i % clients.len()].clone();
         let p = p.clone();
+        let (per_identity, addr, root_pem) = (
+            args.connection_per_identity,
+            run_args.addr.clone(),
+            root_pem.clone(),
+        );
         tasks.push(tokio::spawn(async move {
             let t = Instant::now();
+            let mut client = if per_identity {
+                // A failed connect is an answer too: counted by its kind.
+                match load::connect_istio(&addr, &root_pem, 1).await {
+                    Ok(mut own) => own.remove(0),
+                    Err(e) => {
+                        let kind = if format!("{e:#}").contains("timed out") {
+                            "CONNECT_TIMEOUT"
+                        } else {
+                            "CONNECT_FAILED"
+                        };
+                        return (t.elapsed(), t.elapsed(), 0, Err(kind.to_string()));
+                    }
+                }
+            } else {
+                shared
+            };
             let mut first_answer = None;
             let mut retries = 0u32;
             loop {
@@ -347,7 +382,8 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         "scenario": if args.node_agent { "mass-restart-node-agent" } else { "mass-restart" },
         "auth": if args.offline_jwt { "offline-jwt" } else { "token-review" },
         "identities": args.identities,
-        "connections": args.connections,
+        "connections": if args.connection_per_identity { args.identities } else { args.connections },
+        "connected_in_storm": args.connection_per_identity,
         "api_latency_ms": args.api_latency.as_secs_f64() * 1000.0,
         "token_reviews": kube.reviews(),
         "ok": ok,

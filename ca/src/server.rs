@@ -49,6 +49,28 @@ pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
 /// flight is far more than the CA's cores need to stay busy.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 256;
 
+/// Connections the kernel may hold completed but not yet accepted on the
+/// gRPC port. When thousands of sidecars restart at once their connects
+/// arrive faster than one accept loop takes them off the queue; tokio's
+/// default of 1,024 then drops SYNs, and every dropped client waits a
+/// second before its TCP retry. The kernel caps the value at
+/// `net.core.somaxconn` (4,096 by default since Linux 5.4; Go, and so
+/// istiod, listens with that value too).
+pub const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds a listening TCP socket with `backlog` (and `SO_REUSEADDR`, as
+/// tokio's `TcpListener::bind` sets it, so a restarted server binds at once).
+pub fn bind_with_backlog(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)
+}
+
 /// Why the server could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
@@ -602,13 +624,11 @@ pub async fn run(
     let acceptor = TlsAcceptor::from(Arc::new(tls_config));
 
     let grpc_listener =
-        TcpListener::bind(config.listen)
-            .await
-            .map_err(|source| ServeError::Bind {
-                flag: "--listen",
-                addr: config.listen,
-                source,
-            })?;
+        bind_with_backlog(config.listen, LISTEN_BACKLOG).map_err(|source| ServeError::Bind {
+            flag: "--listen",
+            addr: config.listen,
+            source,
+        })?;
     let monitoring_listener =
         TcpListener::bind(config.monitoring_listen)
             .await

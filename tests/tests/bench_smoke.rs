@@ -141,6 +141,24 @@ fn a_node_agent_gets_every_pod_on_its_node_with_one_token_review() {
 }
 
 #[test]
+fn restarted_sidecars_each_open_their_own_connection() {
+    // Every identity connects when the storm starts (TLS handshake
+    // included), with its own token reviewed through the fake API server.
+    let report = run_bench(|bench| {
+        bench
+            .args(["mass-restart", "--identities", "40", "--api-latency", "1ms"])
+            .args(["--connection-per-identity", "--json", "--meshca"])
+            .arg(&binaries().meshca)
+    });
+    assert_eq!(report["scenario"], "mass-restart", "{report}");
+    assert_eq!(report["connected_in_storm"], true, "{report}");
+    assert_eq!(report["connections"], 40, "{report}");
+    assert_eq!(report["ok"], 40, "{report}");
+    assert_eq!(report["errors"], serde_json::json!({}), "{report}");
+    assert_eq!(report["token_reviews"], 40, "{report}");
+}
+
+#[test]
 fn one_connection_is_served_by_every_event_loop() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
