@@ -121,6 +121,17 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
     pub max_concurrent_requests: usize,
 
+    /// HTTP/2 streams (requests) one connection may have open at once;
+    /// a client asking for more waits in its HTTP/2 layer until an answer
+    /// frees a stream. Bounds what a burst puts in the CA's memory.
+    #[arg(
+        long,
+        env = "MESHCA_MAX_CONCURRENT_STREAMS",
+        default_value_t = crate::server::DEFAULT_MAX_STREAMS_PER_CONNECTION,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub max_concurrent_streams: u32,
+
     /// Event loops (threads) serving gRPC connections; 0: one per CPU.
     /// Each connection lives on one loop; a request moves to an idle loop
     /// when its own is backed up.
@@ -251,6 +262,8 @@ pub struct Config {
     pub cluster_id: String,
     /// Concurrency limit of CreateCertificate.
     pub max_concurrent_requests: usize,
+    /// HTTP/2 streams one connection may have open at once.
+    pub max_concurrent_streams: u32,
     /// Event loops serving gRPC connections (at least one).
     pub event_loops: usize,
     /// Drain time on shutdown.
@@ -415,6 +428,7 @@ impl TryFrom<ServeArgs> for Config {
             },
             cluster_id: args.cluster_id,
             max_concurrent_requests: args.max_concurrent_requests,
+            max_concurrent_streams: args.max_concurrent_streams,
             event_loops: match args.event_loops {
                 0 => std::thread::available_parallelism().map_or(1, usize::from),
                 n => n,

@@ -790,3 +790,79 @@ async fn agent_once_writes_a_matching_key_and_chain() {
         assert_eq!(mode, 0o600);
     }
 }
+
+/// Opens a TLS connection to `server`'s gRPC port as a rustls client with
+/// its default cipher suites (AES-256-GCM-SHA384 listed first), speaks the
+/// HTTP/2 preface and returns the suite agreed on and the server's
+/// SETTINGS_MAX_CONCURRENT_STREAMS.
+async fn tls_suite_and_stream_limit(server: &MeshcaServer) -> (rustls::CipherSuite, u32) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut roots = rustls::RootCertStore::empty();
+    for der in parse_certs_pem(&server.root_pem()).unwrap() {
+        roots.add(der.into()).unwrap();
+    }
+    let provider = rustls::crypto::ring::default_provider();
+    assert_eq!(
+        provider.cipher_suites[0].suite(),
+        rustls::CipherSuite::TLS13_AES_256_GCM_SHA384
+    );
+    let mut config = rustls::ClientConfig::builder_with_provider(provider.into())
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    let tcp = tokio::net::TcpStream::connect(server.grpc).await.unwrap();
+    let name = rustls::pki_types::ServerName::try_from("istiod.istio-system.svc").unwrap();
+    let mut tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+        .connect(name, tcp)
+        .await
+        .unwrap();
+    let suite = tls.get_ref().1.negotiated_cipher_suite().unwrap().suite();
+    assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+
+    // Client preface and an empty SETTINGS frame; the server's first frame
+    // is its SETTINGS (RFC 9113 §3.4): 9-byte header, then 6-byte entries.
+    tls.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let mut header = [0u8; 9];
+    tls.read_exact(&mut header).await.unwrap();
+    assert_eq!(header[3], 0x4, "first frame is SETTINGS: {header:?}");
+    let len = u32::from_be_bytes([0, header[0], header[1], header[2]]) as usize;
+    let mut payload = vec![0u8; len];
+    tls.read_exact(&mut payload).await.unwrap();
+    let max_streams = payload
+        .chunks_exact(6)
+        .find(|entry| u16::from_be_bytes([entry[0], entry[1]]) == 0x3)
+        .map(|entry| u32::from_be_bytes([entry[2], entry[3], entry[4], entry[5]]))
+        .expect("SETTINGS_MAX_CONCURRENT_STREAMS");
+    (suite, max_streams)
+}
+
+#[tokio::test]
+async fn the_grpc_port_prefers_aes_128_and_limits_streams_per_connection() {
+    let (_dir, server) = server();
+    let (suite, max_streams) = tls_suite_and_stream_limit(&server).await;
+    // The server's order, not the client's: SHA-256 key schedule.
+    assert_eq!(suite, rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
+    assert_eq!(max_streams, 128);
+
+    let dir = tempfile::tempdir().unwrap();
+    let server = MeshcaServer::start(&dir.path().join("data"), &["--max-concurrent-streams", "7"])
+        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    assert_eq!(tls_suite_and_stream_limit(&server).await.1, 7);
+
+    // Zero streams would refuse every request: the flag is refused.
+    let failure = MeshcaServer::start(
+        &dir.path().join("data2"),
+        &["--max-concurrent-streams", "0"],
+    )
+    .expect_err("zero streams must not start");
+    assert!(failure.status.is_some_and(|s| !s.success()));
+    assert!(
+        failure.stderr.contains("--max-concurrent-streams"),
+        "{}",
+        failure.stderr
+    );
+}
