@@ -99,6 +99,10 @@ pub struct Metrics {
     pub token_cache_hits: IstioCounter,
     /// Requests run on an idle event loop instead of their connection's.
     pub requests_moved: IstioCounter,
+    /// gRPC connections open: in their TLS handshake or established.
+    pub grpc_connections: Gauge<i64>,
+    /// gRPC connections closed before their TLS handshake completed.
+    pub tls_handshake_failures: IstioCounter,
 }
 
 /// Label of `meshca_root_rotation_phase`.
@@ -131,6 +135,8 @@ impl Default for Metrics {
             bundle_configmap_writes: Default::default(),
             token_cache_hits: Default::default(),
             requests_moved: Default::default(),
+            grpc_connections: Default::default(),
+            tls_handshake_failures: Default::default(),
         }
     }
 }
@@ -238,6 +244,16 @@ impl Metrics {
             "meshca_request_moved_to_idle_loop_count",
             "CreateCertificate requests run on an idle event loop because their connection's loop was backed up",
             self.requests_moved.clone(),
+        );
+        r.register(
+            "meshca_grpc_connections",
+            "gRPC connections open, in their TLS handshake or established (a mass restart of sidecars opens one per pod)",
+            self.grpc_connections.clone(),
+        );
+        r.register(
+            "meshca_tls_handshake_failure_count",
+            "gRPC connections closed before their TLS handshake completed: refused by TLS, broken off, or slower than 10 s",
+            self.tls_handshake_failures.clone(),
         );
         r
     }

@@ -715,7 +715,7 @@ pub async fn run(
     // One gRPC server per event loop, each serving the connections placed on it.
     let grpc =
         IstioCertificateServiceServer::new(service).max_decoding_message_size(MAX_REQUEST_BYTES);
-    let incoming = tls::tls_incoming(grpc_listener, acceptor, loops.handles());
+    let incoming = tls::tls_incoming(grpc_listener, acceptor, loops.handles(), &metrics);
     let servers = incoming
         .into_iter()
         .zip(loops.handles())

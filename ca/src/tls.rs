@@ -12,6 +12,7 @@ use std::time::Duration;
 use arc_swap::ArcSwap;
 use meshca_certs::keys::{KeyAlgorithm, PrivateKey};
 use meshca_certs::profile::SubjectKey;
+use prometheus_client::metrics::gauge::Gauge;
 use rustls::client::danger::HandshakeSignatureValid;
 use rustls::crypto::WebPkiSupportedAlgorithms;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, UnixTime};
@@ -28,6 +29,7 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::authority::{Authority, SignError};
 use crate::batched_io::BatchedWriteStream;
+use crate::metrics::Metrics;
 
 /// Lifetime of the server's own certificate.
 pub const SERVER_CERT_TTL: Duration = Duration::from_secs(24 * 3600);
@@ -270,13 +272,17 @@ pub type TlsConnection = TlsStream<BatchedWriteStream<TcpStream, ConnectionSeat>
 #[derive(Debug)]
 pub struct LoopOccupancy {
     open: Box<[AtomicUsize]>,
+    /// All loops together, as exported (`meshca_grpc_connections`).
+    total: Gauge<i64>,
 }
 
 impl LoopOccupancy {
-    /// No connections yet on any of `loops` loops (at least one).
-    pub fn new(loops: usize) -> Arc<Self> {
+    /// No connections yet on any of `loops` loops (at least one); `total`
+    /// follows the sum over the loops.
+    pub fn new(loops: usize, total: Gauge<i64>) -> Arc<Self> {
         Arc::new(Self {
             open: (0..loops.max(1)).map(|_| AtomicUsize::new(0)).collect(),
+            total,
         })
     }
 
@@ -291,6 +297,7 @@ impl LoopOccupancy {
             .min_by_key(|&i| self.open[i].load(Ordering::Relaxed))
             .unwrap_or(0);
         self.open[index].fetch_add(1, Ordering::Relaxed);
+        self.total.inc();
         ConnectionSeat {
             occupancy: self.clone(),
             index,
@@ -322,6 +329,7 @@ impl ConnectionSeat {
 impl Drop for ConnectionSeat {
     fn drop(&mut self) {
         self.occupancy.open[self.index].fetch_sub(1, Ordering::Relaxed);
+        self.occupancy.total.dec();
     }
 }
 
@@ -334,10 +342,12 @@ pub fn tls_incoming(
     listener: TcpListener,
     acceptor: TlsAcceptor,
     loops: &[tokio::runtime::Handle],
+    metrics: &Metrics,
 ) -> Vec<ReceiverStream<Result<TlsConnection, io::Error>>> {
     let (senders, receivers): (Vec<_>, Vec<_>) = loops.iter().map(|_| mpsc::channel(128)).unzip();
     let loops = loops.to_vec();
-    let occupancy = LoopOccupancy::new(loops.len());
+    let occupancy = LoopOccupancy::new(loops.len(), metrics.grpc_connections.clone());
+    let handshake_failures = metrics.tls_handshake_failures.clone();
     tokio::spawn(async move {
         let all_closed = futures::future::join_all(senders.iter().map(|tx| tx.closed()));
         tokio::pin!(all_closed);
@@ -361,6 +371,7 @@ pub fn tls_incoming(
             next = next.wrapping_add(1);
             let index = seat.loop_index();
             let acceptor = acceptor.clone();
+            let handshake_failures = handshake_failures.clone();
             let tx = senders[index].clone();
             // The socket is registered with the reactor of the loop that
             // polls it first: move it there as a std socket.
@@ -388,8 +399,14 @@ pub fn tls_incoming(
                     Ok(Ok(stream)) => {
                         let _ = tx.send(Ok(stream)).await;
                     }
-                    Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                    Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
+                    Ok(Err(e)) => {
+                        handshake_failures.inc();
+                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
+                    }
+                    Err(_) => {
+                        handshake_failures.inc();
+                        tracing::debug!(%peer, "TLS handshake timed out");
+                    }
                 }
             });
         }
@@ -403,12 +420,14 @@ mod tests {
 
     #[test]
     fn a_connection_goes_to_the_loop_with_the_fewest() {
-        let occupancy = LoopOccupancy::new(2);
+        let total = Gauge::<i64>::default();
+        let occupancy = LoopOccupancy::new(2, total.clone());
         let first: Vec<_> = (0..4).map(|k| occupancy.seat(k)).collect();
         // Equal counts: the loops take turns.
         let placed: Vec<_> = first.iter().map(ConnectionSeat::loop_index).collect();
         assert_eq!(placed, [0, 1, 0, 1]);
         assert_eq!((occupancy.open_on(0), occupancy.open_on(1)), (2, 2));
+        assert_eq!(total.get(), 4, "the exported gauge is the sum");
 
         // Both connections of loop 0 close: the next two go there, whatever
         // the rotation says.
@@ -420,8 +439,10 @@ mod tests {
         let f = occupancy.seat(7);
         assert_eq!((e.loop_index(), f.loop_index()), (0, 0));
         assert_eq!((occupancy.open_on(0), occupancy.open_on(1)), (2, 2));
+        assert_eq!(total.get(), 4);
         drop((b, d, e, f));
         assert_eq!((occupancy.open_on(0), occupancy.open_on(1)), (0, 0));
+        assert_eq!(total.get(), 0);
         assert_eq!(occupancy.open_on(2), 0);
     }
 
@@ -513,7 +534,7 @@ mod tests {
     #[tokio::test]
     async fn a_connection_frees_its_seat_when_dropped() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let occupancy = LoopOccupancy::new(3);
+        let occupancy = LoopOccupancy::new(3, Gauge::default());
         let (near, mut far) = tokio::io::duplex(64);
         let seat = occupancy.seat(1);
         assert_eq!(seat.loop_index(), 1);

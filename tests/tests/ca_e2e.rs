@@ -791,12 +791,11 @@ async fn agent_once_writes_a_matching_key_and_chain() {
     }
 }
 
-/// Opens a TLS connection to `server`'s gRPC port as a rustls client with
-/// its default cipher suites (AES-256-GCM-SHA384 listed first), speaks the
-/// HTTP/2 preface and returns the suite agreed on and the server's
-/// SETTINGS_MAX_CONCURRENT_STREAMS.
-async fn tls_suite_and_stream_limit(server: &MeshcaServer) -> (rustls::CipherSuite, u32) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// A TLS connection to `server`'s gRPC port from a rustls client with its
+/// default cipher suites (AES-256-GCM-SHA384 listed first) and ALPN `h2`.
+async fn tls_connect(
+    server: &MeshcaServer,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
     let mut roots = rustls::RootCertStore::empty();
     for der in parse_certs_pem(&server.root_pem()).unwrap() {
         roots.add(der.into()).unwrap();
@@ -814,12 +813,20 @@ async fn tls_suite_and_stream_limit(server: &MeshcaServer) -> (rustls::CipherSui
     config.alpn_protocols = vec![b"h2".to_vec()];
     let tcp = tokio::net::TcpStream::connect(server.grpc).await.unwrap();
     let name = rustls::pki_types::ServerName::try_from("istiod.istio-system.svc").unwrap();
-    let mut tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
+    let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
         .connect(name, tcp)
         .await
         .unwrap();
-    let suite = tls.get_ref().1.negotiated_cipher_suite().unwrap().suite();
     assert_eq!(tls.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
+    tls
+}
+
+/// The cipher suite `server` picks for a default rustls client, and the
+/// SETTINGS_MAX_CONCURRENT_STREAMS of its HTTP/2 SETTINGS.
+async fn tls_suite_and_stream_limit(server: &MeshcaServer) -> (rustls::CipherSuite, u32) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tls = tls_connect(server).await;
+    let suite = tls.get_ref().1.negotiated_cipher_suite().unwrap().suite();
 
     // Client preface and an empty SETTINGS frame; the server's first frame
     // is its SETTINGS (RFC 9113 §3.4): 9-byte header, then 6-byte entries.
@@ -864,5 +871,63 @@ async fn the_grpc_port_prefers_aes_128_and_limits_streams_per_connection() {
         failure.stderr.contains("--max-concurrent-streams"),
         "{}",
         failure.stderr
+    );
+}
+
+/// `name`'s value on `server`'s /metrics, once it satisfies `done` (within 5 s).
+fn metric_once(server: &MeshcaServer, name: &str, done: impl Fn(u64) -> bool) -> u64 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, body) = http_get(server.monitoring, "/metrics").unwrap();
+        let value = metric(&body, name);
+        if done(value) || std::time::Instant::now() > deadline {
+            return value;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[tokio::test]
+async fn open_connections_and_failed_handshakes_are_exported() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_dir, server) = server();
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 0),
+        0
+    );
+    assert_eq!(
+        metric_once(&server, "meshca_tls_handshake_failure_count", |_| true),
+        0
+    );
+
+    let first = tls_connect(&server).await;
+    let second = tls_connect(&server).await;
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 2),
+        2
+    );
+
+    // Plain HTTP on the TLS port: the handshake fails, the server closes.
+    let mut plain = tokio::net::TcpStream::connect(server.grpc).await.unwrap();
+    plain
+        .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    let mut rest = Vec::new();
+    let _ = plain.read_to_end(&mut rest).await;
+    assert_eq!(
+        metric_once(&server, "meshca_tls_handshake_failure_count", |v| v == 1),
+        1
+    );
+
+    drop(first);
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 1),
+        1
+    );
+    drop(second);
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 0),
+        0
     );
 }
