@@ -217,10 +217,10 @@ impl ClientCertVerifier for DeferredClientCertVerifier {
 ///
 /// AES-128-GCM with SHA-256 first, whatever the client lists first (rustls
 /// clients, tonic's among them, list AES-256-GCM-SHA384 first): the key
-/// schedule of a handshake is a few dozen HMACs, and SHA-256 runs on the
-/// CPU's SHA extensions where SHA-384 does not, so a handshake costs
-/// noticeably less — what a mass restart of sidecars, each with a new
-/// connection, is made of. Go's TLS server (istiod's) prefers AES-128-GCM
+/// schedule of a handshake is a few dozen HMACs, and SHA-256 runs on x86's
+/// SHA extensions (SHA-NI), which have no SHA-384, so a handshake costs
+/// noticeably less (16 % of the server's CPU per pod in a mass restart of
+/// sidecars, each with a new connection: BENCHMARKS.md). Go's TLS server (istiod's) prefers AES-128-GCM
 /// as well. Every suite of the provider stays on offer.
 const SERVER_SUITE_ORDER: [rustls::CipherSuite; 6] = [
     rustls::CipherSuite::TLS13_AES_128_GCM_SHA256,
@@ -247,7 +247,8 @@ fn server_suites(
 
 /// The rustls server configuration: TLS 1.2 and 1.3, ALPN `h2`, optional
 /// client certificates, the renewing server certificate, the server's own
-/// order of cipher suites ([`SERVER_SUITE_ORDER`]).
+/// order of cipher suites ([`SERVER_SUITE_ORDER`]), no TLS 1.3 session
+/// tickets.
 pub fn server_config(
     resolver: Arc<ServerCertResolver>,
 ) -> Result<rustls::ServerConfig, rustls::Error> {
@@ -259,6 +260,14 @@ pub fn server_config(
         .with_cert_resolver(resolver);
     config.alpn_protocols = vec![b"h2".to_vec()];
     config.ignore_client_order = true;
+    // No TLS 1.3 session tickets. They are for resuming a session with this
+    // process, and meshca's clients do not: Istio's agents (Go) keep no
+    // session cache, ztunnel holds one long-lived connection per node, a
+    // restarted sidecar is a new process, and replicas do not share the
+    // ticket store. Each full handshake saved issuing and storing two
+    // tickets: 5 % less server CPU per pod in a mass restart with a new
+    // connection per pod (BENCHMARKS.md), and the clients skip them too.
+    config.send_tls13_tickets = 0;
     Ok(config)
 }
 
@@ -463,7 +472,9 @@ mod tests {
         let root = material.signing.cert_der().to_vec();
         let authority = Authority::new(material, Default::default());
         let resolver = new_resolver(&authority, &["istiod.istio-system.svc".into()]).unwrap();
-        let acceptor = TlsAcceptor::from(Arc::new(server_config(resolver).unwrap()));
+        let server = server_config(resolver).unwrap();
+        assert_eq!(server.send_tls13_tickets, 0, "no session tickets");
+        let acceptor = TlsAcceptor::from(Arc::new(server));
 
         let mut roots = rustls::RootCertStore::empty();
         roots.add(CertificateDer::from(root)).unwrap();
