@@ -96,6 +96,18 @@ impl MeshcaServer {
         Self::start_with_env(data_dir, extra, &[])
     }
 
+    /// Starts `meshca serve` with `data_dir` and `extra` expecting a refusal:
+    /// panics unless it exits non-zero with `expected` in its stderr.
+    pub fn refuses_to_start(data_dir: &Path, extra: &[&str], expected: &str) {
+        match Self::start(data_dir, extra) {
+            Ok(server) => panic!("meshca started with {extra:?}:\n{}", server.log()),
+            Err(failure) => {
+                assert!(failure.status.is_some_and(|s| !s.success()), "{failure:?}");
+                assert!(failure.stderr.contains(expected), "{}", failure.stderr);
+            }
+        }
+    }
+
     /// As [`MeshcaServer::start`], with extra environment variables.
     pub fn start_with_env(
         data_dir: &Path,
