@@ -132,6 +132,19 @@ pub struct ServeArgs {
     )]
     pub max_concurrent_streams: u32,
 
+    /// A connection older than this is asked to reconnect (HTTP/2 GOAWAY;
+    /// its requests in flight finish first), so clients spread over the
+    /// replicas after a rollout and idle connections do not stay open
+    /// forever; 0: never. Istio's istiod uses 30m.
+    #[arg(long, env = "MESHCA_MAX_CONNECTION_AGE", default_value = "30m", value_parser = parse_duration)]
+    pub max_connection_age: Duration,
+
+    /// A request not answered within this time is ended with CANCELLED
+    /// (a shorter `grpc-timeout` from the client wins), so a client that
+    /// opens a request and never finishes sending it holds nothing for long.
+    #[arg(long, env = "MESHCA_REQUEST_TIMEOUT", default_value = "30s", value_parser = parse_positive_duration)]
+    pub request_timeout: Duration,
+
     /// Event loops (threads) serving gRPC connections; 0: one per CPU.
     /// Each connection lives on one loop; a request moves to an idle loop
     /// when its own is backed up.
@@ -264,6 +277,10 @@ pub struct Config {
     pub max_concurrent_requests: usize,
     /// HTTP/2 streams one connection may have open at once.
     pub max_concurrent_streams: u32,
+    /// Connections older than this get a GOAWAY (`None`: never).
+    pub max_connection_age: Option<Duration>,
+    /// Longest time a request is served before it is cancelled.
+    pub request_timeout: Duration,
     /// Event loops serving gRPC connections (at least one).
     pub event_loops: usize,
     /// Drain time on shutdown.
@@ -429,6 +446,8 @@ impl TryFrom<ServeArgs> for Config {
             cluster_id: args.cluster_id,
             max_concurrent_requests: args.max_concurrent_requests,
             max_concurrent_streams: args.max_concurrent_streams,
+            max_connection_age: Some(args.max_connection_age).filter(|age| !age.is_zero()),
+            request_timeout: args.request_timeout,
             event_loops: match args.event_loops {
                 0 => std::thread::available_parallelism().map_or(1, usize::from),
                 n => n,
@@ -450,6 +469,16 @@ impl TryFrom<ServeArgs> for Config {
                 lease_duration: args.leader_lease_duration,
             },
         })
+    }
+}
+
+/// A duration that must not be zero (a zero timeout would refuse everything).
+fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+    match parse_duration(text)? {
+        d if d.is_zero() => Err(format!(
+            "{text:?} is zero; give a duration above 0, e.g. 30s"
+        )),
+        d => Ok(d),
     }
 }
 
@@ -496,6 +525,18 @@ mod tests {
             .server_dns
             .contains(&"istiod.istio-system.svc".to_string()));
         assert!(c.server_dns.contains(&"localhost".to_string()));
+        assert_eq!(c.max_connection_age, Some(Duration::from_secs(30 * 60)));
+        assert_eq!(c.request_timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn connection_age_zero_means_never_and_a_zero_request_timeout_is_refused() {
+        let c = parse(&["--max-connection-age", "0s", "--request-timeout", "2s"]).unwrap();
+        assert_eq!(c.max_connection_age, None);
+        assert_eq!(c.request_timeout, Duration::from_secs(2));
+        let err = parse(&["--request-timeout", "0s"]).err().unwrap();
+        assert!(err.contains("--request-timeout"), "{err}");
+        assert!(err.contains("zero"), "{err}");
     }
 
     #[test]

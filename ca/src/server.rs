@@ -721,8 +721,18 @@ pub async fn run(
         .zip(loops.handles())
         .map(|(incoming, handle)| {
             let mut drain = drain_rx.clone();
-            let server = tonic::transport::Server::builder()
+            let builder = tonic::transport::Server::builder()
                 .max_concurrent_streams(Some(config.max_concurrent_streams))
+                .timeout(config.request_timeout);
+            // No `max_connection_age_grace`: tonic 0.14 then closes at
+            // age + grace without a GOAWAY first. Without it the connection
+            // gets a GOAWAY at its age and closes once its requests in flight
+            // are answered, which `--request-timeout` bounds.
+            let builder = match config.max_connection_age {
+                Some(age) => builder.max_connection_age(age),
+                None => builder,
+            };
+            let server = builder
                 // Large flow-control windows: no WINDOW_UPDATE round trip every
                 // few dozen small requests.
                 .initial_connection_window_size(Some(4 << 20))

@@ -243,20 +243,33 @@ impl MeshcaServer {
         root_pem: &str,
         identity: Option<(String, String)>,
     ) -> IstioCertificateServiceClient<Channel> {
+        IstioCertificateServiceClient::new(self.channel_trusting(root_pem, identity).await)
+    }
+
+    /// A gRPC channel over TLS trusting `root-cert.pem`, for calls the
+    /// generated client cannot make (e.g. a request that is never finished).
+    pub async fn channel(&self) -> Channel {
+        self.channel_trusting(&self.root_pem(), None).await
+    }
+
+    async fn channel_trusting(
+        &self,
+        root_pem: &str,
+        identity: Option<(String, String)>,
+    ) -> Channel {
         let mut tls = ClientTlsConfig::new()
             .ca_certificate(Certificate::from_pem(root_pem))
             .domain_name("istiod.istio-system.svc");
         if let Some((chain, key)) = identity {
             tls = tls.identity(Identity::from_pem(chain, key));
         }
-        let channel = Endpoint::from_shared(format!("https://{}", self.grpc))
+        Endpoint::from_shared(format!("https://{}", self.grpc))
             .expect("endpoint")
             .tls_config(tls)
             .expect("tls")
             .connect()
             .await
-            .expect("connecting to meshca over TLS");
-        IstioCertificateServiceClient::new(channel)
+            .expect("connecting to meshca over TLS")
     }
 
     /// Sends SIGTERM and waits for the exit status.

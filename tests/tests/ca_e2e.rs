@@ -920,3 +920,90 @@ async fn open_connections_and_failed_handshakes_are_exported() {
         0
     );
 }
+
+#[tokio::test]
+async fn an_old_connection_is_asked_to_reconnect_and_the_client_carries_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = MeshcaServer::start(&dir.path().join("data"), &["--max-connection-age", "2s"])
+        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let token = server.token("default", "web");
+    let mut client = server.client().await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    client
+        .create_certificate(with_token(request.clone(), &token))
+        .await
+        .expect("first request");
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 1),
+        1
+    );
+    // Past its age the server sends GOAWAY and closes the idle connection,
+    // although the client keeps its channel.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 0),
+        0,
+        "the connection outlived --max-connection-age"
+    );
+    // The same channel connects again on its next call.
+    let response = client
+        .create_certificate(with_token(request, &token))
+        .await
+        .expect("request after the server closed the old connection")
+        .into_inner();
+    assert_eq!(response.cert_chain.len(), 2);
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 1),
+        1
+    );
+
+    // 0 turns it off: the connection stays.
+    let dir = tempfile::tempdir().unwrap();
+    let server = MeshcaServer::start(&dir.path().join("data"), &["--max-connection-age", "0"])
+        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let _client = server.client().await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(metric_once(&server, "meshca_grpc_connections", |_| true), 1);
+}
+
+#[tokio::test]
+async fn a_request_never_finished_is_cancelled_after_the_request_timeout() {
+    use meshca_proto::codec::CaCodec;
+    use meshca_proto::IstioCertificateResponse;
+    use tonic::codegen::http::uri::PathAndQuery;
+
+    let dir = tempfile::tempdir().unwrap();
+    let server = MeshcaServer::start(&dir.path().join("data"), &["--request-timeout", "1s"])
+        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let mut grpc = tonic::client::Grpc::new(server.channel().await);
+    grpc.ready().await.expect("channel ready");
+    // Headers sent, the request message never: the server would wait for
+    // it forever.
+    let never = futures::stream::pending::<IstioCertificateRequest>();
+    let call = grpc.client_streaming::<_, IstioCertificateRequest, IstioCertificateResponse, _>(
+        with_token(never, &server.token("default", "web")),
+        PathAndQuery::from_static("/istio.v1.auth.IstioCertificateService/CreateCertificate"),
+        CaCodec::<IstioCertificateRequest, IstioCertificateResponse>::default(),
+    );
+    let status = tokio::time::timeout(Duration::from_secs(20), call)
+        .await
+        .expect("the server never ended the unfinished request")
+        .expect_err("an unfinished request cannot succeed");
+    assert_eq!(status.code(), Code::Cancelled, "{status:?}");
+
+    // The server is fine: a whole request on a new channel is answered.
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    server
+        .client()
+        .await
+        .create_certificate(with_token(request, &server.token("default", "web")))
+        .await
+        .expect("a complete request");
+
+    let dir = tempfile::tempdir().unwrap();
+    MeshcaServer::refuses_to_start(
+        &dir.path().join("data"),
+        &["--request-timeout", "0s"],
+        "--request-timeout",
+    );
+}
