@@ -103,6 +103,8 @@ pub struct Metrics {
     pub grpc_connections: Gauge<i64>,
     /// gRPC connections closed before their TLS handshake completed.
     pub tls_handshake_failures: IstioCounter,
+    /// CreateCertificate requests waiting for a slot.
+    pub requests_waiting: Gauge<i64>,
 }
 
 /// Label of `meshca_root_rotation_phase`.
@@ -136,6 +138,7 @@ impl Default for Metrics {
             token_cache_hits: Default::default(),
             requests_moved: Default::default(),
             grpc_connections: Default::default(),
+            requests_waiting: Default::default(),
             tls_handshake_failures: Default::default(),
         }
     }
@@ -254,6 +257,11 @@ impl Metrics {
             "meshca_tls_handshake_failure_count",
             "gRPC connections closed before their TLS handshake completed: refused by TLS, broken off, or slower than 10 s",
             self.tls_handshake_failures.clone(),
+        );
+        r.register(
+            "meshca_requests_waiting",
+            "CreateCertificate requests waiting for a slot (--max-concurrent-requests); the queue is as long as what the CA answered in the last second, past it requests get RESOURCE_EXHAUSTED",
+            self.requests_waiting.clone(),
         );
         r
     }

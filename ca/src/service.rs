@@ -1,13 +1,14 @@
 //! The gRPC service `istio.v1.auth.IstioCertificateService`:
 //! authenticate, authorize, verify the CSR, sign, answer with the chain.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use meshca_certs::VerifiedCsr;
 use meshca_proto::istio::v1::auth::istio_certificate_service_server::IstioCertificateService;
 use meshca_proto::{IstioCertificateRequest, IstioCertificateResponse, IMPERSONATED_IDENTITY_KEY};
+use prometheus_client::metrics::gauge::Gauge;
 use time::OffsetDateTime;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::metadata::MetadataMap;
@@ -65,13 +66,14 @@ impl CaService {
         cluster_id: String,
         max_concurrent_requests: usize,
     ) -> Self {
+        let admission = Admission::new(max_concurrent_requests, metrics.requests_waiting.clone());
         Self {
             authority,
             authn,
             authz,
             metrics,
             cluster_id,
-            admission: Arc::new(Admission::new(max_concurrent_requests)),
+            admission: Arc::new(admission),
             spare_loops: None,
         }
     }
@@ -239,7 +241,8 @@ impl IstioCertificateService for CaService {
 #[derive(Debug)]
 pub struct Admission {
     limiter: Arc<Semaphore>,
-    waiting: AtomicUsize,
+    /// Requests waiting for a slot (exported as `meshca_requests_waiting`).
+    waiting: Gauge<i64>,
     min_waiting: usize,
     max_waiting: usize,
     finished: AtomicU64,
@@ -268,13 +271,34 @@ impl Drop for Slot<'_> {
     }
 }
 
+/// A request's place in the queue, given up when dropped.
+struct InQueue<'a> {
+    waiting: &'a Gauge<i64>,
+    /// Requests that were waiting when this one came.
+    ahead: usize,
+}
+
+impl<'a> InQueue<'a> {
+    fn enter(waiting: &'a Gauge<i64>) -> Self {
+        let ahead = usize::try_from(waiting.inc()).unwrap_or(0);
+        Self { waiting, ahead }
+    }
+}
+
+impl Drop for InQueue<'_> {
+    fn drop(&mut self) {
+        self.waiting.dec();
+    }
+}
+
 impl Admission {
-    /// `slots` requests at once (at least one).
-    pub fn new(slots: usize) -> Self {
+    /// `slots` requests at once (at least one); `waiting` follows the
+    /// number of requests in the queue.
+    pub fn new(slots: usize, waiting: Gauge<i64>) -> Self {
         let slots = slots.max(1);
         Self {
             limiter: Arc::new(Semaphore::new(slots)),
-            waiting: AtomicUsize::new(0),
+            waiting,
             min_waiting: slots * QUEUE_PER_SLOT,
             max_waiting: slots * QUEUE_PER_SLOT_MAX,
             finished: AtomicU64::new(0),
@@ -289,14 +313,16 @@ impl Admission {
         let permit = match self.limiter.clone().try_acquire_owned() {
             Ok(permit) => permit,
             Err(_) => {
-                let ahead = self.waiting.fetch_add(1, Ordering::AcqRel);
-                if ahead >= self.min_waiting && ahead >= self.queue_length() {
-                    self.waiting.fetch_sub(1, Ordering::AcqRel);
+                // Counted out when this future ends, however it ends: a
+                // request cancelled while it waits (its client gone, its
+                // timeout) must not keep a place in the queue.
+                let in_queue = InQueue::enter(&self.waiting);
+                if in_queue.ahead >= self.min_waiting && in_queue.ahead >= self.queue_length() {
                     return None;
                 }
                 let acquired =
                     tokio::time::timeout(QUEUE_WAIT, self.limiter.clone().acquire_owned()).await;
-                self.waiting.fetch_sub(1, Ordering::AcqRel);
+                drop(in_queue);
                 acquired.ok()?.ok()?
             }
         };
@@ -352,7 +378,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn the_queue_follows_the_pace_of_finished_requests() {
-        let admission = Admission::new(4);
+        let waiting = Gauge::default();
+        let admission = Admission::new(4, waiting.clone());
         // Idle: the floor, 8 per slot.
         assert_eq!(admission.queue_length(), 32);
 
@@ -367,9 +394,13 @@ mod tests {
         for w in &mut waiters {
             assert!(futures::poll!(w.as_mut()).is_pending());
         }
+        assert_eq!(waiting.get(), 32);
         assert!(admission.admit().await.is_none(), "a full queue refuses");
-        drop(held);
+        assert_eq!(waiting.get(), 32);
+        // Waiters cancelled (their clients gone) leave the queue.
         drop(waiters);
+        assert_eq!(waiting.get(), 0);
+        drop(held);
 
         // 1,000 finished in 100 ms: 10,000/s, so 10,000 may wait (1 s of
         // work), capped at 64 per slot = 256.
@@ -387,7 +418,7 @@ mod tests {
 
         // Between the bounds the queue is the pace times 1 s: 500 finished
         // in 100 ms with 100 slots (floor 800, cap 6,400) let 5,000 wait.
-        let wide = Admission::new(100);
+        let wide = Admission::new(100, Gauge::default());
         assert_eq!(wide.queue_length(), 800);
         for _ in 0..500 {
             drop(wide.admit().await.unwrap());
@@ -398,7 +429,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_waiting_request_gets_the_next_free_slot_or_is_refused_after_the_wait() {
-        let admission = Admission::new(1);
+        let admission = Admission::new(1, Gauge::default());
         let first = admission.admit().await.unwrap();
         let mut second = Box::pin(admission.admit());
         assert!(futures::poll!(second.as_mut()).is_pending());

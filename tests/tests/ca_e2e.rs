@@ -888,6 +888,8 @@ async fn open_connections_and_failed_handshakes_are_exported() {
         metric_once(&server, "meshca_tls_handshake_failure_count", |_| true),
         0
     );
+    // The queue's gauge is exported, empty when idle.
+    assert_eq!(metric_once(&server, "meshca_requests_waiting", |_| true), 0);
 
     let first = tls_connect(&server).await;
     let second = tls_connect(&server).await;
