@@ -923,7 +923,9 @@ async fn open_connections_and_failed_handshakes_are_exported() {
     );
 }
 
-#[tokio::test]
+// Two worker threads: `metric_once` blocks its thread, and the client's
+// connection task must still answer the server's GOAWAY and PING meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_connection_is_asked_to_reconnect_and_the_client_carries_on() {
     let dir = tempfile::tempdir().unwrap();
     let server = MeshcaServer::start(&dir.path().join("data"), &["--max-connection-age", "2s"])
