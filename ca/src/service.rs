@@ -389,8 +389,7 @@ mod tests {
             .into_iter()
             .map(Option::unwrap)
             .collect();
-        let waiters: Vec<_> = (0..32).map(|_| Box::pin(admission.admit())).collect();
-        let mut waiters = waiters;
+        let mut waiters: Vec<_> = (0..32).map(|_| Box::pin(admission.admit())).collect();
         for w in &mut waiters {
             assert!(futures::poll!(w.as_mut()).is_pending());
         }
