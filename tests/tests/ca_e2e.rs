@@ -20,10 +20,14 @@ use x509_parser::prelude::{FromDer, X509Certificate};
 const WEB: &str = "spiffe://cluster.local/ns/default/sa/web";
 
 fn server() -> (tempfile::TempDir, MeshcaServer) {
+    server_with(&[])
+}
+
+/// A meshca on a fresh data directory, started with `extra` flags.
+fn server_with(extra: &[&str]) -> (tempfile::TempDir, MeshcaServer) {
     let dir = tempfile::tempdir().expect("tempdir");
-    let data = dir.path().join("data");
-    let server =
-        MeshcaServer::start(&data, &[]).unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let server = MeshcaServer::start(&dir.path().join("data"), extra)
+        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
     (dir, server)
 }
 
@@ -646,9 +650,7 @@ async fn a_verified_token_is_reused_until_it_expires_and_only_when_enabled() {
     assert_eq!(cache_hits(), 2);
 
     // Off: every request checks the signature.
-    let dir = tempfile::tempdir().unwrap();
-    let uncached = MeshcaServer::start(&dir.path().join("data"), &["--jwt-cache-ttl", "0s"])
-        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let (_dir, uncached) = server_with(&["--jwt-cache-ttl", "0s"]);
     issue_three_times(&uncached).await;
     let (_, body) = http_get(uncached.monitoring, "/metrics").unwrap();
     assert_eq!(metric(&body, "meshca_token_cache_hit_count"), 0);
@@ -850,9 +852,7 @@ async fn the_grpc_port_prefers_aes_128_and_limits_streams_per_connection() {
     assert_eq!(suite, rustls::CipherSuite::TLS13_AES_128_GCM_SHA256);
     assert_eq!(max_streams, 128);
 
-    let dir = tempfile::tempdir().unwrap();
-    let server = MeshcaServer::start(&dir.path().join("data"), &["--max-concurrent-streams", "7"])
-        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let (dir, server) = server_with(&["--max-concurrent-streams", "7"]);
     assert_eq!(tls_suite_and_stream_limit(&server).await.1, 7);
 
     // Zero streams would refuse every request: the flag is refused.
@@ -927,9 +927,7 @@ async fn open_connections_and_failed_handshakes_are_exported() {
 // connection task must still answer the server's GOAWAY and PING meanwhile.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_connection_is_asked_to_reconnect_and_the_client_carries_on() {
-    let dir = tempfile::tempdir().unwrap();
-    let server = MeshcaServer::start(&dir.path().join("data"), &["--max-connection-age", "2s"])
-        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let (_dir, server) = server_with(&["--max-connection-age", "2s"]);
     let token = server.token("default", "web");
     let mut client = server.client().await;
     let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
@@ -962,9 +960,7 @@ async fn an_old_connection_is_asked_to_reconnect_and_the_client_carries_on() {
     );
 
     // 0 turns it off: the connection stays.
-    let dir = tempfile::tempdir().unwrap();
-    let server = MeshcaServer::start(&dir.path().join("data"), &["--max-connection-age", "0"])
-        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let (_dir, server) = server_with(&["--max-connection-age", "0"]);
     let _client = server.client().await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     assert_eq!(metric_once(&server, "meshca_grpc_connections", |_| true), 1);
@@ -976,9 +972,7 @@ async fn a_request_never_finished_is_cancelled_after_the_request_timeout() {
     use meshca_proto::IstioCertificateResponse;
     use tonic::codegen::http::uri::PathAndQuery;
 
-    let dir = tempfile::tempdir().unwrap();
-    let server = MeshcaServer::start(&dir.path().join("data"), &["--request-timeout", "1s"])
-        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let (_dir, server) = server_with(&["--request-timeout", "1s"]);
     let mut grpc = tonic::client::Grpc::new(server.channel().await);
     grpc.ready().await.expect("channel ready");
     // Headers sent, the request message never: the server would wait for
