@@ -138,8 +138,8 @@ impl Default for Metrics {
             token_cache_hits: Default::default(),
             requests_moved: Default::default(),
             grpc_connections: Default::default(),
-            requests_waiting: Default::default(),
             tls_handshake_failures: Default::default(),
+            requests_waiting: Default::default(),
         }
     }
 }

@@ -220,8 +220,9 @@ impl ClientCertVerifier for DeferredClientCertVerifier {
 /// schedule of a handshake is a few dozen HMACs, and SHA-256 runs on x86's
 /// SHA extensions (SHA-NI), which have no SHA-384, so a handshake costs
 /// noticeably less (16 % of the server's CPU per pod in a mass restart of
-/// sidecars, each with a new connection: BENCHMARKS.md). Go's TLS server (istiod's) prefers AES-128-GCM
-/// as well. Every suite of the provider stays on offer.
+/// sidecars, each with a new connection: BENCHMARKS.md). Go's TLS server
+/// (istiod's) prefers AES-128-GCM as well. Every suite of the provider
+/// stays on offer.
 const SERVER_SUITE_ORDER: [rustls::CipherSuite; 6] = [
     rustls::CipherSuite::TLS13_AES_128_GCM_SHA256,
     rustls::CipherSuite::TLS13_AES_256_GCM_SHA384,
