@@ -126,7 +126,7 @@ impl TokenReviewAuthenticator {
         })?;
         let review = TokenReview {
             spec: TokenReviewSpec {
-                token: Some(token.to_string()),
+                token: token.to_string(),
                 audiences: Some(self.config.audiences.clone()),
             },
             ..Default::default()
