@@ -8,9 +8,11 @@
 //! Modules, in request order:
 //! [`tls`] (server certificate, client certificates) →
 //! [`service`] (the gRPC handler) → [`authn`] (who is calling) →
+//! [`admission`] (a signing slot, or a fast refusal) →
 //! [`authz`] (which identity it gets) → [`authority`] (signing, lifetimes) →
 //! [`store`] (where the CA key material comes from).
 //! [`config`] parses the command line; [`metrics`] holds Istio's metrics;
+//! [`rate_limited_log`] keeps refusals from flooding the log;
 //! [`reload`] takes a changed `--ca-dir` into use; [`cluster`] keeps the
 //! root in a Secret, the bundle in every namespace, elects a leader and
 //! rotates the root; [`server`] wires it all together.
@@ -32,6 +34,7 @@
 //! # }
 //! ```
 
+pub mod admission;
 pub mod authn;
 pub mod authority;
 pub mod authz;
@@ -41,6 +44,7 @@ pub mod config;
 pub mod event_loops;
 pub mod log_lines;
 pub mod metrics;
+pub mod rate_limited_log;
 pub mod reload;
 pub mod server;
 pub mod service;
