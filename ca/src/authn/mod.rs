@@ -323,15 +323,12 @@ impl UnverifiedClaims {
         }
         let claims: Claims =
             serde_json::from_slice(&decode(claims)?).map_err(|_| AuthnError::MalformedToken)?;
-        let expires_at = match claims.exp {
-            None => None,
-            Some(exp) => Some(match (exp.as_u64(), exp.as_f64()) {
-                (Some(secs), _) => secs,
-                // A fraction (allowed by the JWT spec): its whole second.
-                (None, Some(secs)) if secs.is_finite() && secs >= 0.0 => secs as u64,
-                _ => 0,
-            }),
-        };
+        let expires_at = claims.exp.map(|exp| match (exp.as_u64(), exp.as_f64()) {
+            (Some(secs), _) => secs,
+            // A fraction (allowed by the JWT spec): its whole second.
+            (None, Some(secs)) if secs.is_finite() && secs >= 0.0 => secs as u64,
+            _ => 0,
+        });
         let audiences = match claims.aud {
             None => Vec::new(),
             Some(meshca_certs::token::Audiences::One(one)) => vec![one],
