@@ -528,6 +528,10 @@ mod tests {
         assert_eq!(c.monitoring_listen.to_string(), DEFAULT_MONITORING_LISTEN);
         assert_eq!(c.ttl, TtlPolicy::default());
         assert_eq!(c.token_audiences, vec!["istio-ca"]);
+        assert_eq!(
+            c.kubernetes.token_review_refusal_cache_ttl,
+            Duration::from_secs(5)
+        );
         assert_eq!(c.trust_domain.as_str(), "cluster.local");
         assert!(c
             .server_dns
