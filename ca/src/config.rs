@@ -98,6 +98,11 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_TOKEN_REVIEW_CACHE_TTL", default_value = "30s", value_parser = parse_duration)]
     pub token_review_cache_ttl: Duration,
 
+    /// How long a token the Kubernetes API refused is refused again without
+    /// asking (never past the token's expiry); 0 asks every time.
+    #[arg(long, env = "MESHCA_TOKEN_REVIEW_REFUSAL_CACHE_TTL", default_value = "5s", value_parser = parse_duration)]
+    pub token_review_refusal_cache_ttl: Duration,
+
     /// Timeout of each Kubernetes API call.
     #[arg(long, env = "MESHCA_KUBE_API_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub kube_api_timeout: Duration,
@@ -327,6 +332,8 @@ pub struct KubernetesConfig {
     pub kubeconfig: Option<PathBuf>,
     /// TokenReview positive cache lifetime.
     pub token_review_cache_ttl: Duration,
+    /// How long a refused token is refused again without a TokenReview.
+    pub token_review_refusal_cache_ttl: Duration,
     /// Per-call timeout.
     pub api_timeout: Duration,
     /// Calls in flight.
@@ -432,6 +439,7 @@ impl TryFrom<ServeArgs> for Config {
             kubernetes: KubernetesConfig {
                 kubeconfig: args.kubeconfig,
                 token_review_cache_ttl: args.token_review_cache_ttl,
+                token_review_refusal_cache_ttl: args.token_review_refusal_cache_ttl,
                 api_timeout: args.kube_api_timeout,
                 api_max_in_flight: args.kube_api_max_in_flight.max(1),
             },
@@ -514,6 +522,10 @@ mod tests {
         assert_eq!(c.monitoring_listen.to_string(), DEFAULT_MONITORING_LISTEN);
         assert_eq!(c.ttl, TtlPolicy::default());
         assert_eq!(c.token_audiences, vec!["istio-ca"]);
+        assert_eq!(
+            c.kubernetes.token_review_refusal_cache_ttl,
+            Duration::from_secs(5)
+        );
         assert_eq!(c.trust_domain.as_str(), "cluster.local");
         assert!(c
             .server_dns

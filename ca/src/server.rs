@@ -115,7 +115,7 @@ async fn discovered_jwt_authenticator(
     client: kube::Client,
     background: &mut tokio::task::JoinSet<()>,
 ) -> Result<Arc<JwtAuthenticator>, ServeError> {
-    let fetcher = Arc::new(KubernetesJwks::new(client));
+    let fetcher = Arc::new(KubernetesJwks::new(client).with_timeout(config.kubernetes.api_timeout));
     let discovery = fetcher.discover().await.map_err(ServeError::Kubernetes)?;
     if discovery.issuer != issuer {
         return Err(ServeError::Kubernetes(format!(
@@ -133,6 +133,7 @@ async fn discovered_jwt_authenticator(
     )
     .map_err(|e| ServeError::Kubernetes(format!("the Kubernetes API's JWKS: {e}")))?
     .with_refresher(fetcher)
+    .with_fetch_timeout(config.kubernetes.api_timeout * 2)
     .with_cache_ttl(config.jwt_cache_ttl)
     .counting_cache_hits(cache_hits);
     let authn = Arc::new(authn);
@@ -224,8 +225,12 @@ async fn build_authenticators(
                     audiences: config.token_audiences.clone(),
                     trust_domain: config.trust_domain.clone(),
                     cache_ttl: config.kubernetes.token_review_cache_ttl,
+                    refusal_cache_ttl: config.kubernetes.token_review_refusal_cache_ttl,
                     timeout: config.kubernetes.api_timeout,
                     max_in_flight: config.kubernetes.api_max_in_flight,
+                    // As many as could wait for a signing slot.
+                    max_waiting: config.max_concurrent_requests.max(1)
+                        * crate::admission::QUEUE_PER_SLOT_MAX,
                 },
             )
             .counting_cache_hits(metrics.token_cache_hits.clone()),

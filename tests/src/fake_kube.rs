@@ -179,6 +179,31 @@ fn watch_line(kind: &str, object: &serde_json::Value) -> Bytes {
 
 /// The issuer of the fake cluster's service-account tokens.
 pub const OIDC_ISSUER: &str = "https://kubernetes.default.svc.cluster.local";
+/// The issuer of [`FakeKube::add_review_token`]'s tokens (no keys anywhere).
+pub const REVIEW_ONLY_ISSUER: &str = "https://review-only.fake-kube.invalid";
+
+/// A JWT-shaped token with the header and claims a real service-account
+/// token has (`aud`, an `exp` an hour away, `label` as its `jti`), but an
+/// issuer no offline key checks and no valid signature: only a TokenReview
+/// of a fake that knows it ([`FakeKube::add_review_token`]) vouches for it.
+pub fn review_only_token(label: &str, audiences: &[String]) -> String {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let exp = OffsetDateTime::now_utc().unix_timestamp() + 3600;
+    let claims = serde_json::json!({
+        "iss": REVIEW_ONLY_ISSUER,
+        "sub": "system:serviceaccount:unknown:unknown",
+        "aud": audiences,
+        "exp": exp,
+        "jti": label,
+    });
+    format!(
+        "{}.{}.{}",
+        b64.encode(r#"{"alg":"RS256","kid":"fake-review-only"}"#),
+        b64.encode(claims.to_string()),
+        b64.encode(format!("not-a-signature-{label}"))
+    )
+}
 
 #[derive(Default)]
 struct Shared {
@@ -308,6 +333,16 @@ impl FakeKube {
         if let Ok(mut tokens) = self.shared.tokens.lock() {
             tokens.insert(token.to_string(), user);
         }
+    }
+
+    /// Registers `user` under a new JWT-shaped token
+    /// ([`review_only_token`], `aud` from `user.audiences`) and returns it.
+    /// meshca sends nothing that is not JWT-shaped to TokenReview; use
+    /// [`FakeKube::add_token`] for raw strings.
+    pub fn add_review_token(&self, label: &str, user: FakeUser) -> String {
+        let token = review_only_token(label, &user.audiences);
+        self.add_token(&token, user);
+        token
     }
 
     /// Adds (or replaces) a running pod; watchers see the event.
