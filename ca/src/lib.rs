@@ -11,6 +11,7 @@
 //! [`authz`] (which identity it gets) → [`authority`] (signing, lifetimes) →
 //! [`store`] (where the CA key material comes from).
 //! [`config`] parses the command line; [`metrics`] holds Istio's metrics;
+//! [`rate_limit`] bounds how often one identity gets a certificate;
 //! [`reload`] takes a changed `--ca-dir` into use; [`cluster`] keeps the
 //! root in a Secret, the bundle in every namespace, elects a leader and
 //! rotates the root; [`server`] wires it all together.
@@ -41,7 +42,10 @@ pub mod config;
 pub mod event_loops;
 pub mod log_lines;
 pub mod metrics;
+pub mod rate_limit;
 pub mod reload;
+#[cfg(test)]
+mod renewal_pace_tests;
 pub mod server;
 pub mod service;
 pub mod store;
