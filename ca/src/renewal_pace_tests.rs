@@ -17,8 +17,8 @@ use tonic::Code;
 
 use crate::authn::{AuthenticatorChain, JwtAuthenticator};
 use crate::authority::Authority;
+use crate::authority::TtlPolicy;
 use crate::authz::Authorizer;
-use crate::config::TtlPolicy;
 use crate::metrics::Metrics;
 use crate::rate_limit::RateLimitPolicy;
 use crate::service::{CaService, RETRY_PUSHBACK_HEADER};
