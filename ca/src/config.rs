@@ -213,6 +213,34 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_LEADER_LEASE_DURATION", default_value = "15s", value_parser = parse_duration)]
     pub leader_lease_duration: Duration,
 
+    /// Whether a caller may renew with a client certificate this CA issued
+    /// (mTLS, no token). The new certificate is never longer-lived than the
+    /// one presented; `false` requires a service-account token every time.
+    #[arg(long, env = "MESHCA_ALLOW_CERT_RENEWAL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub allow_cert_renewal: bool,
+
+    /// Certificates one identity (per pod, when the caller's token names
+    /// one) may get at once before the rate limit applies; 0 turns the
+    /// per-identity rate limit off.
+    #[arg(long, env = "MESHCA_ISSUANCE_BURST", default_value_t = crate::rate_limit::DEFAULT_BURST)]
+    pub issuance_burst: u32,
+
+    /// After the burst, one more certificate per identity per this
+    /// interval; beyond it RESOURCE_EXHAUSTED with a retry hint.
+    #[arg(long, env = "MESHCA_ISSUANCE_INTERVAL", default_value = "1s", value_parser = parse_positive_duration)]
+    pub issuance_interval: Duration,
+
+    /// Identities the rate limit tracks at once (memory bound; an identity
+    /// beyond it is not limited until others age out).
+    #[arg(long, env = "MESHCA_ISSUANCE_RATE_LIMIT_KEYS", default_value_t = crate::rate_limit::DEFAULT_MAX_KEYS)]
+    pub issuance_rate_limit_keys: usize,
+
+    /// With --trusted-node-agent: when the pod watch has been failing this
+    /// long, the pod index counts as stale and impersonation is refused
+    /// with UNAVAILABLE until the watch recovers.
+    #[arg(long, env = "MESHCA_POD_WATCH_FAILURE_LIMIT", default_value = "30s", value_parser = parse_positive_duration)]
+    pub pod_watch_failure_limit: Duration,
+
     /// Log format: text or json.
     #[arg(long, env = "MESHCA_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
@@ -306,6 +334,12 @@ pub struct Config {
     pub ca_dir_check_interval: Duration,
     /// In-cluster state: Secret, ConfigMaps, Lease, root rotation.
     pub cluster: ClusterConfig,
+    /// Whether renewal by client certificate is allowed.
+    pub allow_cert_renewal: bool,
+    /// The per-identity issuance rate limit.
+    pub rate_limit: crate::rate_limit::RateLimitPolicy,
+    /// How long the pod watch may fail before impersonation is refused.
+    pub pod_watch_failure_limit: Duration,
 }
 
 /// How meshca keeps its state in a cluster (DESIGN §4.1, §7).
@@ -417,6 +451,13 @@ impl TryFrom<ServeArgs> for Config {
             }
         }
         Ok(Self {
+            allow_cert_renewal: args.allow_cert_renewal,
+            rate_limit: crate::rate_limit::RateLimitPolicy {
+                burst: args.issuance_burst,
+                interval: args.issuance_interval,
+                max_keys: args.issuance_rate_limit_keys.max(1),
+            },
+            pod_watch_failure_limit: args.pod_watch_failure_limit,
             trusted_node_agents,
             listen: args.listen,
             monitoring_listen: args.monitoring_listen,
@@ -533,6 +574,9 @@ mod tests {
         assert!(c.server_dns.contains(&"localhost".to_string()));
         assert_eq!(c.max_connection_age, Some(Duration::from_secs(30 * 60)));
         assert_eq!(c.request_timeout, Duration::from_secs(30));
+        assert!(c.allow_cert_renewal);
+        assert_eq!(c.rate_limit, crate::rate_limit::RateLimitPolicy::default());
+        assert_eq!(c.pod_watch_failure_limit, Duration::from_secs(30));
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
     }
 
@@ -542,6 +586,25 @@ mod tests {
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(25 * 3600));
         let c = parse(&["--workload-cert-ttl", "48h", "--root-rotation-grace", "2h"]).unwrap();
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(2 * 3600));
+    }
+
+    #[test]
+    fn cert_renewal_and_rate_limit_flags() {
+        let c = parse(&[
+            "--allow-cert-renewal=false",
+            "--issuance-burst",
+            "3",
+            "--issuance-interval",
+            "1m",
+            "--pod-watch-failure-limit",
+            "10s",
+        ])
+        .unwrap();
+        assert!(!c.allow_cert_renewal);
+        assert_eq!(c.rate_limit.burst, 3);
+        assert_eq!(c.rate_limit.interval, Duration::from_secs(60));
+        assert_eq!(c.pod_watch_failure_limit, Duration::from_secs(10));
+        assert!(parse(&["--issuance-interval", "0s"]).is_err());
     }
 
     #[test]

@@ -16,7 +16,8 @@
 //! Around the request path: [`config`] parses the command line;
 //! `server_identity` issues and renews the server's own TLS certificate;
 //! `metrics` holds Istio's metrics; `rate_limited_log` keeps refusals
-//! from flooding the log; `reload` takes a changed `--ca-dir`
+//! from flooding the log; [`rate_limit`] bounds how often one
+//! identity gets a certificate; `reload` takes a changed `--ca-dir`
 //! into use; [`cluster`] keeps the root in a Secret, the bundle in every
 //! namespace, elects a leader and rotates the root; [`server`] starts it
 //! all, in named steps, and drains it on shutdown.
@@ -49,7 +50,10 @@ pub mod cluster;
 pub mod config;
 pub(crate) mod metrics;
 pub(crate) mod rate_limited_log;
+pub mod rate_limit;
 pub(crate) mod reload;
+#[cfg(test)]
+mod renewal_pace_tests;
 pub mod server;
 pub(crate) mod server_identity;
 pub(crate) mod service;

@@ -105,6 +105,8 @@ pub(crate) struct Metrics {
     pub(crate) tls_handshake_failures: IstioCounter,
     /// CreateCertificate requests waiting for a slot.
     pub(crate) requests_waiting: Gauge<i64>,
+    /// Requests refused by the per-identity issuance rate limit.
+    pub(crate) issuance_throttled: IstioCounter,
 }
 
 /// Label of `meshca_root_rotation_phase`.
@@ -140,6 +142,7 @@ impl Default for Metrics {
             grpc_connections: Default::default(),
             tls_handshake_failures: Default::default(),
             requests_waiting: Default::default(),
+            issuance_throttled: Default::default(),
         }
     }
 }
@@ -262,6 +265,11 @@ impl Metrics {
             "meshca_requests_waiting",
             "CreateCertificate requests waiting for a slot (--max-concurrent-requests); the queue is as long as what the CA answered in the last second, past it requests get RESOURCE_EXHAUSTED",
             self.requests_waiting.clone(),
+        );
+        r.register(
+            "meshca_issuance_throttled_count",
+            "CreateCertificate requests refused with RESOURCE_EXHAUSTED by the per-identity issuance rate limit (--issuance-burst, --issuance-interval): a client renewing in a loop",
+            self.issuance_throttled.clone(),
         );
         r
     }

@@ -163,10 +163,13 @@ async fn build_authenticators(
     kube: Option<kube::Client>,
     background: &mut tokio::task::JoinSet<()>,
 ) -> Result<AuthenticatorChain, ServeError> {
-    let mut chain = AuthenticatorChain::new().with(Arc::new(ClientCertAuthenticator::new(
-        authority.clone(),
-        config.trust_domain.clone(),
-    )));
+    let mut chain = AuthenticatorChain::new();
+    if config.allow_cert_renewal {
+        chain = chain.with(Arc::new(ClientCertAuthenticator::new(
+            authority.clone(),
+            config.trust_domain.clone(),
+        )));
+    }
     // The local issuer is the embedded mode's: off when a cluster is configured.
     if kube.is_none() {
         let local = store::load_or_create_token_issuer(&config.data_dir)?;
@@ -557,7 +560,9 @@ fn build_authorizer(
                 .into(),
         ));
     };
-    let pods = Arc::new(PodIndex::default());
+    let pods = Arc::new(PodIndex::with_max_watch_failure(
+        config.pod_watch_failure_limit,
+    ));
     background.spawn(watch_pods(client, pods.clone()));
     tracing::info!(agents = ?config.trusted_node_agents, "node-agent impersonation enabled");
     Ok(Authorizer::with_impersonation(Arc::new(
@@ -772,6 +777,7 @@ pub async fn run(
         config.cluster_id.clone(),
         config.max_concurrent_requests,
     )
+    .with_rate_limit(config.rate_limit)
     .with_spare_loops(loops.spare());
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use meshca_certs::VerifiedCsr;
+use meshca_certs::{SpiffeId, VerifiedCsr};
 use meshca_proto::istio::v1::auth::istio_certificate_service_server::IstioCertificateService;
 use meshca_proto::{IstioCertificateRequest, IstioCertificateResponse, IMPERSONATED_IDENTITY_KEY};
 use time::OffsetDateTime;
@@ -21,13 +21,17 @@ use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
 use crate::admission::Admission;
-use crate::authn::{AuthenticatorChain, AuthnError, CallerKind, Credentials};
+use crate::authn::{AuthenticatorChain, AuthnError, Caller, CallerKind, Credentials};
 use crate::authority::{Authority, SignError};
 use crate::authz::Authorizer;
 use crate::metrics::Metrics;
+use crate::rate_limit::{IssuanceRateLimit, RateLimitPolicy, Throttled};
 use crate::rate_limited_log::RateLimitedLog;
 use crate::transport::SpareLoops;
 
+/// Response metadata telling a gRPC client how long to wait before it
+/// retries (gRPC's retry-pushback, in milliseconds).
+pub(crate) const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
 /// Header naming the cluster a request is for (empty: this one).
 pub(crate) const CLUSTER_ID_HEADER: &str = "clusterid";
 
@@ -51,6 +55,7 @@ pub(crate) struct CaService {
     admission: Arc<Admission>,
     refusal_logs: Arc<RefusalLogs>,
     spare_loops: Option<SpareLoops>,
+    rate_limit: Arc<IssuanceRateLimit>,
 }
 
 impl std::fmt::Debug for CaService {
@@ -82,7 +87,15 @@ impl CaService {
             admission: Arc::new(admission),
             refusal_logs: Arc::default(),
             spare_loops: None,
+            rate_limit: Arc::new(IssuanceRateLimit::new(RateLimitPolicy::default())),
         }
+    }
+
+    /// Limits how often one identity gets a certificate (default:
+    /// [`RateLimitPolicy::default`]).
+    pub(crate) fn with_rate_limit(mut self, policy: RateLimitPolicy) -> Self {
+        self.rate_limit = Arc::new(IssuanceRateLimit::new(policy));
+        self
     }
 
     /// Served from [`crate::event_loops`]: a request whose loop is backed
@@ -174,12 +187,19 @@ impl CaService {
                 }
             })?;
 
+        self.check_rate(&caller, &identity)?;
+        // A renewal by client certificate never extends the credential.
+        let max_lifetime = match &caller.kind {
+            CallerKind::ClientCertificate { lifetime, .. } => Some(*lifetime),
+            CallerKind::Token { .. } => None,
+        };
         let issued = self
             .authority
-            .sign_workload(
+            .sign_workload_within(
                 csr.subject_key(),
                 &identity,
                 request.validity_duration,
+                max_lifetime,
                 OffsetDateTime::now_utc(),
             )
             .map_err(|e| {
@@ -217,6 +237,42 @@ impl CaService {
         Ok(Response::new(IstioCertificateResponse {
             cert_chain: issued.chain_pem,
         }))
+    }
+}
+
+impl CaService {
+    /// The per-identity rate limit: keyed by the identity issued and the
+    /// pod that asks (when its token names one), so each sidecar and each
+    /// node agent has its own budget per identity.
+    fn check_rate(&self, caller: &Caller, identity: &SpiffeId) -> Result<(), Status> {
+        let key = match caller.pod_name.as_deref() {
+            Some(pod) => format!("{identity} {pod}"),
+            None => identity.to_string(),
+        };
+        let Err(Throttled { retry_after }) =
+            self.rate_limit.check(&key, tokio::time::Instant::now())
+        else {
+            return Ok(());
+        };
+        self.metrics.issuance_throttled.inc();
+        self.metrics.sign_error("rate_limited");
+        let policy = self.rate_limit.policy();
+        let retry_ms = retry_after.as_millis().max(1);
+        tracing::debug!(caller = %caller.identity, identity = %identity, retry_ms = %retry_ms, "issuance rate limit");
+        let mut metadata = MetadataMap::new();
+        if let Ok(value) = retry_ms.to_string().parse() {
+            metadata.insert(RETRY_PUSHBACK_HEADER, value);
+        }
+        Err(Status::with_metadata(
+            tonic::Code::ResourceExhausted,
+            format!(
+                "too many certificates for {identity}: at most {} at once and one per {:?} after that; retry in {:.1}s",
+                policy.burst,
+                policy.interval,
+                retry_after.as_secs_f64()
+            ),
+            metadata,
+        ))
     }
 }
 

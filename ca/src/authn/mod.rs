@@ -64,6 +64,9 @@ pub enum CallerKind {
     ClientCertificate {
         /// Its serial, hex.
         serial: String,
+        /// Its whole lifetime, notAfter − notBefore: a renewal gets no
+        /// longer a one.
+        lifetime: std::time::Duration,
     },
 }
 
@@ -764,6 +767,8 @@ impl ClientCertAuthenticator {
             identity: svid.spiffe_id,
             kind: CallerKind::ClientCertificate {
                 serial: svid.serial_hex,
+                lifetime: std::time::Duration::try_from(svid.not_after - svid.not_before)
+                    .unwrap_or_default(),
             },
             pod_name: None,
             pod_uid: None,
