@@ -15,11 +15,13 @@
 //! meshca serve --data-dir d &
 //! meshca-bench --data-dir d --server-pid $! --concurrency 16 --duration 10s --crypto-baseline
 //! meshca-bench mass-restart --identities 10000 --api-latency 5ms
+//! meshca-bench pod-certificates --requests 10000 --api-latency 5ms
 //! ```
 
 mod baseline;
 mod load;
 mod mass_restart;
+mod pod_certificates;
 mod proc_stats;
 mod report;
 
@@ -48,6 +50,10 @@ enum Command {
     /// Start meshca against a fake Kubernetes API (TokenReview with latency)
     /// and have N distinct identities ask at once, as after a mass restart.
     MassRestart(mass_restart::MassRestartArgs),
+    /// Start meshca with --pod-certificate-signer against a fake Kubernetes
+    /// API holding N pending PodCertificateRequests; time until all are
+    /// answered and count the API calls per certificate.
+    PodCertificates(pod_certificates::PodCertificatesArgs),
 }
 
 /// Flags of a load run against a running CA.
@@ -141,6 +147,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Some(Command::MassRestart(args)) => mass_restart::run(args).await,
+            Some(Command::PodCertificates(args)) => pod_certificates::run(args).await,
             None => load::run(cli.run).await,
         }
     });

@@ -105,6 +105,21 @@ pub struct Metrics {
     pub tls_handshake_failures: IstioCounter,
     /// CreateCertificate requests waiting for a slot.
     pub requests_waiting: Gauge<i64>,
+    /// PodCertificateRequests answered, by result and reason.
+    pub pod_certificate_requests: Family<PodCertificateLabels, IstioCounter>,
+    /// PodCertificateRequests queued or in progress.
+    pub pod_certificate_requests_waiting: Gauge<i64>,
+    /// ClusterTrustBundles created or updated.
+    pub cluster_trust_bundle_writes: IstioCounter,
+}
+
+/// Labels of `meshca_pod_certificate_request_count`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PodCertificateLabels {
+    /// `Issued`, `Denied`, `Failed`, or `GaveUp` (left for later).
+    pub result: String,
+    /// The condition's reason.
+    pub reason: String,
 }
 
 /// Label of `meshca_root_rotation_phase`.
@@ -140,6 +155,9 @@ impl Default for Metrics {
             grpc_connections: Default::default(),
             tls_handshake_failures: Default::default(),
             requests_waiting: Default::default(),
+            pod_certificate_requests: Default::default(),
+            pod_certificate_requests_waiting: Default::default(),
+            cluster_trust_bundle_writes: Default::default(),
         }
     }
 }
@@ -263,6 +281,21 @@ impl Metrics {
             "CreateCertificate requests waiting for a slot (--max-concurrent-requests); the queue is as long as what the CA answered in the last second, past it requests get RESOURCE_EXHAUSTED",
             self.requests_waiting.clone(),
         );
+        r.register(
+            "meshca_pod_certificate_request_count",
+            "PodCertificateRequests answered (--pod-certificate-signer), by result (Issued, Denied, Failed; GaveUp: left for a later listing after repeated errors) and reason",
+            self.pod_certificate_requests.clone(),
+        );
+        r.register(
+            "meshca_pod_certificate_requests_waiting",
+            "PodCertificateRequests read from the watch and not yet answered (queued or in progress)",
+            self.pod_certificate_requests_waiting.clone(),
+        );
+        r.register(
+            "meshca_cluster_trust_bundle_write_count",
+            "ClusterTrustBundles of the pod-certificate signer created or updated",
+            self.cluster_trust_bundle_writes.clone(),
+        );
         r
     }
 
@@ -284,6 +317,21 @@ impl Metrics {
                 error: kind.to_string(),
             })
             .inc();
+    }
+
+    /// Counts a PodCertificateRequest answered with `result` for `reason`.
+    pub fn pod_certificate_answered(&self, result: &str, reason: &str) {
+        self.pod_certificate_requests
+            .get_or_create(&PodCertificateLabels {
+                result: result.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a PodCertificateRequest left unanswered after repeated errors.
+    pub fn pod_certificate_error(&self, reason: &str) {
+        self.pod_certificate_answered("GaveUp", reason);
     }
 
     /// Sets the expiry gauges from the root's and the chain's notAfter.
