@@ -189,7 +189,7 @@ fn meshca_flag_envs() -> BTreeSet<String> {
 #[test]
 fn the_pod_certificate_example_and_overlay_name_the_signer_the_rbac_grants() {
     use k8s_openapi::api::core::v1::Pod;
-    use meshca_ca::cluster::{cluster_trust_bundle, EXAMPLE_POD_CERTIFICATE_SIGNER};
+    use meshca_ca::cluster::{EXAMPLE_POD_CERTIFICATE_SIGNER, TRUST_DOMAIN_LABEL};
     let text =
         std::fs::read_to_string(deploy_dir().join("../examples/pod-certificate.yaml")).unwrap();
     let pods: Vec<Pod> = of_kind(&documents(&text), "Pod");
@@ -226,7 +226,7 @@ fn the_pod_certificate_example_and_overlay_name_the_signer_the_rbac_grants() {
         .as_ref()
         .and_then(|s| s.match_labels.clone())
         .unwrap_or_default();
-    assert!(labels.contains_key(cluster_trust_bundle::TRUST_DOMAIN_LABEL));
+    assert!(labels.contains_key(TRUST_DOMAIN_LABEL));
 
     // The overlay turns the signer on with the same name.
     let overlay = deploy_dir().join("overlays/pod-certificates");

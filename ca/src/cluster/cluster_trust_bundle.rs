@@ -27,7 +27,7 @@ use crate::authority::Authority;
 use crate::metrics::Metrics;
 
 /// What follows the signer's prefix in the object's name.
-pub const NAME_SUFFIX: &str = "trust-bundle";
+pub(crate) const NAME_SUFFIX: &str = "trust-bundle";
 /// Label naming the trust domain of the roots.
 pub const TRUST_DOMAIN_LABEL: &str = "meshca.io/trust-domain";
 
@@ -37,12 +37,12 @@ const RETRY_AFTER: Duration = Duration::from_secs(2);
 const RESYNC_PERIOD: Duration = Duration::from_secs(300);
 
 /// The name of the signer's `ClusterTrustBundle`.
-pub fn bundle_name(signer_name: &str) -> String {
+pub(crate) fn bundle_name(signer_name: &str) -> String {
     format!("{}{NAME_SUFFIX}", trust_bundle_name_prefix(signer_name))
 }
 
 /// Keeps the signer's `ClusterTrustBundle` right until dropped (leader only).
-pub async fn publish_cluster_trust_bundle(
+pub(crate) async fn publish_cluster_trust_bundle(
     client: kube::Client,
     authority: Arc<Authority>,
     signer_name: String,

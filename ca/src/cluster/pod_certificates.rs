@@ -49,9 +49,9 @@ use crate::authority::{Authority, SignError};
 use crate::metrics::Metrics;
 
 /// Requests read from the watch and waiting to be signed, at most.
-pub const QUEUE_CAPACITY: usize = 1024;
+pub(crate) const QUEUE_CAPACITY: usize = 1024;
 /// Requests checked, signed and written at the same time, at most.
-pub const CONCURRENCY: usize = 32;
+pub(crate) const CONCURRENCY: usize = 32;
 /// Attempts at one request before it is left for the next leader or the
 /// next listing (API errors, the CA unable to sign).
 const MAX_ATTEMPTS: u32 = 6;
@@ -63,18 +63,18 @@ const TERMINAL: [&str; 3] = ["Issued", "Denied", "Failed"];
 
 /// What the signer is configured with.
 #[derive(Debug, Clone)]
-pub struct PodSignerConfig {
+pub(crate) struct PodSignerConfig {
     /// The `spec.signerName` served (`--pod-certificate-signer`).
-    pub signer_name: String,
+    pub(crate) signer_name: String,
     /// The trust domain of the identities issued.
-    pub trust_domain: TrustDomain,
+    pub(crate) trust_domain: TrustDomain,
     /// Longest certificate lifetime (`--max-workload-cert-ttl`).
-    pub max_ttl: Duration,
+    pub(crate) max_ttl: Duration,
 }
 
 /// How a request was answered.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// Issued, with the leaf's serial.
     Issued {
         /// The SPIFFE ID.
@@ -134,7 +134,7 @@ enum Transient {
 /// The leader's pod-certificate work, for
 /// [`while_leader`](super::leader::while_leader): the signer and the
 /// signer's `ClusterTrustBundle`, both until leadership ends.
-pub fn leader_work(
+pub(crate) fn leader_work(
     client: kube::Client,
     authority: Arc<Authority>,
     metrics: Metrics,
@@ -162,7 +162,7 @@ pub fn leader_work(
 
 /// Signs the pending requests of `config.signer_name` until dropped
 /// (leader only).
-pub async fn sign_pod_certificates(
+pub(crate) async fn sign_pod_certificates(
     client: kube::Client,
     authority: Arc<Authority>,
     metrics: Metrics,
@@ -241,7 +241,7 @@ fn object_key(request: &PodCertificateRequest) -> (String, String) {
 }
 
 /// Whether the request carries an Issued, Denied or Failed condition.
-pub fn is_answered(request: &PodCertificateRequest) -> bool {
+pub(crate) fn is_answered(request: &PodCertificateRequest) -> bool {
     request
         .status
         .as_ref()
@@ -517,7 +517,7 @@ enum IssueError {
 
 /// The lifetime of a pod certificate, backdating included:
 /// `min(maxExpirationSeconds, max_ttl)`.
-pub fn lifetime(max_expiration_seconds: Option<i32>, max_ttl: Duration) -> Duration {
+pub(crate) fn lifetime(max_expiration_seconds: Option<i32>, max_ttl: Duration) -> Duration {
     let asked = max_expiration_seconds
         .map(i64::from)
         .unwrap_or(pod_certificate::DEFAULT_MAX_EXPIRATION_SECONDS)
@@ -593,7 +593,10 @@ fn issue(
 /// Half the lifetime, plus or minus up to a twentieth of it (so a mass
 /// restart does not come back all at once), inside the API's bounds
 /// `[notBefore + 10 min, notAfter - 10 min]`.
-pub fn begin_refresh_at(not_before: OffsetDateTime, not_after: OffsetDateTime) -> OffsetDateTime {
+pub(crate) fn begin_refresh_at(
+    not_before: OffsetDateTime,
+    not_after: OffsetDateTime,
+) -> OffsetDateTime {
     let lifetime = not_after - not_before;
     let jitter_span = lifetime.whole_seconds() / 10;
     let mut random = [0u8; 8];
