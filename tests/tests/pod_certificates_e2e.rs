@@ -562,9 +562,11 @@ async fn a_thousand_requests_at_once_are_each_issued_once() {
     let serials = issued_serials(&kube, &names);
     assert_eq!(serials.len(), 1000, "1,000 distinct certificates");
     assert_eq!(kube.calls("podcertificaterequests/status", "update"), 1000);
-    let audited = audited_serials(&server.log());
+    let log = server.log();
+    let audited = audited_serials(&log);
     assert_eq!(audited.len(), 1000);
     assert_eq!(audited.into_iter().collect::<BTreeSet<_>>(), serials);
+    assert!(!log.contains("discarded"), "one writer: nothing discarded");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -602,16 +604,26 @@ async fn the_other_replica_finishes_a_burst_when_the_leader_stops() {
     for name in &names {
         assert_eq!(answer(&kube, name).unwrap().0, "Issued", "{name}");
     }
-    // Each request answered once: every certificate in a status is in
-    // exactly one replica's audit log, and no replica wrote another.
+    // Each request answered once (kube-apiserver's validation, in the fake,
+    // refuses any change of an answered status), and every certificate in
+    // a status is in one replica's audit log. A certificate the stopped
+    // leader signed but never wrote is audited too, so the logs may name
+    // more serials than the statuses; never fewer.
     let serials = issued_serials(&kube, &names);
     assert_eq!(serials.len(), 1000);
     let mut audited = audited_serials(&leader.log());
     let from_follower = audited_serials(&follower.log());
     assert!(!from_follower.is_empty(), "the other replica took over");
     audited.extend(from_follower);
-    assert_eq!(audited.len(), 1000, "no request issued twice");
-    assert_eq!(audited.into_iter().collect::<BTreeSet<_>>(), serials);
+    let audited: BTreeSet<String> = audited.into_iter().collect();
+    let unaudited: Vec<&String> = serials.difference(&audited).collect();
+    assert!(
+        unaudited.is_empty(),
+        "certificates without an audit line: {unaudited:?}"
+    );
+    for log in [leader.log(), follower.log()] {
+        assert!(!log.contains("refused the issued status"), "{log}");
+    }
 }
 
 #[test]

@@ -269,6 +269,13 @@ async fn answer(
     for attempt in 1..=MAX_ATTEMPTS {
         if is_answered(&request) {
             tracing::debug!(namespace = %namespace, request = %name, "already answered; left alone");
+            if let Some((outcome, _)) = &prepared {
+                discarded(
+                    &request,
+                    outcome,
+                    "the request was answered by another writer",
+                );
+            }
             return;
         }
         let now = OffsetDateTime::now_utc();
@@ -283,7 +290,12 @@ async fn answer(
         let (outcome, status) = match reuse {
             Some(p) => p,
             None => match decide(client, authority, config, &request, now).await {
-                Ok(outcome_and_status) => outcome_and_status,
+                Ok((outcome, status)) => {
+                    // Audited when decided, before the write: a write that
+                    // lands while this task is cancelled still has its line.
+                    audit(&request, &outcome);
+                    (outcome, status)
+                }
                 Err(e) => {
                     tracing::warn!(namespace = %namespace, request = %name, attempt, error = %e, "PodCertificateRequest not answered yet; retrying");
                     tokio::time::sleep(wait).await;
@@ -300,7 +312,7 @@ async fn answer(
             .await
         {
             Ok(_) => {
-                record(metrics, &request, &outcome);
+                metrics.pod_certificate_answered(outcome.condition_type(), outcome.reason());
                 return;
             }
             Err(kube::Error::Api(e)) if e.code == 409 => {
@@ -308,7 +320,12 @@ async fn answer(
                 prepared = Some((outcome, status));
                 match api.get_opt(&name).await {
                     Ok(Some(fresh)) => request = fresh,
-                    Ok(None) => return,
+                    Ok(None) => {
+                        if let Some((outcome, _)) = &prepared {
+                            discarded(&request, outcome, "the request was deleted");
+                        }
+                        return;
+                    }
                     Err(e) => {
                         tracing::warn!(namespace = %namespace, request = %name, error = %e, "re-reading a PodCertificateRequest after a conflict failed; retrying");
                         tokio::time::sleep(wait).await;
@@ -317,7 +334,7 @@ async fn answer(
                 }
             }
             Err(kube::Error::Api(e)) if e.code == 404 => {
-                tracing::info!(namespace = %namespace, request = %name, "PodCertificateRequest deleted before it was answered");
+                discarded(&request, &outcome, "the request was deleted");
                 return;
             }
             Err(kube::Error::Api(e))
@@ -326,11 +343,13 @@ async fn answer(
                 // The API refused our status: a defect here. Tell the
                 // kubelet with a Failed condition rather than leave it waiting.
                 tracing::error!(namespace = %namespace, request = %name, error = %e.message, "kube-apiserver refused the issued status");
+                discarded(&request, &outcome, "kube-apiserver refused the status");
                 let failed = Outcome::Failed {
                     reason: "InternalError",
                     message: "the signer produced a status the API refused; see meshca's log"
                         .into(),
                 };
+                audit(&request, &failed);
                 prepared = Some((failed.clone(), answer_status(&failed, &request, now)));
             }
             Err(e) => {
@@ -341,16 +360,19 @@ async fn answer(
             }
         }
     }
-    metrics.pod_certificate_error("gave_up");
+    if let Some((outcome, _)) = &prepared {
+        discarded(&request, outcome, "gave up after repeated errors");
+    }
+    metrics.pod_certificate_error("RetriesExhausted");
     tracing::warn!(namespace = %namespace, request = %name, attempts = MAX_ATTEMPTS, "gave up on a PodCertificateRequest for now; the next leader or listing picks it up");
 }
 
-/// Counts and audits an answer that was written.
-fn record(metrics: &Metrics, request: &PodCertificateRequest, outcome: &Outcome) {
+/// The audit line of an answer, written when it is decided (before the
+/// status is written).
+fn audit(request: &PodCertificateRequest, outcome: &Outcome) {
     let (namespace, name) = object_key(request);
     let spec = &request.spec;
     let pod = format!("{namespace}/{}", spec.pod_name);
-    metrics.pod_certificate_answered(outcome.condition_type(), outcome.reason());
     match outcome {
         Outcome::Issued { identity, serial } => tracing::info!(
             target: "meshca::audit",
@@ -385,6 +407,26 @@ fn record(metrics: &Metrics, request: &PodCertificateRequest, outcome: &Outcome)
             "failed pod certificate"
         ),
     }
+}
+
+/// The audit line of an answer that was decided but never written: the
+/// certificate in it (if any) reached nobody.
+fn discarded(request: &PodCertificateRequest, outcome: &Outcome, why: &str) {
+    let (namespace, name) = object_key(request);
+    let serial = match outcome {
+        Outcome::Issued { serial, .. } => serial.as_str(),
+        _ => "",
+    };
+    tracing::info!(
+        target: "meshca::audit",
+        request = %name,
+        pod = %format!("{namespace}/{}", request.spec.pod_name),
+        node = %request.spec.node_name,
+        serial = %serial,
+        reason = outcome.reason(),
+        why,
+        "pod certificate answer discarded, not written"
+    );
 }
 
 /// Checks a request and, if it passes, signs it: the answer and the status
