@@ -552,10 +552,21 @@ async fn a_thousand_requests_at_once_are_each_issued_once() {
     let kube = FakeKube::start(dir.path()).await;
     let server = start_off_runtime(dir.path().join("data"), args(&kube, &[])).await;
     let names = burst(&kube, 1000);
-    wait_until("all 1,000 answered", Duration::from_secs(120), || {
-        names.iter().all(|n| answer(&kube, n).is_some())
-    })
-    .await;
+    // Generous: the machine may be shared; this is not a timing test
+    // (meshca-bench pod-certificates measures the pace).
+    let deadline = Instant::now() + Duration::from_secs(600);
+    loop {
+        let answered = names.iter().filter(|n| answer(&kube, n).is_some()).count();
+        if answered == names.len() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{answered} of 1,000 answered\n{}",
+            server.log()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     for name in &names {
         assert_eq!(answer(&kube, name).unwrap().0, "Issued", "{name}");
     }
