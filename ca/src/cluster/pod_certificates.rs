@@ -615,7 +615,8 @@ fn issue(
             ),
         }));
     }
-    // [leaf, signing cert, intermediates..., root]: the root is left out.
+    // [leaf, intermediates..., roots]: the last element (every root of the
+    // bundle) is left out; the pod trusts the ClusterTrustBundle.
     let without_root = issued.chain_pem.len().saturating_sub(1).max(1);
     let chain: String = issued.chain_pem[..without_root].concat();
     let outcome = Outcome::Issued {
