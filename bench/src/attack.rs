@@ -879,9 +879,9 @@ async fn connections(args: &AttackArgs, server: &Meshca, probe: &Probe) -> anyho
     }
     let opened_in = start.elapsed();
     let open_now = |log: &ConnectionLog| log.established - log.closed_after.len() as u64;
-    let peak_open = open_now(&*log.lock().unwrap_or_else(|e| e.into_inner()));
+    let peak_open = open_now(&log.lock().unwrap_or_else(|e| e.into_inner()));
     tokio::time::sleep(hold.saturating_sub(start.elapsed())).await;
-    let open_at_end = open_now(&*log.lock().unwrap_or_else(|e| e.into_inner()));
+    let open_at_end = open_now(&log.lock().unwrap_or_else(|e| e.into_inner()));
     released.store(true, Ordering::Relaxed);
     stop.store(true, Ordering::Relaxed);
     let probed = probing.await?;

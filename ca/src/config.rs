@@ -241,6 +241,12 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_POD_WATCH_FAILURE_LIMIT", default_value = "30s", value_parser = parse_positive_duration)]
     pub pod_watch_failure_limit: Duration,
 
+    /// Sign Kubernetes PodCertificateRequests of this signer name (e.g.
+    /// meshca.io/spiffe) and publish its ClusterTrustBundle (leader only).
+    /// Off when not given.
+    #[arg(long, env = "MESHCA_POD_CERTIFICATE_SIGNER")]
+    pub pod_certificate_signer: Option<String>,
+
     /// Log format: text or json.
     #[arg(long, env = "MESHCA_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
@@ -283,6 +289,17 @@ pub enum ConfigError {
     /// A lease duration too short to renew.
     #[error("--leader-lease-duration must be at least 2s")]
     ShortLease,
+    /// A signer name the API would refuse, or one reserved for Kubernetes.
+    #[error("--pod-certificate-signer {name:?}: {reason}")]
+    BadPodCertificateSigner {
+        /// The name given.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Pod certificates must live at least an hour (the API's minimum).
+    #[error("--pod-certificate-signer needs --max-workload-cert-ttl of at least 1h (pod certificates live at least an hour); it is {0:?}")]
+    PodCertificateTtlTooShort(Duration),
 }
 
 /// Validated configuration of the CA server.
@@ -357,6 +374,8 @@ pub struct ClusterConfig {
     pub bundle_excluded_namespaces: Vec<String>,
     /// Leader-election Lease duration.
     pub lease_duration: Duration,
+    /// The PodCertificateRequest signer name served, if any.
+    pub pod_certificate_signer: Option<String>,
 }
 
 /// How meshca reaches the Kubernetes API.
@@ -417,6 +436,29 @@ impl TryFrom<ServeArgs> for Config {
         if args.leader_lease_duration < Duration::from_secs(2) {
             return Err(ConfigError::ShortLease);
         }
+        let pod_certificate_signer = match args.pod_certificate_signer.map(|s| s.trim().to_string())
+        {
+            None => None,
+            Some(name) if name.is_empty() => None,
+            Some(name) => {
+                let refuse = |reason: String| ConfigError::BadPodCertificateSigner {
+                    name: name.clone(),
+                    reason,
+                };
+                meshca_certs::pod_certificate::validate_signer_name(&name).map_err(refuse)?;
+                if meshca_certs::pod_certificate::is_kubernetes_signer(&name) {
+                    return Err(refuse(
+                        "names under kubernetes.io are reserved for Kubernetes; use a domain of your own, e.g. meshca.io/spiffe".into(),
+                    ));
+                }
+                if args.max_workload_cert_ttl < Duration::from_secs(3600) {
+                    return Err(ConfigError::PodCertificateTtlTooShort(
+                        args.max_workload_cert_ttl,
+                    ));
+                }
+                Some(name)
+            }
+        };
         let mut server_dns: Vec<String> =
             DEFAULT_SERVER_DNS.iter().map(|s| s.to_string()).collect();
         for name in args.server_dns {
@@ -510,6 +552,7 @@ impl TryFrom<ServeArgs> for Config {
                     .filter(|n| !n.is_empty())
                     .collect(),
                 lease_duration: args.leader_lease_duration,
+                pod_certificate_signer,
             },
         })
     }

@@ -49,8 +49,8 @@ pub(crate) mod authz;
 pub mod cluster;
 pub mod config;
 pub(crate) mod metrics;
-pub(crate) mod rate_limited_log;
 pub mod rate_limit;
+pub(crate) mod rate_limited_log;
 pub(crate) mod reload;
 #[cfg(test)]
 mod renewal_pace_tests;

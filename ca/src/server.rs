@@ -446,6 +446,21 @@ fn start_cluster_tasks(
     );
     let excluded = config.cluster.bundle_excluded_namespaces.clone();
     let trust_domain = config.trust_domain.clone();
+    if let Some(signer_name) = config.cluster.pod_certificate_signer.clone() {
+        background.spawn(leader::while_leader(
+            leader_rx.clone(),
+            cluster::pod_certificates::leader_work(
+                client.clone(),
+                authority.clone(),
+                metrics.clone(),
+                cluster::pod_certificates::PodSignerConfig {
+                    signer_name,
+                    trust_domain: trust_domain.clone(),
+                    max_ttl: config.ttl.max,
+                },
+            ),
+        ));
+    }
     background.spawn(leader::while_leader(leader_rx, move || {
         let publish = bundle_publisher::publish_bundles(
             client.clone(),

@@ -6,7 +6,9 @@
 //! (409 AlreadyExists), update with optimistic concurrency (409 Conflict on
 //! a stale resourceVersion), merge patch, delete, field selectors. It counts
 //! calls, can answer slowly, can hold creates to force a race, and can be
-//! stopped and restarted on the same port.
+//! stopped and restarted on the same port. `PodCertificateRequest`s (with
+//! their `status` subresource) and `ClusterTrustBundle`s are checked as
+//! kube-apiserver checks them (see `fake_certificates`).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -66,6 +68,18 @@ const RESOURCES: &[(&str, &str, &str, bool)] = &[
     ("configmaps", "ConfigMap", "v1", true),
     ("namespaces", "Namespace", "v1", false),
     ("leases", "Lease", "coordination.k8s.io/v1", true),
+    (
+        "podcertificaterequests",
+        "PodCertificateRequest",
+        "certificates.k8s.io/v1beta1",
+        true,
+    ),
+    (
+        "clustertrustbundles",
+        "ClusterTrustBundle",
+        "certificates.k8s.io/v1beta1",
+        false,
+    ),
 ];
 
 type ObjectKey = (String, String, String);
@@ -380,6 +394,22 @@ impl FakeKube {
         objects.event(plural, kind, object)
     }
 
+    /// Creates an object as a client of the API would: the API's
+    /// validation and defaults apply, an existing name is refused. Returns
+    /// the stored object, or the error message (as the API's 422/409).
+    pub fn create_object(
+        &self,
+        plural: &str,
+        mut object: serde_json::Value,
+    ) -> Result<serde_json::Value, String> {
+        validate_create(plural, &mut object)?;
+        let mut objects = self.shared.objects.lock().expect("objects");
+        if objects.items.contains_key(&key_of(plural, &object)) {
+            return Err("AlreadyExists".into());
+        }
+        Ok(objects.event(plural, "ADDED", object))
+    }
+
     /// The stored object, if any (`namespace` empty for cluster-scoped kinds).
     pub fn get_object(
         &self,
@@ -428,6 +458,13 @@ impl FakeKube {
             .get(&(plural.to_string(), verb.to_string()))
             .copied()
             .unwrap_or(0)
+    }
+
+    /// Every call counted so far: ((plural, verb), count), `plural/status`
+    /// for the status subresource.
+    pub fn call_counts(&self) -> Vec<((String, String), usize)> {
+        let objects = self.shared.objects.lock().expect("objects");
+        objects.calls.iter().map(|(k, v)| (k.clone(), *v)).collect()
     }
 
     /// Holds creates of `plural` until `count` of them are waiting, then
@@ -614,6 +651,8 @@ struct Target {
     plural: String,
     namespace: Option<String>,
     name: Option<String>,
+    /// `status` for the status subresource.
+    subresource: Option<String>,
 }
 
 fn parse_resource_path(path: &str) -> Option<Target> {
@@ -623,12 +662,17 @@ fn parse_resource_path(path: &str) -> Option<Target> {
         ["apis", _group, _version, rest @ ..] => rest,
         _ => return None,
     };
-    let (plural, namespace, name) = match rest {
-        ["namespaces"] => ("namespaces", None, None),
-        ["namespaces", ns] => ("namespaces", None, Some(*ns)),
-        ["namespaces", ns, plural] => (*plural, Some(*ns), None),
-        ["namespaces", ns, plural, name] => (*plural, Some(*ns), Some(*name)),
-        [plural] => (*plural, None, None),
+    let (plural, namespace, name, subresource) = match rest {
+        ["namespaces"] => ("namespaces", None, None, None),
+        ["namespaces", ns] => ("namespaces", None, Some(*ns), None),
+        ["namespaces", ns, plural] => (*plural, Some(*ns), None, None),
+        ["namespaces", ns, plural, name] => (*plural, Some(*ns), Some(*name), None),
+        ["namespaces", ns, plural, name, "status"] => {
+            (*plural, Some(*ns), Some(*name), Some("status"))
+        }
+        [plural] => (*plural, None, None, None),
+        [plural, name] => (*plural, None, Some(*name), None),
+        [plural, name, "status"] => (*plural, None, Some(*name), Some("status")),
         _ => return None,
     };
     let known = RESOURCES.iter().find(|r| r.0 == plural)?;
@@ -640,10 +684,14 @@ fn parse_resource_path(path: &str) -> Option<Target> {
     if !api_version_ok {
         return None;
     }
+    if subresource.is_some() && plural != "podcertificaterequests" {
+        return None;
+    }
     Some(Target {
         plural: plural.to_string(),
         namespace: namespace.map(String::from),
         name: name.map(String::from),
+        subresource: subresource.map(String::from),
     })
 }
 
@@ -795,6 +843,9 @@ async fn resource(
             }
             object["kind"] = serde_json::json!(kind);
             object["apiVersion"] = serde_json::json!(api_version);
+            if let Err(message) = validate_create(&target.plural, &mut object) {
+                return invalid(kind, &object, &message);
+            }
             let name = object["metadata"]["name"]
                 .as_str()
                 .unwrap_or_default()
@@ -810,7 +861,12 @@ async fn resource(
             json_response(StatusCode::CREATED, stored)
         }
         ("PUT", Some(name)) => {
-            objects.count(&target.plural, "update");
+            let status_only = target.subresource.as_deref() == Some("status");
+            if status_only {
+                objects.count(&format!("{}/status", target.plural), "update");
+            } else {
+                objects.count(&target.plural, "update");
+            }
             let Some(mut object) = parse_body() else {
                 return status_error(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
             };
@@ -835,6 +891,11 @@ async fn resource(
             }
             object["kind"] = serde_json::json!(kind);
             object["apiVersion"] = serde_json::json!(api_version);
+            if let Err(message) =
+                validate_update(&target.plural, status_only, &mut object, &current)
+            {
+                return invalid(kind, &object, &message);
+            }
             let stored = objects.event(&target.plural, "MODIFIED", object);
             json_response(StatusCode::OK, stored)
         }
@@ -864,6 +925,63 @@ async fn resource(
             "the server does not allow this method on the requested resource",
         ),
     }
+}
+
+/// kube-apiserver's creation-time checks (and defaults) of the kinds it
+/// validates here.
+fn validate_create(plural: &str, object: &mut serde_json::Value) -> Result<(), String> {
+    match plural {
+        "podcertificaterequests" => {
+            crate::fake_certificates::create_pod_certificate_request(object)
+        }
+        "clustertrustbundles" => crate::fake_certificates::cluster_trust_bundle(object, None),
+        _ => Ok(()),
+    }
+}
+
+/// kube-apiserver's update rules: a PodCertificateRequest's spec never
+/// changes and its status only through the `status` subresource (each
+/// takes the other part from the stored object, as the API's strategies
+/// do); the status is validated; a ClusterTrustBundle is validated.
+fn validate_update(
+    plural: &str,
+    status_only: bool,
+    object: &mut serde_json::Value,
+    current: &serde_json::Value,
+) -> Result<(), String> {
+    match plural {
+        "podcertificaterequests" if status_only => {
+            let status = object["status"].clone();
+            *object = current.clone();
+            object["status"] = status;
+            crate::fake_certificates::pod_certificate_request_status(
+                object,
+                current,
+                OffsetDateTime::now_utc(),
+            )
+        }
+        "podcertificaterequests" => {
+            if object["spec"] != current["spec"] {
+                return Err("spec: Invalid value: field is immutable".into());
+            }
+            object["status"] = current["status"].clone();
+            Ok(())
+        }
+        "clustertrustbundles" => {
+            crate::fake_certificates::cluster_trust_bundle(object, Some(current))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// 422 Invalid, as kube-apiserver answers a validation failure.
+fn invalid(kind: &str, object: &serde_json::Value, message: &str) -> Response<Body> {
+    let name = object["metadata"]["name"].as_str().unwrap_or_default();
+    status_error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "Invalid",
+        &format!("{kind} \"{name}\" is invalid: {message}"),
+    )
 }
 
 /// RFC 7386 JSON merge patch.
