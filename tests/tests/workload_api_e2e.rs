@@ -17,7 +17,7 @@ use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client
 use envoy_types::pb::google::rpc::Status as RpcStatus;
 use hyper_util::rt::TokioIo;
 use meshca_certs::bundle::parse_certs_pem;
-use meshca_certs::inspect::{spki_der, CertSummary};
+use meshca_certs::inspect::spki_der;
 use meshca_certs::profile::{self_signed_root, SubjectName, Validity};
 use meshca_certs::{KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle};
 use meshca_proto::spiffe_workload::spiffe_workload_api_client::SpiffeWorkloadApiClient;
@@ -126,9 +126,8 @@ fn check_source(source: &X509Source, expected: &str) -> (String, usize) {
         "the key is the leaf's"
     );
     let bundle = source
-        .bundle_for_trust_domain(svid.spiffe_id().trust_domain())
-        .unwrap()
-        .unwrap();
+        .try_bundle_for_trust_domain(svid.spiffe_id().trust_domain())
+        .expect("a bundle for the SVID's trust domain");
     let roots: Vec<Vec<u8>> = bundle
         .authorities()
         .iter()
@@ -220,8 +219,7 @@ async fn pod_mode_serves_x509_source_with_rotation_and_bundle_updates() {
             updates.changed().await.unwrap();
             let svid = source.svid().unwrap();
             let bundle = source
-                .bundle_for_trust_domain(svid.spiffe_id().trust_domain())
-                .unwrap()
+                .try_bundle_for_trust_domain(svid.spiffe_id().trust_domain())
                 .unwrap();
             let authorities: Vec<&[u8]> =
                 bundle.authorities().iter().map(|c| c.as_bytes()).collect();
