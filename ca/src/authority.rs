@@ -13,7 +13,6 @@ use meshca_certs::profile::{ProfileError, SigningCa, SubjectKey, Validity};
 use meshca_certs::{SpiffeId, TrustBundle};
 use time::OffsetDateTime;
 
-use crate::config::TtlPolicy;
 use crate::store::CaMaterial;
 
 /// Why a certificate was not signed.
@@ -233,6 +232,29 @@ fn check_ca_validity(
 
 fn to_time_duration(d: Duration) -> time::Duration {
     time::Duration::try_from(d).unwrap_or(time::Duration::MAX)
+}
+
+/// Default workload certificate lifetime.
+pub const DEFAULT_WORKLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Default longest workload certificate lifetime (Istio's 90 days).
+pub const DEFAULT_MAX_WORKLOAD_TTL: Duration = Duration::from_secs(90 * 24 * 3600);
+
+/// Workload certificate lifetime rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TtlPolicy {
+    /// Used when a request asks for 0 or less.
+    pub default: Duration,
+    /// Requests above this are refused.
+    pub max: Duration,
+}
+
+impl Default for TtlPolicy {
+    fn default() -> Self {
+        Self {
+            default: DEFAULT_WORKLOAD_TTL,
+            max: DEFAULT_MAX_WORKLOAD_TTL,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -43,7 +43,7 @@ fn fingerprint(dir: &Path) -> Vec<u8> {
 }
 
 /// Watches `dir` and swaps new CA material into `authority` until dropped.
-pub async fn watch_ca_dir(
+pub(crate) async fn watch_ca_dir(
     dir: PathBuf,
     authority: Arc<Authority>,
     metrics: Metrics,

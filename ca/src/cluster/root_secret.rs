@@ -48,27 +48,27 @@ use time::OffsetDateTime;
 use crate::store::{generate_self_signed_root, CaMaterial, CaSource, StoreError};
 
 /// Name of the Secret holding the self-signed root (Istio's).
-pub const SECRET_NAME: &str = "istio-ca-secret";
+pub(crate) const SECRET_NAME: &str = "istio-ca-secret";
 /// Type of that Secret (Istio's).
-pub const SECRET_TYPE: &str = "istio.io/ca-root";
+pub(crate) const SECRET_TYPE: &str = "istio.io/ca-root";
 /// Key of the signing root certificate.
-pub const CA_CERT_KEY: &str = "ca-cert.pem";
+pub(crate) const CA_CERT_KEY: &str = "ca-cert.pem";
 /// Key of the signing root's private key.
-pub const CA_KEY_KEY: &str = "ca-key.pem";
+pub(crate) const CA_KEY_KEY: &str = "ca-key.pem";
 /// Key of the trust bundle.
-pub const ROOT_CERT_KEY: &str = "root-cert.pem";
+pub(crate) const ROOT_CERT_KEY: &str = "root-cert.pem";
 /// Key of the announced (not yet signing) root certificate.
-pub const NEXT_CA_CERT_KEY: &str = "next-ca-cert.pem";
+pub(crate) const NEXT_CA_CERT_KEY: &str = "next-ca-cert.pem";
 /// Key of the announced root's private key.
-pub const NEXT_CA_KEY_KEY: &str = "next-ca-key.pem";
+pub(crate) const NEXT_CA_KEY_KEY: &str = "next-ca-key.pem";
 /// Annotation holding the rotation phase.
-pub const PHASE_ANNOTATION: &str = "meshca.io/root-rotation-phase";
+pub(crate) const PHASE_ANNOTATION: &str = "meshca.io/root-rotation-phase";
 /// Annotation holding when the phase began (RFC 3339).
-pub const PHASE_SINCE_ANNOTATION: &str = "meshca.io/root-rotation-since";
+pub(crate) const PHASE_SINCE_ANNOTATION: &str = "meshca.io/root-rotation-since";
 /// Annotation holding when the previous root may leave the bundle (RFC 3339).
-pub const RETIRE_AFTER_ANNOTATION: &str = "meshca.io/retire-previous-root-after";
+pub(crate) const RETIRE_AFTER_ANNOTATION: &str = "meshca.io/retire-previous-root-after";
 /// Annotation an operator sets to ask for a rotation now.
-pub const ROTATE_ANNOTATION: &str = "meshca.io/rotate-root";
+pub(crate) const ROTATE_ANNOTATION: &str = "meshca.io/rotate-root";
 
 /// Why the Secret could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -98,7 +98,7 @@ pub enum RootSecretError {
 
 /// Where a root rotation stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RotationPhase {
+pub(crate) enum RotationPhase {
     /// One root, signing, alone in the bundle.
     Stable,
     /// A new root is in the bundle; the old one still signs.
@@ -109,10 +109,10 @@ pub enum RotationPhase {
 
 impl RotationPhase {
     /// Every phase, in order.
-    pub const ALL: [RotationPhase; 3] = [Self::Stable, Self::Announced, Self::Switched];
+    pub(crate) const ALL: [RotationPhase; 3] = [Self::Stable, Self::Announced, Self::Switched];
 
     /// The name used in the annotation and the metric label.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Self::Stable => "stable",
             Self::Announced => "announced",
@@ -127,24 +127,24 @@ impl RotationPhase {
 
 /// When and how the root rotates.
 #[derive(Debug, Clone, Copy)]
-pub struct RotationPolicy {
+pub(crate) struct RotationPolicy {
     /// Lifetime of a new root.
-    pub root_ttl: Duration,
+    pub(crate) root_ttl: Duration,
     /// Fraction of the root's life after which it rotates.
-    pub rotate_at: f64,
+    pub(crate) rotate_at: f64,
     /// Time both roots are published before signing switches.
-    pub grace: Duration,
+    pub(crate) grace: Duration,
     /// Longest lifetime of a leaf the CA signs.
-    pub max_leaf_ttl: Duration,
+    pub(crate) max_leaf_ttl: Duration,
 }
 
 /// A root (certificate DER and private key PEM).
 #[derive(Clone)]
-pub struct RootKeyPair {
+pub(crate) struct RootKeyPair {
     /// The certificate, DER.
-    pub cert: Vec<u8>,
+    pub(crate) cert: Vec<u8>,
     /// The private key, PKCS#8 PEM.
-    pub key_pem: String,
+    pub(crate) key_pem: String,
 }
 
 impl std::fmt::Debug for RootKeyPair {
@@ -158,7 +158,7 @@ impl std::fmt::Debug for RootKeyPair {
 
 impl RootKeyPair {
     /// A new self-signed root.
-    pub fn generate(
+    pub(crate) fn generate(
         trust_domain: &TrustDomain,
         ttl: Duration,
         now: OffsetDateTime,
@@ -174,26 +174,26 @@ impl RootKeyPair {
 
 /// The content of `istio-ca-secret`.
 #[derive(Debug, Clone)]
-pub struct RootSecret {
+pub(crate) struct RootSecret {
     /// The root that signs now.
-    pub signing: RootKeyPair,
+    pub(crate) signing: RootKeyPair,
     /// Every root clients must trust (DER), signing root included.
-    pub bundle: Vec<Vec<u8>>,
+    pub(crate) bundle: Vec<Vec<u8>>,
     /// The announced root, during [`RotationPhase::Announced`].
-    pub next: Option<RootKeyPair>,
+    pub(crate) next: Option<RootKeyPair>,
     /// The rotation phase.
-    pub phase: RotationPhase,
+    pub(crate) phase: RotationPhase,
     /// When the phase began.
-    pub phase_since: Option<OffsetDateTime>,
+    pub(crate) phase_since: Option<OffsetDateTime>,
     /// When the previous root may leave the bundle ([`RotationPhase::Switched`]).
-    pub retire_after: Option<OffsetDateTime>,
+    pub(crate) retire_after: Option<OffsetDateTime>,
     /// An operator asked for a rotation.
-    pub rotation_requested: bool,
+    pub(crate) rotation_requested: bool,
 }
 
 /// What the leader should do next to a [`RootSecret`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RotationStep {
+pub(crate) enum RotationStep {
     /// Make a new root and publish it beside the old one.
     Announce,
     /// Sign with the announced root.
@@ -204,7 +204,7 @@ pub enum RotationStep {
 
 impl RootSecret {
     /// A fresh secret around a new root.
-    pub fn new(signing: RootKeyPair) -> Self {
+    pub(crate) fn new(signing: RootKeyPair) -> Self {
         Self {
             bundle: vec![signing.cert.clone()],
             signing,
@@ -217,7 +217,7 @@ impl RootSecret {
     }
 
     /// Reads the Secret's data and annotations.
-    pub fn from_secret(secret: &Secret, namespace: &str) -> Result<Self, RootSecretError> {
+    pub(crate) fn from_secret(secret: &Secret, namespace: &str) -> Result<Self, RootSecretError> {
         let malformed = |key: &'static str, reason: String| RootSecretError::Malformed {
             namespace: namespace.to_string(),
             key,
@@ -288,7 +288,7 @@ impl RootSecret {
 
     /// Writes the content into a Secret, keeping `base`'s other metadata
     /// (labels, foreign annotations, resourceVersion for the compare-and-swap).
-    pub fn to_secret(&self, namespace: &str, base: Option<&Secret>) -> Secret {
+    pub(crate) fn to_secret(&self, namespace: &str, base: Option<&Secret>) -> Secret {
         let mut metadata = base
             .map(|s| s.metadata.clone())
             .unwrap_or_else(|| ObjectMeta {
@@ -338,7 +338,7 @@ impl RootSecret {
 
     /// The CA material to sign with: the signing root, checked (key matches,
     /// CA bits, inside its validity), and the bundle.
-    pub fn material(
+    pub(crate) fn material(
         &self,
         namespace: &str,
         now: OffsetDateTime,
@@ -367,7 +367,11 @@ impl RootSecret {
     }
 
     /// The next rotation step due at `now`, if any.
-    pub fn due_step(&self, policy: &RotationPolicy, now: OffsetDateTime) -> Option<RotationStep> {
+    pub(crate) fn due_step(
+        &self,
+        policy: &RotationPolicy,
+        now: OffsetDateTime,
+    ) -> Option<RotationStep> {
         match self.phase {
             RotationPhase::Stable => {
                 if self.rotation_requested || now >= self.rotation_due(policy) {
@@ -388,7 +392,11 @@ impl RootSecret {
     }
 
     /// When the next step is due (for sleeping until then).
-    pub fn next_step_at(&self, policy: &RotationPolicy, now: OffsetDateTime) -> OffsetDateTime {
+    pub(crate) fn next_step_at(
+        &self,
+        policy: &RotationPolicy,
+        now: OffsetDateTime,
+    ) -> OffsetDateTime {
         match self.phase {
             RotationPhase::Stable if self.rotation_requested => now,
             RotationPhase::Stable => self.rotation_due(policy),
@@ -409,7 +417,7 @@ impl RootSecret {
     }
 
     /// The Secret after `step`. `Announce` takes the new root.
-    pub fn after(
+    pub(crate) fn after(
         &self,
         step: RotationStep,
         new_root: Option<RootKeyPair>,
