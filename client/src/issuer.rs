@@ -22,9 +22,12 @@ pub trait CertificateIssuer: Send + Sync + 'static {
 pub struct Svid {
     /// The private key (ours, never sent).
     pub key: PrivateKey,
-    /// The chain as the CA sent it: leaf first, root last, PEM.
+    /// The chain as the CA sent it, PEM: leaf first, then one element per
+    /// intermediate, then one element holding every root to trust.
     pub chain_pem: Vec<String>,
-    /// The trust bundle it was verified against.
+    /// Every root of the answer's last element: what the CA says workloads
+    /// must trust now (both roots during a root rotation). This is what
+    /// `root-cert.pem` gets, as Istio's agent and ztunnel take it.
     pub bundle: TrustBundle,
     /// What the leaf says.
     pub leaf: VerifiedSvid,
