@@ -260,7 +260,7 @@ fn rendered_overlays_match_when_kubectl_is_available() {
     if !version.status.success() {
         return;
     }
-    for overlay in ["self-signed", "plugged-in", "pod-certificates"] {
+    for overlay in ["self-signed", "plugged-in", "pod-certificates", "node-agent"] {
         let out = std::process::Command::new("kubectl")
             .arg("kustomize")
             .arg(deploy_dir().join("overlays").join(overlay))
@@ -298,4 +298,173 @@ fn rendered_overlays_match_when_kubectl_is_available() {
             }
         }
     }
+}
+
+fn documents_of(dir: &str) -> Vec<serde_json::Value> {
+    let dir = deploy_dir().join(dir);
+    let kustomization =
+        documents(&std::fs::read_to_string(dir.join("kustomization.yaml")).unwrap());
+    let resources = kustomization[0]["resources"].as_array().unwrap().clone();
+    resources
+        .iter()
+        .flat_map(|r| documents(&std::fs::read_to_string(dir.join(r.as_str().unwrap())).unwrap()))
+        .collect()
+}
+
+fn env_value(container: &k8s_openapi::api::core::v1::Container, name: &str) -> Option<String> {
+    container
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == name)
+        .and_then(|e| e.value.clone())
+}
+
+fn env_field(container: &k8s_openapi::api::core::v1::Container, name: &str) -> Option<String> {
+    container
+        .env
+        .iter()
+        .flatten()
+        .find(|e| e.name == name)
+        .and_then(|e| e.value_from.as_ref())
+        .and_then(|v| v.field_ref.as_ref())
+        .map(|f| f.field_path.clone())
+}
+
+/// The directory of `volume` mounted in `container`.
+fn mount_of(container: &k8s_openapi::api::core::v1::Container, volume: &str) -> String {
+    container
+        .volume_mounts
+        .iter()
+        .flatten()
+        .find(|m| m.name == volume)
+        .unwrap_or_else(|| panic!("{} mounts {volume}", container.name))
+        .mount_path
+        .clone()
+}
+
+#[test]
+fn agent_pod_mode_manifest_shares_the_socket_with_the_workload() {
+    let docs = documents_of("agent-pod");
+    let deployment: Vec<Deployment> = of_kind(&docs, "Deployment");
+    let pod = deployment[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .clone()
+        .unwrap();
+    let sidecar = pod
+        .init_containers
+        .iter()
+        .flatten()
+        .find(|c| c.name == "meshca-agent")
+        .expect("the agent is a native sidecar");
+    assert_eq!(sidecar.restart_policy.as_deref(), Some("Always"));
+    let socket = env_value(sidecar, "MESHCA_WORKLOAD_API_SOCKET").unwrap();
+    assert_eq!(
+        socket, "/var/run/secrets/workload-spiffe-uds/socket",
+        "Istio's path"
+    );
+    let socket_dir = mount_of(sidecar, "workload-socket");
+    assert!(socket.starts_with(&format!("{socket_dir}/")));
+    assert_eq!(
+        env_field(sidecar, "MESHCA_SERVICE_ACCOUNT").as_deref(),
+        Some("spec.serviceAccountName")
+    );
+    let app = &pod.containers[0];
+    assert_eq!(mount_of(app, "workload-socket"), socket_dir);
+    assert_eq!(
+        env_value(app, "SPIFFE_ENDPOINT_SOCKET"),
+        Some(format!("unix://{socket}"))
+    );
+    let volumes = pod.volumes.unwrap();
+    let shared = volumes
+        .iter()
+        .find(|v| v.name == "workload-socket")
+        .unwrap();
+    assert!(shared.empty_dir.is_some(), "an emptyDir");
+    let token = volumes.iter().find(|v| v.name == "istio-token").unwrap();
+    let audience = token.projected.as_ref().unwrap().sources.as_ref().unwrap()[0]
+        .service_account_token
+        .as_ref()
+        .unwrap()
+        .audience
+        .clone();
+    assert_eq!(audience.as_deref(), Some("istio-ca"));
+}
+
+#[test]
+fn agent_node_mode_manifests_match_the_ca_overlay() {
+    use k8s_openapi::api::apps::v1::DaemonSet;
+    let docs = documents_of("agent-node");
+    let daemonset: Vec<DaemonSet> = of_kind(&docs, "DaemonSet");
+    let pod = daemonset[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .clone()
+        .unwrap();
+    assert_eq!(pod.host_pid, Some(true), "peer PIDs are host PIDs");
+    let agent = &pod.containers[0];
+    assert_eq!(
+        env_value(agent, "MESHCA_NODE_AGENT").as_deref(),
+        Some("true")
+    );
+    assert_eq!(
+        env_field(agent, "MESHCA_NODE_NAME").as_deref(),
+        Some("spec.nodeName")
+    );
+    let socket = env_value(agent, "MESHCA_WORKLOAD_API_SOCKET").unwrap();
+    let socket_dir = mount_of(agent, "sockets");
+    assert!(socket.starts_with(&format!("{socket_dir}/")));
+    let volumes = pod.volumes.unwrap();
+    let host = volumes.iter().find(|v| v.name == "sockets").unwrap();
+    assert_eq!(
+        host.host_path.as_ref().unwrap().type_.as_deref(),
+        Some("DirectoryOrCreate")
+    );
+
+    // RBAC: pods, read-only, bound to the agent's service account.
+    let roles: Vec<ClusterRole> = of_kind(&docs, "ClusterRole");
+    assert_eq!(
+        grants(roles[0].rules.as_deref().unwrap()),
+        BTreeSet::from([(
+            String::new(),
+            "pods".to_string(),
+            vec!["get".to_string(), "list".to_string(), "watch".to_string()],
+            Vec::new(),
+        )])
+    );
+    let binding: Vec<ClusterRoleBinding> = of_kind(&docs, "ClusterRoleBinding");
+    let subject = &binding[0].subjects.as_ref().unwrap()[0];
+    assert_eq!(
+        Some(subject.name.as_str()),
+        pod.service_account_name.as_deref()
+    );
+    let namespace = subject.namespace.clone().unwrap();
+
+    // The CA overlay trusts exactly this service account as a node agent.
+    let patch = documents(
+        &std::fs::read_to_string(deploy_dir().join("overlays/node-agent/trusted-node-agent.yaml"))
+            .unwrap(),
+    );
+    let patched: Vec<Deployment> = of_kind(&patch, "Deployment");
+    let ca = &patched[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0];
+    assert_eq!(
+        env_value(ca, "MESHCA_TRUSTED_NODE_AGENT"),
+        Some(format!("{namespace}/{}", subject.name))
+    );
+    assert!(meshca_flag_envs().contains("MESHCA_TRUSTED_NODE_AGENT"));
 }

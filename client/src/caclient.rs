@@ -8,59 +8,19 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use meshca_certs::answer::ChainAnswer;
-use meshca_certs::bundle::{self, FileError};
+use meshca_certs::bundle;
 use meshca_certs::verify::verify_svid;
 use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle, VerifiedSvid};
 use meshca_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient;
 use meshca_proto::{IstioCertificateRequest, IMPERSONATED_IDENTITY_KEY};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
+use crate::issuer::{CertificateIssuer, ClientError, Svid};
+
 /// Default CA address.
 pub const DEFAULT_CA_ADDR: &str = "https://127.0.0.1:15012";
 /// Default token file (Istio's projected token path).
 pub const DEFAULT_TOKEN_FILE: &str = "/var/run/secrets/tokens/istio-token";
-
-/// Errors of the CA client.
-#[derive(Debug, thiserror::Error)]
-pub enum ClientError {
-    /// The configuration is unusable.
-    #[error("{0}")]
-    Config(String),
-    /// The root bundle could not be read.
-    #[error("root bundle: {0}")]
-    RootBundle(#[from] FileError),
-    /// The token file could not be read.
-    #[error("cannot read the token file {path}: {source}")]
-    Token {
-        /// The file.
-        path: PathBuf,
-        /// The OS error.
-        source: std::io::Error,
-    },
-    /// Generating the key or CSR failed.
-    #[error("generating the key or CSR failed: {0}")]
-    Csr(String),
-    /// The CA answered with an error.
-    #[error("the CA refused: {code:?}: {message}")]
-    Rpc {
-        /// gRPC status code.
-        code: tonic::Code,
-        /// The CA's message.
-        message: String,
-    },
-    /// The CA's answer is not a valid certificate for us.
-    #[error("the CA's answer is not acceptable: {0}")]
-    BadAnswer(String),
-}
-
-impl From<tonic::Status> for ClientError {
-    fn from(s: tonic::Status) -> Self {
-        Self::Rpc {
-            code: s.code(),
-            message: s.message().to_string(),
-        }
-    }
-}
 
 /// How to reach the CA.
 #[derive(Debug, Clone)]
@@ -123,22 +83,6 @@ struct Connection {
     client: IstioCertificateServiceClient<Channel>,
     bundle: TrustBundle,
     stamp: Option<(std::time::SystemTime, u64)>,
-}
-
-/// A certificate from the CA, verified, with its key.
-#[derive(Debug)]
-pub struct Svid {
-    /// The private key (ours, never sent).
-    pub key: PrivateKey,
-    /// The chain as the CA sent it, PEM: leaf first, then one element per
-    /// intermediate, then one element holding every root to trust.
-    pub chain_pem: Vec<String>,
-    /// Every root of the answer's last element: what the CA says workloads
-    /// must trust now (both roots during a root rotation). This is what
-    /// `root-cert.pem` gets, as Istio's agent and ztunnel take it.
-    pub bundle: TrustBundle,
-    /// What the leaf says.
-    pub leaf: VerifiedSvid,
 }
 
 /// The client. Cloning is cheap and shares the connection.
@@ -367,7 +311,7 @@ fn x509_spki(der: &[u8]) -> Option<Vec<u8>> {
 }
 
 #[async_trait::async_trait]
-impl crate::manager::CertificateIssuer for CaClient {
+impl CertificateIssuer for CaClient {
     async fn fetch(&self, identity: &SpiffeId) -> Result<Svid, ClientError> {
         self.fetch_default(identity).await
     }

@@ -3,9 +3,12 @@
 //! The agent side of meshca: generate a key and CSR, ask the CA (meshca or
 //! istiod, the wire is the same), verify the answer, write the files.
 //!
+//! - [`issuer`]: the CA boundary: [`CertificateIssuer`], [`Svid`], [`ClientError`];
 //! - [`caclient`]: [`CaClient`], the gRPC client that verifies every answer;
 //! - [`manager`]: [`CertManager`], rotation for one identity or thousands;
-//! - [`output`]: Istio's `cert-chain.pem`, `key.pem`, `root-cert.pem`, written atomically.
+//! - [`output`]: Istio's `cert-chain.pem`, `key.pem`, `root-cert.pem`, written atomically;
+//! - [`workload_api`]: the SPIFFE Workload API and Envoy SDS on a Unix socket,
+//!   in pod mode (one configured identity) or node mode (each caller attested).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -30,8 +33,11 @@
 //! ```
 
 pub mod caclient;
+pub mod issuer;
 pub mod manager;
 pub mod output;
+pub mod workload_api;
 
-pub use caclient::{CaClient, CaClientConfig, ClientError, RequestOptions, Svid};
-pub use manager::{CertManager, CertState, CertificateIssuer, ManagerConfig};
+pub use caclient::{CaClient, CaClientConfig, RequestOptions};
+pub use issuer::{CertificateIssuer, ClientError, Svid};
+pub use manager::{CertManager, CertState, ManagerConfig};

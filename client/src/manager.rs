@@ -19,21 +19,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use meshca_certs::SpiffeId;
 use time::OffsetDateTime;
 use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 
-use crate::caclient::{ClientError, Svid};
-
-/// Something that issues certificates: the real [`crate::CaClient`], or a
-/// fake in tests.
-#[async_trait]
-pub trait CertificateIssuer: Send + Sync + 'static {
-    /// Fetches a fresh, verified certificate for `identity`.
-    async fn fetch(&self, identity: &SpiffeId) -> Result<Svid, ClientError>;
-}
+pub use crate::issuer::CertificateIssuer;
+use crate::issuer::{ClientError, Svid};
 
 /// The state subscribers see for one identity.
 #[derive(Debug, Clone)]
@@ -368,6 +360,7 @@ fn random_unit() -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use async_trait::async_trait;
     use meshca_certs::profile::{self_signed_root, SigningCa, SubjectKey, SubjectName, Validity};
     use meshca_certs::{KeyAlgorithm, PrivateKey, TrustBundle};
     use std::collections::VecDeque;

@@ -7,7 +7,7 @@ use std::path::Path;
 
 use meshca_certs::bundle::{self, BundleError};
 
-use crate::caclient::Svid;
+use crate::issuer::Svid;
 
 /// Chain file name.
 pub const CERT_CHAIN_FILE: &str = "cert-chain.pem";

@@ -1,4 +1,5 @@
-//! The wire contract of meshca: Istio's `istio.v1.auth` CA service.
+//! The wire contract of meshca: Istio's `istio.v1.auth` CA service, and the
+//! SPIFFE Workload API that `meshca-agent` serves ([`spiffe_workload`]).
 //!
 //! Package `istio.v1.auth`, service `IstioCertificateService`, one RPC
 //! `CreateCertificate`, with field names and numbers exactly as Istio's
@@ -31,7 +32,19 @@ pub mod istio {
     }
 }
 
+/// The SPIFFE Workload API (`SpiffeWorkloadAPI`, from the SPIFFE project's
+/// `workload.proto`; the proto has no package). Servers must refuse calls
+/// without the [`WORKLOAD_API_HEADER`] metadata.
+#[allow(missing_docs, unreachable_pub, clippy::all, clippy::unwrap_used)]
+pub mod spiffe_workload {
+    tonic::include_proto!("_");
+}
+
 pub use istio::v1::auth::{IstioCertificateRequest, IstioCertificateResponse};
+
+/// The metadata key every SPIFFE Workload API call carries (value `true`),
+/// so that a server can tell a workload's call from a forwarded one.
+pub const WORKLOAD_API_HEADER: &str = "workload.spiffe.io";
 
 /// The full gRPC method path that Istio agents and ztunnel call.
 pub const CREATE_CERTIFICATE_PATH: &str =

@@ -1,5 +1,8 @@
-//! `meshca-agent`: get a SPIFFE certificate from meshca (or istiod) and keep
-//! it fresh in a directory.
+//! `meshca-agent`: get SPIFFE certificates from meshca (or istiod) and keep
+//! them fresh in a directory (`--out`) and/or serve them on a Unix socket
+//! (`--workload-api-socket`: the SPIFFE Workload API and Envoy SDS), for
+//! the configured identity (pod mode) or for each pod of the node that
+//! calls (`--node-agent`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -13,10 +16,16 @@ use meshca_client::caclient::{
     CaClient, CaClientConfig, RequestOptions, DEFAULT_CA_ADDR, DEFAULT_TOKEN_FILE,
 };
 use meshca_client::output::write_credentials;
+use meshca_client::workload_api::node_pods::{watch_node_pods, NodePods};
+use meshca_client::workload_api::{
+    self, CallerPolicy, Callers, Feeds, WorkloadApiConfig, DEFAULT_MAX_STREAMS,
+};
 use meshca_client::{CertManager, CertState, ManagerConfig};
+use tokio::sync::watch;
 use tracing_subscriber::EnvFilter;
 
-/// Gets a SPIFFE certificate from the CA and keeps it fresh in --out.
+/// Gets SPIFFE certificates from the CA and keeps them fresh in --out and/or
+/// serves them on --workload-api-socket.
 #[derive(Parser)]
 #[command(name = "meshca-agent", version, about)]
 struct Args {
@@ -53,8 +62,41 @@ struct Args {
     #[arg(long, env = "MESHCA_TTL", value_parser = parse_duration)]
     ttl: Option<Duration>,
     /// Output directory: cert-chain.pem key.pem root-cert.pem.
-    #[arg(long, env = "MESHCA_OUT")]
-    out: PathBuf,
+    #[arg(
+        long,
+        env = "MESHCA_OUT",
+        required_unless_present = "workload_api_socket"
+    )]
+    out: Option<PathBuf>,
+    /// Serve the SPIFFE Workload API and Envoy SDS on this Unix socket.
+    #[arg(long, env = "MESHCA_WORKLOAD_API_SOCKET")]
+    workload_api_socket: Option<PathBuf>,
+    /// Node mode: serve each calling pod of this node its service account's
+    /// identity (attested from the caller's cgroups and the pod watch),
+    /// fetched with this agent's token as a trusted node agent.
+    #[arg(
+        long,
+        env = "MESHCA_NODE_AGENT",
+        requires_all = ["workload_api_socket", "node_name"],
+        conflicts_with_all = ["out", "spiffe_id", "namespace", "once"]
+    )]
+    node_agent: bool,
+    /// Node mode: this node's name (the pods watched are those with this
+    /// `spec.nodeName`; set it from the downward API).
+    #[arg(long, env = "MESHCA_NODE_NAME")]
+    node_name: Option<String>,
+    /// Node mode: where the callers' `<pid>/cgroup` files are.
+    #[arg(long, env = "MESHCA_PROC_ROOT", default_value = "/proc")]
+    proc_root: PathBuf,
+    /// Node mode: kubeconfig for the pod watch (default: in-cluster).
+    #[arg(long, env = "MESHCA_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// Most streams open on the socket at once (also the most connections).
+    #[arg(long, env = "MESHCA_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS)]
+    max_streams: usize,
+    /// How often to check --root-cert for a new trust bundle to push.
+    #[arg(long, env = "MESHCA_BUNDLE_REFRESH", value_parser = parse_duration, default_value = "10s")]
+    bundle_refresh: Duration,
     /// TLS name to verify the CA's certificate against.
     #[arg(long, env = "MESHCA_CA_SERVER_NAME")]
     server_name: Option<String>,
@@ -62,7 +104,7 @@ struct Args {
     #[arg(long, env = "MESHCA_CLUSTER_ID")]
     cluster_id: Option<String>,
     /// Fetch one certificate, write it, print a summary and exit.
-    #[arg(long)]
+    #[arg(long, requires = "out")]
     once: bool,
 }
 
@@ -94,12 +136,6 @@ fn main() -> ExitCode {
 }
 
 async fn run(args: Args) -> anyhow::Result<()> {
-    let identity = match (&args.spiffe_id, &args.namespace, &args.service_account) {
-        (Some(id), _, _) => id.clone(),
-        (None, Some(ns), Some(sa)) => SpiffeId::for_workload(&args.trust_domain, ns, sa)
-            .with_context(|| format!("--namespace {ns:?} --service-account {sa:?}"))?,
-        _ => anyhow::bail!("name the identity: --spiffe-id, or --namespace with --service-account"),
-    };
     let client = CaClient::new(CaClientConfig {
         ca_addr: args.ca_addr.clone(),
         root_cert: args.root_cert.clone(),
@@ -110,31 +146,68 @@ async fn run(args: Args) -> anyhow::Result<()> {
         request: RequestOptions {
             algorithm: args.key,
             ttl: args.ttl,
+            impersonate: args.node_agent,
             ..Default::default()
         },
     })
     .with_context(|| format!("--root-cert {}", args.root_cert.display()))?;
+    if args.node_agent {
+        return run_node_agent(args, client).await;
+    }
+    let identity = match (&args.spiffe_id, &args.namespace, &args.service_account) {
+        (Some(id), _, _) => id.clone(),
+        (None, Some(ns), Some(sa)) => SpiffeId::for_workload(&args.trust_domain, ns, sa)
+            .with_context(|| format!("--namespace {ns:?} --service-account {sa:?}"))?,
+        _ => anyhow::bail!("name the identity: --spiffe-id, or --namespace with --service-account"),
+    };
 
     if args.once {
+        let out = args.out.as_ref().context("--once needs --out")?;
         let svid = client.fetch_default(&identity).await.with_context(|| {
             format!(
                 "fetching a certificate for {identity} from {}",
                 args.ca_addr
             )
         })?;
-        write_credentials(&args.out, &svid)
-            .with_context(|| format!("writing credentials to --out {}", args.out.display()))?;
+        write_credentials(out, &svid)
+            .with_context(|| format!("writing credentials to --out {}", out.display()))?;
         println!(
             "identity={} serial={} not_after={} out={}",
             svid.leaf.spiffe_id,
             svid.leaf.serial_hex,
             svid.leaf.not_after,
-            args.out.display()
+            out.display()
         );
         return Ok(());
     }
 
-    let manager = CertManager::new(Arc::new(client), ManagerConfig::default());
+    let bundle = workload_api::watch_root_file(client.clone(), args.bundle_refresh);
+    let manager = Arc::new(CertManager::new(Arc::new(client), ManagerConfig::default()));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut socket = None;
+    if let Some(path) = &args.workload_api_socket {
+        let listener = workload_api::bind(path)
+            .await
+            .with_context(|| format!("--workload-api-socket {}", path.display()))?;
+        let feeds = Feeds::new(manager.clone(), bundle);
+        // Pinned: the configured identity is fetched now and kept managed
+        // with no stream open.
+        let pinned = feeds.get(&identity);
+        let callers = Callers::new(CallerPolicy::Pod(identity.clone()), feeds, args.max_streams);
+        let config = WorkloadApiConfig {
+            socket: path.clone(),
+            max_streams: args.max_streams,
+            proc_root: None,
+        };
+        tracing::info!(socket = %path.display(), identity = %identity, mode = "pod", "serving the Workload API and SDS");
+        socket = Some(spawn_socket(
+            listener,
+            config,
+            callers,
+            stop_rx.clone(),
+            pinned,
+        ));
+    }
     let mut updates = manager.add(identity.clone());
     let mut last_serial = None;
     let shutdown = shutdown_signal();
@@ -148,19 +221,31 @@ async fn run(args: Args) -> anyhow::Result<()> {
             }
             _ = &mut shutdown => {
                 tracing::info!("shutting down");
-                return Ok(());
+                break;
             }
+            result = wait_socket(&mut socket) => return result,
         }
         let state = updates.borrow_and_update().clone();
         match state {
             CertState::Available(svid) if last_serial.as_ref() != Some(&svid.leaf.serial_hex) => {
-                match write_credentials(&args.out, &svid) {
+                let Some(out) = &args.out else {
+                    tracing::info!(
+                        identity = %svid.leaf.spiffe_id,
+                        serial = %svid.leaf.serial_hex,
+                        not_after = %svid.leaf.not_after,
+                        rotation = last_serial.is_some(),
+                        "certificate received"
+                    );
+                    last_serial = Some(svid.leaf.serial_hex.clone());
+                    continue;
+                };
+                match write_credentials(out, &svid) {
                     Ok(()) => {
                         tracing::info!(
                             identity = %svid.leaf.spiffe_id,
                             serial = %svid.leaf.serial_hex,
                             not_after = %svid.leaf.not_after,
-                            out = %args.out.display(),
+                            out = %out.display(),
                             rotation = last_serial.is_some(),
                             "certificate written"
                         );
@@ -175,6 +260,126 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 tracing::warn!(identity = %identity, error = %error, "no valid certificate");
             }
             _ => {}
+        }
+    }
+    let _ = stop_tx.send(true);
+    if let Some(task) = socket {
+        task.await.context("the socket server task")??;
+    }
+    remove_socket(args.workload_api_socket.as_deref());
+    Ok(())
+}
+
+/// Node mode: attest each caller, serve its pod's identity.
+async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
+    let path = args
+        .workload_api_socket
+        .clone()
+        .context("--node-agent needs --workload-api-socket")?;
+    let node = args
+        .node_name
+        .clone()
+        .context("--node-agent needs --node-name")?;
+    let kube = kube_client(args.kubeconfig.as_deref()).await?;
+    let pods = NodePods::new(node.clone());
+    let watch_task = tokio::spawn(watch_node_pods(kube, pods.clone()));
+    let listener = workload_api::bind(&path)
+        .await
+        .with_context(|| format!("--workload-api-socket {}", path.display()))?;
+    let bundle = workload_api::watch_root_file(client.clone(), args.bundle_refresh);
+    let manager = Arc::new(CertManager::new(Arc::new(client), ManagerConfig::default()));
+    let feeds = Feeds::new(manager, bundle);
+    let callers = Callers::new(
+        CallerPolicy::Node {
+            trust_domain: args.trust_domain.clone(),
+            pods,
+        },
+        feeds,
+        args.max_streams,
+    );
+    let config = WorkloadApiConfig {
+        socket: path.clone(),
+        max_streams: args.max_streams,
+        proc_root: Some(args.proc_root.clone()),
+    };
+    tracing::info!(socket = %path.display(), node = %node, proc_root = %args.proc_root.display(), mode = "node", "serving the Workload API and SDS");
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut socket = Some(spawn_socket(listener, config, callers, stop_rx, ()));
+    let result = tokio::select! {
+        _ = shutdown_signal() => {
+            tracing::info!("shutting down");
+            let _ = stop_tx.send(true);
+            match socket.take() {
+                Some(task) => task.await.context("the socket server task")?,
+                None => Ok(()),
+            }
+        }
+        result = wait_socket(&mut socket) => result,
+    };
+    watch_task.abort();
+    remove_socket(Some(&path));
+    result
+}
+
+/// Connects to the Kubernetes API: `kubeconfig` if given, else in-cluster.
+async fn kube_client(kubeconfig: Option<&std::path::Path>) -> anyhow::Result<kube::Client> {
+    let mut config = match kubeconfig {
+        Some(path) => {
+            let file = kube::config::Kubeconfig::read_from(path)
+                .with_context(|| format!("--kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("--kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::incluster()
+            .context("--node-agent needs the Kubernetes API: run in a pod or give --kubeconfig")?,
+    };
+    // No read timeout: the pod watch stays open for minutes.
+    config.connect_timeout = Some(Duration::from_secs(10));
+    config.write_timeout = Some(Duration::from_secs(10));
+    kube::Client::try_from(config).context("building the Kubernetes client")
+}
+
+type SocketTask = tokio::task::JoinHandle<anyhow::Result<()>>;
+
+/// Runs the socket server until `stop` turns true; `keep` (the pinned
+/// feed of pod mode) lives as long as the server.
+fn spawn_socket<K: Send + 'static>(
+    listener: tokio::net::UnixListener,
+    config: WorkloadApiConfig,
+    callers: Arc<Callers>,
+    mut stop: watch::Receiver<bool>,
+    keep: K,
+) -> SocketTask {
+    tokio::spawn(async move {
+        let shutdown = async move {
+            let _ = stop.wait_for(|stop| *stop).await;
+        };
+        let result = workload_api::serve(listener, &config, callers, shutdown)
+            .await
+            .with_context(|| format!("--workload-api-socket {}", config.socket.display()));
+        drop(keep);
+        result
+    })
+}
+
+/// Completes when the socket server ends (never, if there is none).
+async fn wait_socket(socket: &mut Option<SocketTask>) -> anyhow::Result<()> {
+    match socket.as_mut() {
+        Some(task) => {
+            let result = task.await.context("the socket server task")?;
+            *socket = None;
+            result.and_then(|()| anyhow::bail!("the socket server stopped"))
+        }
+        None => std::future::pending().await,
+    }
+}
+
+/// Removes our socket file on a clean exit.
+fn remove_socket(path: Option<&std::path::Path>) {
+    if let Some(path) = path {
+        if let Err(e) = std::fs::remove_file(path) {
+            tracing::debug!(socket = %path.display(), error = %e, "removing the socket file");
         }
     }
 }

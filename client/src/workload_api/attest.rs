@@ -1,0 +1,180 @@
+//! Node mode: which pod a calling process runs in, read from
+//! `<proc-root>/<pid>/cgroup` the way SPIRE's Kubernetes workload attestor
+//! reads it.
+//!
+//! Every cgroup path of the process (cgroup v1: one line per hierarchy,
+//! `ID:controllers:path`; v2: the single `0::path` line) is searched for a
+//! `pod<UID>` segment followed by a container ID, which covers the cgroupfs
+//! driver (`/kubepods/burstable/pod<uid>/<container>`), the systemd driver
+//! (`/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod<uid
+//! with _>.slice/cri-containerd-<container>.scope`) and paths seen through a
+//! cgroup namespace (`/../../pod<uid>/<container>`). The UID's punctuation
+//! is normalised to `-`. A process whose paths name two different pods or
+//! containers is refused.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use regex::Regex;
+
+/// What the cgroups of a process say about its pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PodUidLookup {
+    /// The process runs in the pod with this UID, in this container.
+    Pod {
+        /// The pod's UID, canonical (`-`-separated).
+        uid: String,
+        /// The container ID.
+        container: String,
+    },
+    /// No cgroup of the process is a pod's container.
+    NotInPod,
+    /// The peer credentials carried no PID.
+    NoPid,
+    /// The cgroups name more than one pod or container.
+    Ambiguous(String),
+    /// The cgroup file could not be read (the process exited?).
+    Unreadable(String),
+}
+
+/// The pod-UID-then-container pattern of SPIRE's attestor, applied to a
+/// cgroup path with any `.scope` suffix trimmed.
+fn cgroup_pattern() -> &'static Regex {
+    static PATTERN: OnceLock<Regex> = OnceLock::new();
+    PATTERN.get_or_init(|| {
+        Regex::new(concat!(
+            r"[[:punct:]]pod([[:xdigit:]]{8}[[:punct:]][[:xdigit:]]{4}[[:punct:]]",
+            r"[[:xdigit:]]{4}[[:punct:]][[:xdigit:]]{4}[[:punct:]][[:xdigit:]]{12})[[:punct:]]",
+            r"(?:[[:^punct:]]+[[:punct:]])*",
+            r"([[:^punct:]]+)$",
+        ))
+        .expect("the cgroup pattern is a valid regular expression")
+    })
+}
+
+/// The pod UID and container ID in one cgroup path, if it is a pod's.
+pub fn parse_cgroup_path(path: &str) -> Option<(String, String)> {
+    let path = path.strip_suffix(".scope").unwrap_or(path);
+    let captures = cgroup_pattern().captures(path)?;
+    let uid = captures
+        .get(1)?
+        .as_str()
+        .chars()
+        .map(|c| if c.is_ascii_punctuation() { '-' } else { c })
+        .collect();
+    Some((uid, captures.get(2)?.as_str().to_string()))
+}
+
+/// The pod of a process from the text of its `/proc/PID/cgroup`.
+pub fn parse_cgroup_file(text: &str) -> PodUidLookup {
+    let mut found: Option<(String, String)> = None;
+    for line in text.lines() {
+        // `hierarchy-ID:controller-list:cgroup-path`; the path may hold ':'.
+        let Some(path) = line.splitn(3, ':').nth(2) else {
+            continue;
+        };
+        let Some((uid, container)) = parse_cgroup_path(path) else {
+            continue;
+        };
+        match &found {
+            None => found = Some((uid, container)),
+            Some((u, c)) if *u != uid || *c != container => {
+                return PodUidLookup::Ambiguous(format!(
+                    "cgroups name pod {u} container {c} and pod {uid} container {container}"
+                ))
+            }
+            Some(_) => {}
+        }
+    }
+    match found {
+        Some((uid, container)) => PodUidLookup::Pod { uid, container },
+        None => PodUidLookup::NotInPod,
+    }
+}
+
+/// Reads `<proc_root>/<pid>/cgroup` and finds the process's pod.
+pub fn pod_uid_of_pid(proc_root: &Path, pid: i32) -> PodUidLookup {
+    let file = proc_root.join(pid.to_string()).join("cgroup");
+    match std::fs::read_to_string(&file) {
+        Ok(text) => parse_cgroup_file(&text),
+        Err(e) => PodUidLookup::Unreadable(format!("{}: {e}", file.display())),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const UID: &str = "2c48913c-b29f-11e7-9350-020968147796";
+    const CONTAINER: &str = "9bca8d63d5fa610783847915bcff0ecac1273e5b4bed3f6fa1b07350e0135961";
+
+    #[test]
+    fn cgroupfs_and_systemd_paths_of_both_versions() {
+        let pod = |uid: &str| PodUidLookup::Pod {
+            uid: uid.to_string(),
+            container: CONTAINER.to_string(),
+        };
+        // cgroup v1, cgroupfs driver: one line per hierarchy.
+        let v1 = format!(
+            "12:memory:/kubepods/burstable/pod{UID}/{CONTAINER}\n\
+             11:cpu,cpuacct:/kubepods/burstable/pod{UID}/{CONTAINER}\n\
+             1:name=systemd:/kubepods/burstable/pod{UID}/{CONTAINER}\n\
+             0::/\n"
+        );
+        assert_eq!(parse_cgroup_file(&v1), pod(UID));
+        // cgroup v2, systemd driver: the UID's dashes are underscores.
+        let systemd_uid = UID.replace('-', "_");
+        let v2 = format!(
+            "0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{systemd_uid}.slice/cri-containerd-{CONTAINER}.scope\n"
+        );
+        assert_eq!(parse_cgroup_file(&v2), pod(UID));
+        // Docker-in-docker (kind) and a cgroup namespace's relative path.
+        let kind = format!("0::/docker/abc123/kubepods/besteffort/pod{UID}/{CONTAINER}\n");
+        assert_eq!(parse_cgroup_file(&kind), pod(UID));
+        let namespaced = format!("0::/../../pod{UID}/{CONTAINER}\n");
+        assert_eq!(parse_cgroup_file(&namespaced), pod(UID));
+        // The containerd form with ':' inside the path.
+        let colon =
+            format!("0::/kubepods-besteffort-pod{systemd_uid}.slice:cri-containerd:{CONTAINER}\n");
+        assert_eq!(parse_cgroup_file(&colon), pod(UID));
+    }
+
+    #[test]
+    fn processes_outside_pods_and_ambiguous_ones() {
+        assert_eq!(
+            parse_cgroup_file("0::/user.slice/user-1000.slice/session-2.scope\n"),
+            PodUidLookup::NotInPod
+        );
+        assert_eq!(
+            parse_cgroup_file("0::/kubepods/burstable/podnot-a-uid/abc\n"),
+            PodUidLookup::NotInPod
+        );
+        assert_eq!(parse_cgroup_file(""), PodUidLookup::NotInPod);
+        let other = "11111111-2222-3333-4444-555555555555";
+        let two = format!(
+            "2:memory:/kubepods/pod{UID}/{CONTAINER}\n1:cpu:/kubepods/pod{other}/{CONTAINER}\n"
+        );
+        assert!(matches!(
+            parse_cgroup_file(&two),
+            PodUidLookup::Ambiguous(m) if m.contains(other)
+        ));
+    }
+
+    #[test]
+    fn reads_the_file_under_the_proc_root() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("42")).unwrap();
+        std::fs::write(
+            dir.path().join("42/cgroup"),
+            format!("0::/kubepods/pod{UID}/{CONTAINER}\n"),
+        )
+        .unwrap();
+        assert!(
+            matches!(pod_uid_of_pid(dir.path(), 42), PodUidLookup::Pod { uid, .. } if uid == UID)
+        );
+        assert!(matches!(
+            pod_uid_of_pid(dir.path(), 43),
+            PodUidLookup::Unreadable(m) if m.contains("43/cgroup")
+        ));
+    }
+}

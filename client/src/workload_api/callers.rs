@@ -1,0 +1,147 @@
+//! Who gets which identity: [`CallerPolicy`] (pod mode: the configured
+//! identity for every caller; node mode: the caller's pod's service account)
+//! and the stream limit every stream passes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use meshca_certs::{SpiffeId, TrustDomain};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tonic::{Request, Status};
+
+use super::attest::PodUidLookup;
+use super::feeds::{Feed, Feeds};
+use super::node_pods::NodePods;
+use super::socket::CallerInfo;
+
+/// How long node mode waits for a caller's pod to appear in the watch
+/// before refusing it (a container may call before its pod's event).
+pub const POD_APPEAR_WAIT: Duration = Duration::from_secs(2);
+
+/// Which identity a caller gets.
+#[derive(Debug, Clone)]
+pub enum CallerPolicy {
+    /// Pod mode: every caller on the socket gets this identity.
+    Pod(SpiffeId),
+    /// Node mode: each caller gets its pod's service-account identity.
+    Node {
+        /// The trust domain of the identities.
+        trust_domain: TrustDomain,
+        /// This node's pods.
+        pods: Arc<NodePods>,
+    },
+}
+
+/// What every service shares: the policy, the feeds and the stream limit.
+#[derive(Debug)]
+pub struct Callers {
+    policy: CallerPolicy,
+    feeds: Arc<Feeds>,
+    streams: Arc<Semaphore>,
+    max_streams: usize,
+}
+
+/// A stream's hold on its identity's feed and on a stream slot; dropping
+/// it (the stream closed) frees both.
+#[derive(Debug)]
+pub struct StreamLease {
+    /// The feed of the caller's identity.
+    pub feed: Arc<Feed>,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Callers {
+    /// Serves `policy`'s identities from `feeds`, at most `max_streams`
+    /// streams at once.
+    pub fn new(policy: CallerPolicy, feeds: Arc<Feeds>, max_streams: usize) -> Arc<Self> {
+        Arc::new(Self {
+            policy,
+            feeds,
+            streams: Arc::new(Semaphore::new(max_streams)),
+            max_streams,
+        })
+    }
+
+    /// The feeds.
+    pub fn feeds(&self) -> &Arc<Feeds> {
+        &self.feeds
+    }
+
+    /// Streams open now.
+    pub fn open_streams(&self) -> usize {
+        self.max_streams - self.streams.available_permits()
+    }
+
+    /// The identity of the caller of `request`: `PERMISSION_DENIED` for a
+    /// caller with none, `UNAVAILABLE` while node mode has not listed the
+    /// node's pods yet.
+    pub async fn identity_of<T>(&self, request: &Request<T>) -> Result<SpiffeId, Status> {
+        let caller = request.extensions().get::<CallerInfo>();
+        match &self.policy {
+            CallerPolicy::Pod(identity) => Ok(identity.clone()),
+            CallerPolicy::Node { trust_domain, pods } => {
+                let caller = caller.ok_or_else(|| {
+                    Status::permission_denied("the caller's process could not be identified")
+                })?;
+                let pid = caller.pid.unwrap_or_default();
+                let lookup = caller.pod_uid.as_deref().unwrap_or(&PodUidLookup::NoPid);
+                let uid = match lookup {
+                    PodUidLookup::Pod { uid, .. } => uid,
+                    PodUidLookup::NotInPod => {
+                        tracing::info!(pid, "refused a caller that is not in a pod");
+                        return Err(Status::permission_denied(format!(
+                            "process {pid} does not run in a Kubernetes pod"
+                        )));
+                    }
+                    PodUidLookup::NoPid => {
+                        return Err(Status::permission_denied(
+                            "the socket's peer credentials carry no process ID",
+                        ))
+                    }
+                    PodUidLookup::Ambiguous(why) | PodUidLookup::Unreadable(why) => {
+                        tracing::info!(pid, reason = %why, "refused a caller whose pod is unclear");
+                        return Err(Status::permission_denied(format!(
+                            "cannot tell the pod of process {pid}: {why}"
+                        )));
+                    }
+                };
+                if !pods.is_synced() {
+                    return Err(Status::unavailable(
+                        "this node's pods are not listed from the Kubernetes API yet; retry shortly",
+                    ));
+                }
+                let pod = pods.wait_for(uid, POD_APPEAR_WAIT).await.ok_or_else(|| {
+                    tracing::info!(pid, pod_uid = %uid, node = %pods.node(), "refused a caller whose pod is unknown");
+                    Status::permission_denied(format!(
+                        "pod {uid} of process {pid} is not a pod of node {}",
+                        pods.node()
+                    ))
+                })?;
+                SpiffeId::for_workload(trust_domain, &pod.namespace, &pod.service_account).map_err(
+                    |e| {
+                        Status::permission_denied(format!(
+                            "pod {}/{}: no SPIFFE ID for its service account: {e}",
+                            pod.namespace, pod.name
+                        ))
+                    },
+                )
+            }
+        }
+    }
+
+    /// A stream slot and the feed of `identity`, or `RESOURCE_EXHAUSTED`
+    /// when `max_streams` streams are open.
+    pub fn lease(&self, identity: &SpiffeId) -> Result<StreamLease, Status> {
+        let slot = self.streams.clone().try_acquire_owned().map_err(|_| {
+            tracing::warn!(identity = %identity, max_streams = self.max_streams, "refused a stream: the stream limit is reached");
+            Status::resource_exhausted(format!(
+                "{} streams are open, the most this agent serves (--max-streams)",
+                self.max_streams
+            ))
+        })?;
+        Ok(StreamLease {
+            feed: self.feeds.get(identity),
+            _slot: slot,
+        })
+    }
+}

@@ -1,0 +1,112 @@
+//! [`Credentials`]: what the socket serves for one identity at one moment,
+//! in the encodings both APIs need, computed once per certificate or bundle
+//! change and shared by every stream.
+
+use std::fmt;
+use std::sync::Arc;
+
+use meshca_certs::bundle::{encode_certs_pem, parse_certs_pem};
+use meshca_certs::{SpiffeId, TrustBundle};
+
+use crate::issuer::Svid;
+
+/// One identity's certificate, key and trust bundle.
+///
+/// The trust bundle is every root the agent knows: the roots in the last
+/// element of the CA's answer (during a root rotation it carries every root)
+/// followed by those of the `--root-cert` file not already among them (a
+/// rotated root published in the file arrives before the next renewal).
+pub struct Credentials {
+    /// The SPIFFE ID.
+    pub spiffe_id: SpiffeId,
+    /// The leaf's serial, hex.
+    pub serial_hex: String,
+    /// Leaf then intermediates, DER, one certificate per element.
+    pub chain_der: Vec<Vec<u8>>,
+    /// Every trusted root, DER.
+    pub roots_der: Vec<Vec<u8>>,
+    /// The leaf's key, PKCS#8 DER.
+    key_pkcs8_der: Vec<u8>,
+    /// Leaf then intermediates, PEM.
+    pub chain_pem: String,
+    /// The leaf's key, PKCS#8 PEM.
+    key_pem: String,
+    /// Every trusted root, PEM.
+    pub roots_pem: String,
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credentials")
+            .field("spiffe_id", &self.spiffe_id.as_str())
+            .field("serial_hex", &self.serial_hex)
+            .field("chain", &self.chain_der.len())
+            .field("roots", &self.roots_der.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Credentials {
+    /// Builds the served form of `svid`, trusting its answer's roots and
+    /// those of `file_bundle`.
+    pub fn new(svid: &Svid, file_bundle: &TrustBundle) -> Arc<Self> {
+        let n = svid.chain_pem.len();
+        let (chain_elements, root_element) = if n > 1 {
+            (&svid.chain_pem[..n - 1], Some(&svid.chain_pem[n - 1]))
+        } else {
+            (&svid.chain_pem[..], None)
+        };
+        // The answer was parsed and verified when it arrived, so these
+        // parse; an element that does not is skipped rather than served.
+        let chain_der: Vec<Vec<u8>> = chain_elements
+            .iter()
+            .flat_map(|pem| parse_certs_pem(pem).unwrap_or_default())
+            .collect();
+        let mut roots_der: Vec<Vec<u8>> = root_element
+            .map(|pem| parse_certs_pem(pem).unwrap_or_default())
+            .unwrap_or_default();
+        for root in file_bundle.roots() {
+            if !roots_der.contains(root) {
+                roots_der.push(root.clone());
+            }
+        }
+        Arc::new(Self {
+            spiffe_id: svid.leaf.spiffe_id.clone(),
+            serial_hex: svid.leaf.serial_hex.clone(),
+            chain_pem: encode_certs_pem(&chain_der),
+            roots_pem: encode_certs_pem(&roots_der),
+            key_pkcs8_der: svid.key.to_pkcs8_der(),
+            key_pem: svid.key.to_pkcs8_pem(),
+            chain_der,
+            roots_der,
+        })
+    }
+
+    /// The leaf's key, PKCS#8 DER (the Workload API's `x509_svid_key`).
+    pub fn key_pkcs8_der(&self) -> &[u8] {
+        &self.key_pkcs8_der
+    }
+
+    /// The leaf's key, PKCS#8 PEM (SDS's `private_key`).
+    pub fn key_pem(&self) -> &str {
+        &self.key_pem
+    }
+
+    /// The chain as one DER blob (leaf first), as the Workload API sends it.
+    pub fn chain_der_concat(&self) -> Vec<u8> {
+        self.chain_der.concat()
+    }
+
+    /// Every root as one DER blob, as the Workload API sends a bundle.
+    pub fn roots_der_concat(&self) -> Vec<u8> {
+        self.roots_der.concat()
+    }
+
+    /// Whether serving `self` after `other` is a change a client must see
+    /// (a new certificate or a different bundle).
+    pub fn differs_from(&self, other: &Self) -> bool {
+        self.serial_hex != other.serial_hex
+            || self.spiffe_id != other.spiffe_id
+            || self.roots_der != other.roots_der
+    }
+}

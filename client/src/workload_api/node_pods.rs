@@ -1,0 +1,172 @@
+//! Node mode: the pods of this node, by UID, from a watch on the
+//! Kubernetes API (`spec.nodeName=<node>`: list once, then events).
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Pod;
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use kube::Api;
+use tokio::sync::watch;
+
+/// What the agent needs of a pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodePod {
+    /// Namespace.
+    pub namespace: String,
+    /// Name.
+    pub name: String,
+    /// Service account (`default` when the spec names none).
+    pub service_account: String,
+}
+
+/// The pods of one node by UID, kept current by [`watch_node_pods`].
+#[derive(Debug)]
+pub struct NodePods {
+    node: String,
+    by_uid: RwLock<HashMap<String, NodePod>>,
+    /// Bumped on every change; `None` until the first list has arrived.
+    version: watch::Sender<Option<u64>>,
+}
+
+impl NodePods {
+    /// An empty, not yet synced index of `node`'s pods.
+    pub fn new(node: impl Into<String>) -> Arc<Self> {
+        Arc::new(Self {
+            node: node.into(),
+            by_uid: RwLock::new(HashMap::new()),
+            version: watch::channel(None).0,
+        })
+    }
+
+    /// The node whose pods are indexed.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The pod with this UID, if it is on this node.
+    pub fn get(&self, uid: &str) -> Option<NodePod> {
+        self.by_uid
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(uid)
+            .cloned()
+    }
+
+    /// Whether the first list has arrived.
+    pub fn is_synced(&self) -> bool {
+        self.version.borrow().is_some()
+    }
+
+    /// How many pods are indexed.
+    pub fn len(&self) -> usize {
+        self.by_uid.read().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Whether no pod is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Waits up to `wait` for the pod `uid` to appear (a container may call
+    /// before the watch has delivered its pod); `None` if it does not.
+    pub async fn wait_for(&self, uid: &str, wait: Duration) -> Option<NodePod> {
+        let mut changes = self.version.subscribe();
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            if changes.borrow_and_update().is_some() {
+                if let Some(pod) = self.get(uid) {
+                    return Some(pod);
+                }
+            }
+            match tokio::time::timeout_at(deadline, changes.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return None,
+            }
+        }
+    }
+
+    fn bump(&self) {
+        self.version
+            .send_modify(|v| *v = Some(v.map_or(0, |n| n.wrapping_add(1))));
+    }
+
+    fn replace(&self, pods: &[Pod]) {
+        let map = pods.iter().filter_map(entry).collect();
+        *self.by_uid.write().unwrap_or_else(|e| e.into_inner()) = map;
+        self.bump();
+    }
+
+    fn apply(&self, pod: &Pod) {
+        if let Some((uid, info)) = entry(pod) {
+            self.by_uid
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .insert(uid, info);
+            self.bump();
+        }
+    }
+
+    fn delete(&self, pod: &Pod) {
+        if let Some(uid) = pod.metadata.uid.as_ref() {
+            self.by_uid
+                .write()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(uid);
+            self.bump();
+        }
+    }
+}
+
+/// A pod's UID and what the agent keeps of it; `None` for pods without a
+/// UID or namespace, or that have finished.
+fn entry(pod: &Pod) -> Option<(String, NodePod)> {
+    let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
+    if matches!(phase, Some("Succeeded") | Some("Failed")) {
+        return None;
+    }
+    let uid = pod.metadata.uid.clone()?;
+    let service_account = pod
+        .spec
+        .as_ref()
+        .and_then(|s| s.service_account_name.clone())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "default".to_string());
+    Some((
+        uid,
+        NodePod {
+            namespace: pod.metadata.namespace.clone()?,
+            name: pod.metadata.name.clone().unwrap_or_default(),
+            service_account,
+        },
+    ))
+}
+
+/// Keeps `pods` current from a watch of its node's pods until dropped.
+/// Errors (API down, watch expired) are retried with backoff.
+pub async fn watch_node_pods(client: kube::Client, pods: Arc<NodePods>) {
+    let api: Api<Pod> = Api::all(client);
+    let config = watcher::Config::default().fields(&format!("spec.nodeName={}", pods.node()));
+    let stream = watcher::watcher(api, config).default_backoff();
+    futures::pin_mut!(stream);
+    let mut buffer: Vec<Pod> = Vec::new();
+    while let Some(event) = stream.next().await {
+        match event {
+            Ok(Event::Init) => buffer.clear(),
+            Ok(Event::InitApply(pod)) => buffer.push(pod),
+            Ok(Event::InitDone) => {
+                pods.replace(&buffer);
+                tracing::info!(node = %pods.node(), pods = buffer.len(), "node pod index synced");
+                buffer = Vec::new();
+            }
+            Ok(Event::Apply(pod)) => pods.apply(&pod),
+            Ok(Event::Delete(pod)) => pods.delete(&pod),
+            Err(e) => {
+                tracing::warn!(error = %e, node = %pods.node(), "watching this node's pods failed; retrying");
+            }
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! The Unix socket: binding it safely (parent directory, stale file from a
+//! crashed run replaced, a live agent never displaced, mode so workloads of
+//! any user can connect) and accepting connections with the caller's
+//! credentials recorded for each one.
+
+use std::io;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use futures::Stream;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tonic::transport::server::Connected;
+
+use super::attest::{pod_uid_of_pid, PodUidLookup};
+
+/// Mode of the socket file: every local user may connect. Who gets which
+/// identity is decided per caller (node mode) or by who can reach the
+/// socket's directory (pod mode: a shared `emptyDir`).
+pub const SOCKET_MODE: u32 = 0o777;
+/// Mode of a socket directory the agent creates.
+pub const SOCKET_DIR_MODE: u32 = 0o755;
+
+/// Why the socket could not be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    /// Another process answers on the socket.
+    #[error("{path} is in use by a running process (another meshca-agent?); stop it or choose another --workload-api-socket")]
+    InUse {
+        /// The socket path.
+        path: PathBuf,
+    },
+    /// Something that is not a socket is in the way.
+    #[error(
+        "{path} exists and is not a socket; remove it or choose another --workload-api-socket"
+    )]
+    NotASocket {
+        /// The path.
+        path: PathBuf,
+    },
+    /// An OS call failed.
+    #[error("{action} {path}: {source}")]
+    Io {
+        /// What was being done.
+        action: &'static str,
+        /// On which path.
+        path: PathBuf,
+        /// The OS error.
+        source: io::Error,
+    },
+}
+
+fn io_error<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(io::Error) -> SocketError + 'a {
+    move |source| SocketError::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// Binds `path`: creates the parent directory (0755) if missing, replaces a
+/// stale socket file that nobody answers on, refuses a live one or a
+/// non-socket file, and sets the socket's mode to [`SOCKET_MODE`].
+pub async fn bind(path: &Path) -> Result<UnixListener, SocketError> {
+    if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
+        if !parent.exists() {
+            std::fs::create_dir_all(parent).map_err(io_error("creating the directory", parent))?;
+            std::fs::set_permissions(parent, std::fs::Permissions::from_mode(SOCKET_DIR_MODE))
+                .map_err(io_error("setting the mode of", parent))?;
+        }
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(meta) if meta.file_type().is_socket() => {
+            if UnixStream::connect(path).await.is_ok() {
+                return Err(SocketError::InUse {
+                    path: path.to_path_buf(),
+                });
+            }
+            tracing::info!(socket = %path.display(), "replacing a stale socket file");
+            std::fs::remove_file(path).map_err(io_error("removing the stale socket", path))?;
+        }
+        Ok(_) => {
+            return Err(SocketError::NotASocket {
+                path: path.to_path_buf(),
+            })
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io_error("inspecting", path)(e)),
+    }
+    let listener = UnixListener::bind(path).map_err(io_error("binding", path))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(SOCKET_MODE))
+        .map_err(io_error("setting the mode of", path))?;
+    Ok(listener)
+}
+
+/// Who is on the other end of a connection, as seen when it was accepted.
+#[derive(Debug, Clone)]
+pub struct CallerInfo {
+    /// The peer's process ID (`SO_PEERCRED`), if the OS told us.
+    pub pid: Option<i32>,
+    /// The peer's user ID.
+    pub uid: Option<u32>,
+    /// Node mode: the pod UID read from the peer's cgroups at accept time
+    /// (before the PID could be reused).
+    pub pod_uid: Option<Arc<PodUidLookup>>,
+}
+
+/// An accepted connection with its caller's credentials; holds a
+/// connection slot until it closes.
+#[derive(Debug)]
+pub struct CallerConnection {
+    io: UnixStream,
+    info: CallerInfo,
+    _slot: OwnedSemaphorePermit,
+}
+
+impl Connected for CallerConnection {
+    type ConnectInfo = CallerInfo;
+
+    fn connect_info(&self) -> CallerInfo {
+        self.info.clone()
+    }
+}
+
+impl AsyncRead for CallerConnection {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for CallerConnection {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+/// Accepts connections forever, at most `max_connections` open at once
+/// (accepting waits for a slot), recording each caller's credentials and,
+/// when `proc_root` is given (node mode), its pod UID.
+pub fn accept_callers(
+    listener: UnixListener,
+    max_connections: usize,
+    proc_root: Option<PathBuf>,
+) -> impl Stream<Item = Result<CallerConnection, io::Error>> {
+    let slots = Arc::new(Semaphore::new(max_connections.max(1)));
+    futures::stream::unfold(
+        (listener, slots, proc_root),
+        |(listener, slots, proc_root)| async move {
+            let slot = slots.clone().acquire_owned().await.ok()?;
+            loop {
+                match listener.accept().await {
+                    Ok((io, _)) => {
+                        let cred = io.peer_cred().ok();
+                        let pid = cred.as_ref().and_then(|c| c.pid());
+                        let pod_uid = proc_root.as_ref().map(|root| {
+                            Arc::new(match pid {
+                                Some(pid) => pod_uid_of_pid(root, pid),
+                                None => PodUidLookup::NoPid,
+                            })
+                        });
+                        let info = CallerInfo {
+                            pid,
+                            uid: cred.map(|c| c.uid()),
+                            pod_uid,
+                        };
+                        tracing::debug!(pid = ?info.pid, uid = ?info.uid, "workload connected");
+                        let connection = CallerConnection {
+                            io,
+                            info,
+                            _slot: slot,
+                        };
+                        return Some((
+                            Ok::<_, io::Error>(connection),
+                            (listener, slots, proc_root),
+                        ));
+                    }
+                    Err(e) => {
+                        // Out of file descriptors and the like: wait a little
+                        // instead of spinning, keep serving the open streams.
+                        tracing::warn!(error = %e, "accepting a workload connection failed");
+                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                    }
+                }
+            }
+        },
+    )
+}

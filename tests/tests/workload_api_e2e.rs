@@ -1,0 +1,613 @@
+//! End-to-end tests of `meshca-agent --workload-api-socket`: the real agent
+//! and the real `meshca`, read by independent clients — the `spiffe`
+//! crate's `X509Source` (a SPIFFE Workload API client) and an SDS client
+//! built from the `envoy-types` crate's Envoy protos — over the Unix socket.
+
+// Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime};
+
+use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{secret, Secret};
+use envoy_types::pb::envoy::service::discovery::v3::{DiscoveryRequest, DiscoveryResponse};
+use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client::SecretDiscoveryServiceClient;
+use envoy_types::pb::google::rpc::Status as RpcStatus;
+use hyper_util::rt::TokioIo;
+use meshca_certs::bundle::parse_certs_pem;
+use meshca_certs::inspect::spki_der;
+use meshca_certs::profile::{self_signed_root, SubjectName, Validity};
+use meshca_certs::{KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle};
+use meshca_proto::spiffe_workload::spiffe_workload_api_client::SpiffeWorkloadApiClient;
+use meshca_proto::spiffe_workload::{JwtsvidRequest, X509svidRequest};
+use meshca_tests::fake_kube::{FakeKube, FakeUser};
+use meshca_tests::*;
+use prost::Message;
+use spiffe::X509Source;
+use tokio::net::UnixStream;
+use tonic::transport::{Channel, Endpoint};
+use tonic::Code;
+
+const WEB: &str = "spiffe://cluster.local/ns/default/sa/web";
+const DB: &str = "spiffe://cluster.local/ns/default/sa/db";
+const SECRET_TYPE: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
+
+struct Agent {
+    child: Child,
+    log: PathBuf,
+}
+
+impl Agent {
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts `meshca-agent` against `server` with `args` after the CA flags.
+fn agent(server: &MeshcaServer, dir: &Path, token: &str, name: &str, args: &[&str]) -> Agent {
+    let token_file = dir.join(format!("{name}.token"));
+    std::fs::write(&token_file, token).unwrap();
+    let log = dir.join(format!("{name}.log"));
+    let child = Command::new(&binaries().meshca_agent)
+        .args([
+            "--ca-addr",
+            &format!("https://{}", server.grpc),
+            "--root-cert",
+            &dir.join("root-cert.pem").display().to_string(),
+            "--token-file",
+            &token_file.display().to_string(),
+        ])
+        .args(args)
+        .env("MESHCA_LOG", "info,meshca_client=debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    Agent { child, log }
+}
+
+/// Waits until `socket` accepts connections.
+async fn wait_for_socket(socket: &Path, agent: &mut Agent) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while UnixStream::connect(socket).await.is_err() {
+        if let Ok(Some(status)) = agent.child.try_wait() {
+            panic!("the agent exited ({status}):\n{}", agent.log());
+        }
+        assert!(Instant::now() < deadline, "no socket:\n{}", agent.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A tonic channel over the Unix socket.
+async fn channel(socket: &Path) -> Channel {
+    let socket = socket.to_path_buf();
+    Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let socket = socket.clone();
+            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
+        }))
+        .await
+        .unwrap()
+}
+
+async fn x509_source(socket: &Path) -> Result<X509Source, spiffe::X509SourceError> {
+    X509Source::builder()
+        .endpoint(format!("unix://{}", socket.display()))
+        .initial_sync_timeout(Duration::from_secs(30))
+        .build()
+        .await
+}
+
+/// Checks what an `X509Source` holds: the SVID is `expected`, its key is
+/// the leaf's, the bundle of its trust domain verifies the chain. Returns
+/// the leaf's serial and the number of roots.
+fn check_source(source: &X509Source, expected: &str) -> (String, usize) {
+    let svid = source.svid().unwrap();
+    assert_eq!(svid.spiffe_id().to_string(), expected);
+    let chain: Vec<Vec<u8>> = svid
+        .cert_chain()
+        .iter()
+        .map(|c| c.as_bytes().to_vec())
+        .collect();
+    let key = PrivateKey::from_pkcs8_der(svid.private_key().as_bytes()).unwrap();
+    assert_eq!(
+        spki_der(&chain[0]).unwrap(),
+        key.public_key_spki_der(),
+        "the key is the leaf's"
+    );
+    let bundle = source
+        .try_bundle_for_trust_domain(svid.spiffe_id().trust_domain())
+        .expect("a bundle for the SVID's trust domain");
+    let roots: Vec<Vec<u8>> = bundle
+        .authorities()
+        .iter()
+        .map(|c| c.as_bytes().to_vec())
+        .collect();
+    let verified = meshca_certs::verify::verify_svid(
+        &chain,
+        &TrustBundle::new(roots.clone()),
+        SystemTime::now(),
+        Some(&SpiffeId::parse(expected).unwrap()),
+    )
+    .expect("the bundle verifies the chain");
+    (verified.serial_hex, roots.len())
+}
+
+/// A root that is not meshca's, PEM.
+fn foreign_root_pem() -> String {
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    self_signed_root(
+        &key,
+        &SubjectName {
+            common_name: Some("next root".into()),
+            ..Default::default()
+        },
+        Validity::backdated(time::OffsetDateTime::now_utc(), time::Duration::days(30)),
+    )
+    .unwrap()
+    .to_pem()
+}
+
+#[tokio::test]
+async fn pod_mode_serves_x509_source_with_rotation_and_bundle_updates() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = MeshcaServer::start(&dir.path().join("data"), &[]).unwrap();
+    std::fs::write(dir.path().join("root-cert.pem"), server.root_pem()).unwrap();
+    // The socket's directory does not exist yet: the agent makes it.
+    let socket = dir.path().join("uds/agent.sock");
+    let socket_arg = socket.display().to_string();
+    let mut agent = agent(
+        &server,
+        dir.path(),
+        &server.token("default", "web"),
+        "agent",
+        &[
+            "--spiffe-id",
+            WEB,
+            "--ttl",
+            "8s",
+            "--workload-api-socket",
+            &socket_arg,
+            "--bundle-refresh",
+            "200ms",
+        ],
+    );
+    wait_for_socket(&socket, &mut agent).await;
+    let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o777, "any workload may connect");
+
+    let source = x509_source(&socket).await.expect("an X509Source syncs");
+    let (first, roots) = check_source(&source, WEB);
+    assert_eq!(roots, 1);
+
+    // A rotation (8 s certificates renew at about 4 s) arrives on the open stream.
+    let mut updates = source.updated();
+    let rotated = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            updates.changed().await.unwrap();
+            let (serial, _) = check_source(&source, WEB);
+            if serial != first {
+                return serial;
+            }
+        }
+    })
+    .await
+    .expect("a rotation arrives within 30 s");
+    assert_ne!(rotated, first);
+
+    // A second root published in the --root-cert file (a root rotation's
+    // announced phase) is pushed as a bundle update, both roots served.
+    let next_root = foreign_root_pem();
+    std::fs::write(
+        dir.path().join("root-cert.pem"),
+        format!("{}{next_root}", server.root_pem()),
+    )
+    .unwrap();
+    let next_root_der = parse_certs_pem(&next_root).unwrap().remove(0);
+    tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            updates.changed().await.unwrap();
+            let svid = source.svid().unwrap();
+            let bundle = source
+                .try_bundle_for_trust_domain(svid.spiffe_id().trust_domain())
+                .unwrap();
+            let authorities: Vec<&[u8]> =
+                bundle.authorities().iter().map(|c| c.as_bytes()).collect();
+            if authorities.contains(&next_root_der.as_slice()) {
+                assert_eq!(authorities.len(), 2, "both roots during the grace period");
+                return;
+            }
+        }
+    })
+    .await
+    .expect("the bundle update arrives");
+    check_source(&source, WEB);
+
+    // Without the security header: INVALID_ARGUMENT; JWT: UNIMPLEMENTED.
+    let mut raw = SpiffeWorkloadApiClient::new(channel(&socket).await);
+    let status = raw
+        .fetch_x509svid(X509svidRequest {})
+        .await
+        .expect_err("no header");
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status.message().contains("workload.spiffe.io"),
+        "{status:?}"
+    );
+    let mut request = tonic::Request::new(JwtsvidRequest {
+        audience: vec!["x".into()],
+        spiffe_id: String::new(),
+    });
+    request
+        .metadata_mut()
+        .insert("workload.spiffe.io", "true".parse().unwrap());
+    let status = raw.fetch_jwtsvid(request).await.expect_err("no JWT");
+    assert_eq!(status.code(), Code::Unimplemented, "{status:?}");
+
+    // A second agent on the live socket is refused; after a crash (the
+    // socket file stays behind) a new agent replaces the stale file.
+    let mut second = agent_on_socket(&server, dir.path(), "second", &socket_arg);
+    let status = second.child.wait().unwrap();
+    assert!(!status.success());
+    assert!(second.log().contains("in use"), "{}", second.log());
+    source.shutdown().await;
+    drop(agent);
+    assert!(socket.exists(), "a killed agent leaves its socket file");
+    let mut third = agent_on_socket(&server, dir.path(), "third", &socket_arg);
+    wait_for_socket(&socket, &mut third).await;
+    let source = x509_source(&socket).await.expect("served again");
+    check_source(&source, WEB);
+    source.shutdown().await;
+}
+
+fn agent_on_socket(server: &MeshcaServer, dir: &Path, name: &str, socket: &str) -> Agent {
+    agent(
+        server,
+        dir,
+        &server.token("default", "web"),
+        name,
+        &["--spiffe-id", WEB, "--workload-api-socket", socket],
+    )
+}
+
+/// Unpacks an SDS response: (name, secret) pairs.
+fn secrets(response: &DiscoveryResponse) -> Vec<Secret> {
+    assert_eq!(response.type_url, SECRET_TYPE);
+    response
+        .resources
+        .iter()
+        .map(|any| {
+            assert_eq!(any.type_url, SECRET_TYPE);
+            Secret::decode(any.value.as_slice()).unwrap()
+        })
+        .collect()
+}
+
+fn inline_bytes(source: &Option<envoy_types::pb::envoy::config::core::v3::DataSource>) -> String {
+    use envoy_types::pb::envoy::config::core::v3::data_source::Specifier;
+    match source.as_ref().and_then(|s| s.specifier.as_ref()) {
+        Some(Specifier::InlineBytes(bytes)) => String::from_utf8(bytes.clone()).unwrap(),
+        other => panic!("expected inline bytes, got {other:?}"),
+    }
+}
+
+/// Checks an SDS answer holding `default` and `ROOTCA`: the key is the
+/// leaf's, the roots verify the chain. Returns the leaf's serial.
+fn check_sds(response: &DiscoveryResponse, expected: &str) -> String {
+    let secrets = secrets(response);
+    let names: Vec<&str> = secrets.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["default", "ROOTCA"], "unknown names are left out");
+    let (chain, key) = match &secrets[0].r#type {
+        Some(secret::Type::TlsCertificate(tls)) => (
+            parse_certs_pem(&inline_bytes(&tls.certificate_chain)).unwrap(),
+            PrivateKey::from_pem(&inline_bytes(&tls.private_key)).unwrap(),
+        ),
+        other => panic!("default is a tls_certificate, got {other:?}"),
+    };
+    let roots = match &secrets[1].r#type {
+        Some(secret::Type::ValidationContext(context)) => {
+            parse_certs_pem(&inline_bytes(&context.trusted_ca)).unwrap()
+        }
+        other => panic!("ROOTCA is a validation_context, got {other:?}"),
+    };
+    assert_eq!(spki_der(&chain[0]).unwrap(), key.public_key_spki_der());
+    meshca_certs::verify::verify_svid(
+        &chain,
+        &TrustBundle::new(roots),
+        SystemTime::now(),
+        Some(&SpiffeId::parse(expected).unwrap()),
+    )
+    .expect("ROOTCA verifies the chain")
+    .serial_hex
+}
+
+fn sds_request(names: &[&str], version: &str, nonce: &str, nack: bool) -> DiscoveryRequest {
+    DiscoveryRequest {
+        version_info: version.to_string(),
+        resource_names: names.iter().map(|n| n.to_string()).collect(),
+        type_url: SECRET_TYPE.to_string(),
+        response_nonce: nonce.to_string(),
+        error_detail: nack.then(|| RpcStatus {
+            code: Code::InvalidArgument as i32,
+            message: "test NACK".into(),
+            details: Vec::new(),
+        }),
+        ..Default::default()
+    }
+}
+
+#[tokio::test]
+async fn pod_mode_serves_envoy_sds_with_ack_nack_and_pushes() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = MeshcaServer::start(&dir.path().join("data"), &[]).unwrap();
+    std::fs::write(dir.path().join("root-cert.pem"), server.root_pem()).unwrap();
+    let socket = dir.path().join("agent.sock");
+    let socket_arg = socket.display().to_string();
+    let mut agent = agent(
+        &server,
+        dir.path(),
+        &server.token("default", "web"),
+        "agent",
+        &[
+            "--spiffe-id",
+            WEB,
+            "--ttl",
+            "20s",
+            "--workload-api-socket",
+            &socket_arg,
+        ],
+    );
+    wait_for_socket(&socket, &mut agent).await;
+    let mut client = SecretDiscoveryServiceClient::new(channel(&socket).await);
+
+    // Unary fetch.
+    let fetched = client
+        .fetch_secrets(sds_request(&["default", "ROOTCA"], "", "", false))
+        .await
+        .unwrap()
+        .into_inner();
+    check_sds(&fetched, WEB);
+
+    // A stream: the first answer, an unknown name left out.
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(sds_request(
+        &["default", "ROOTCA", "no-such-secret"],
+        "",
+        "",
+        false,
+    ))
+    .await
+    .unwrap();
+    let mut responses = client
+        .stream_secrets(tokio_stream::wrappers::ReceiverStream::new(rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let first = responses.message().await.unwrap().unwrap();
+    let first_serial = check_sds(&first, WEB);
+    assert!(!first.version_info.is_empty() && !first.nonce.is_empty());
+
+    // NACK it, then ask for other names: the stream still answers, with a
+    // new version and nonce.
+    tx.send(sds_request(
+        &["default", "ROOTCA", "no-such-secret"],
+        "",
+        &first.nonce,
+        true,
+    ))
+    .await
+    .unwrap();
+    tx.send(sds_request(&["no-such-secret"], "", &first.nonce, false))
+        .await
+        .unwrap();
+    let empty = responses.message().await.unwrap().unwrap();
+    assert!(empty.resources.is_empty(), "unknown names: an empty answer");
+    assert_ne!(empty.nonce, first.nonce);
+    assert_ne!(empty.version_info, first.version_info);
+
+    // Back to the real names, ACK, and wait for the rotation push.
+    tx.send(sds_request(
+        &["default", "ROOTCA"],
+        &empty.version_info,
+        &empty.nonce,
+        false,
+    ))
+    .await
+    .unwrap();
+    let again = responses.message().await.unwrap().unwrap();
+    assert_eq!(check_sds(&again, WEB), first_serial, "same certificate");
+    tx.send(sds_request(
+        &["default", "ROOTCA"],
+        &again.version_info,
+        &again.nonce,
+        false,
+    ))
+    .await
+    .unwrap();
+    let pushed = tokio::time::timeout(Duration::from_secs(40), responses.message())
+        .await
+        .expect("a rotation push within 40 s (20 s certificates renew at about 10 s)")
+        .unwrap()
+        .unwrap();
+    assert_ne!(
+        check_sds(&pushed, WEB),
+        first_serial,
+        "the rotated certificate"
+    );
+    assert_ne!(pushed.nonce, again.nonce);
+
+    // Incremental SDS is not implemented.
+    let (_delta_tx, delta_rx) = tokio::sync::mpsc::channel(1);
+    let status = client
+        .delta_secrets(tokio_stream::wrappers::ReceiverStream::new(delta_rx))
+        .await
+        .expect_err("delta");
+    assert_eq!(status.code(), Code::Unimplemented);
+    assert!(
+        agent.log().contains("NACK"),
+        "the NACK is logged:\n{}",
+        agent.log()
+    );
+}
+
+/// Writes the fake cgroup file of `pid` under `proc_root`.
+fn set_cgroup(proc_root: &Path, pid: u32, contents: &str) {
+    let dir = proc_root.join(pid.to_string());
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("cgroup"), contents).unwrap();
+}
+
+const WEB_POD_UID: &str = "0f0e0d0c-1111-4222-8333-444455556666";
+const DB_POD_UID: &str = "7a7b7c7d-aaaa-4bbb-8ccc-dddddddddddd";
+const CONTAINER: &str = "3b1ad5e2c0f4a8b9c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4";
+
+#[tokio::test]
+async fn node_mode_serves_each_pod_its_identity() {
+    let dir = tempfile::tempdir().unwrap();
+    let kube = FakeKube::start(dir.path()).await;
+    kube.add_pod(
+        "istio-system",
+        "meshca-agent-pod",
+        "uid-meshca-agent",
+        "meshca-agent",
+        "node-a",
+    );
+    kube.add_pod("default", "web-1", WEB_POD_UID, "web", "node-a");
+    kube.add_pod("default", "db-1", DB_POD_UID, "db", "node-a");
+    kube.add_token(
+        "agent-token",
+        FakeUser::service_account("istio-system", "meshca-agent"),
+    );
+    let server = start_off_runtime(
+        dir.path().join("data"),
+        vec![
+            "--kubeconfig".into(),
+            kube.kubeconfig.display().to_string(),
+            "--trusted-node-agent".into(),
+            "istio-system/meshca-agent".into(),
+        ],
+    )
+    .await;
+    std::fs::write(dir.path().join("root-cert.pem"), server.root_pem()).unwrap();
+    let proc_root = dir.path().join("proc");
+    let me = std::process::id();
+    // The test process is the caller; its cgroup file says which pod it is
+    // in when each connection is accepted.
+    set_cgroup(
+        &proc_root,
+        me,
+        &format!("0::/kubepods/burstable/pod{WEB_POD_UID}/{CONTAINER}\n"),
+    );
+    let socket = dir.path().join("node/agent.sock");
+    let mut agent = agent(
+        &server,
+        dir.path(),
+        "agent-token",
+        "agent",
+        &[
+            "--node-agent",
+            "--node-name",
+            "node-a",
+            "--kubeconfig",
+            &kube.kubeconfig.display().to_string(),
+            "--proc-root",
+            &proc_root.display().to_string(),
+            "--workload-api-socket",
+            &socket.display().to_string(),
+        ],
+    );
+    wait_for_socket(&socket, &mut agent).await;
+    let web = x509_source(&socket).await.expect("the web pod's source");
+    check_source(&web, WEB);
+
+    // The systemd driver's form of the other pod (cgroup v1 lines).
+    let systemd_uid = DB_POD_UID.replace('-', "_");
+    set_cgroup(
+        &proc_root,
+        me,
+        &format!(
+            "12:memory:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{systemd_uid}.slice/cri-containerd-{CONTAINER}.scope\n\
+             1:name=systemd:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{systemd_uid}.slice/cri-containerd-{CONTAINER}.scope\n"
+        ),
+    );
+    let db = x509_source(&socket).await.expect("the db pod's source");
+    check_source(&db, DB);
+    check_source(&web, WEB);
+
+    // A caller that is not in a pod, and one whose pod is not on this node.
+    let mut header = tonic::metadata::MetadataMap::new();
+    header.insert("workload.spiffe.io", "true".parse().unwrap());
+    for (cgroup, needle) in [
+        (
+            "0::/user.slice/user-1000.slice/session-1.scope\n".to_string(),
+            "not run in a Kubernetes pod",
+        ),
+        (
+            format!("0::/kubepods/pod99999999-9999-4999-8999-999999999999/{CONTAINER}\n"),
+            "is not a pod of node node-a",
+        ),
+    ] {
+        set_cgroup(&proc_root, me, &cgroup);
+        let mut raw = SpiffeWorkloadApiClient::new(channel(&socket).await);
+        let mut request = tonic::Request::new(X509svidRequest {});
+        *request.metadata_mut() = header.clone();
+        let status = match raw.fetch_x509svid(request).await {
+            Err(status) => status,
+            Ok(mut stream) => stream
+                .get_mut()
+                .message()
+                .await
+                .expect_err("no identity for this caller"),
+        };
+        assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+        assert!(status.message().contains(needle), "{status:?}");
+    }
+    // The two pods' streams are still served.
+    check_source(&web, WEB);
+    check_source(&db, DB);
+    web.shutdown().await;
+    db.shutdown().await;
+    assert!(
+        server.log().contains("meshca-agent"),
+        "the CA issued to the node agent:\n{}",
+        server.log()
+    );
+}
+
+#[test]
+fn agent_manifests_name_real_flags() {
+    let help = Command::new(&binaries().meshca_agent)
+        .arg("--help")
+        .output()
+        .unwrap();
+    let help = String::from_utf8(help.stdout).unwrap();
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kustomize");
+    let mut checked = 0;
+    for dir in ["agent-pod", "agent-node"] {
+        for entry in std::fs::read_dir(deploy.join(dir)).unwrap() {
+            let text = std::fs::read_to_string(entry.unwrap().path()).unwrap();
+            for line in text.lines() {
+                let Some(name) = line.trim().strip_prefix("- name: MESHCA_") else {
+                    continue;
+                };
+                let env = format!("MESHCA_{name}");
+                assert!(
+                    help.contains(&format!("[env: {env}=")),
+                    "{dir}: {env} is not a flag of meshca-agent"
+                );
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 10, "{checked} variables checked");
+}
