@@ -260,7 +260,12 @@ fn rendered_overlays_match_when_kubectl_is_available() {
     if !version.status.success() {
         return;
     }
-    for overlay in ["self-signed", "plugged-in", "pod-certificates", "node-agent"] {
+    for overlay in [
+        "self-signed",
+        "plugged-in",
+        "pod-certificates",
+        "node-agent",
+    ] {
         let out = std::process::Command::new("kubectl")
             .arg("kustomize")
             .arg(deploy_dir().join("overlays").join(overlay))
