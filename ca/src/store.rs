@@ -1,5 +1,5 @@
 //! CA key material: where the signing certificate, its key, the chain and
-//! the trust bundle come from (DESIGN §4.1).
+//! the trust bundle come from (README, "Using your own CA").
 //!
 //! - [`load_ca_dir`]: a plugged-in CA in Istio's `cacerts` layout
 //!   (`ca-cert.pem`, `ca-key.pem`, `cert-chain.pem`, `root-cert.pem`) or the

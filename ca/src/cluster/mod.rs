@@ -1,4 +1,4 @@
-//! meshca in a cluster (DESIGN §4.1, §7): state in Kubernetes objects,
+//! meshca in a cluster (README, "Running in a cluster"; ARCHITECTURE.md, "In a cluster"): state in Kubernetes objects,
 //! coordination through the Kubernetes API only.
 //!
 //! - [`root_secret`]: the self-signed root in the Secret `istio-ca-secret`,

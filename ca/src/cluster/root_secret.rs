@@ -1,4 +1,4 @@
-//! The self-signed root kept in the Secret `istio-ca-secret` (DESIGN §4.1),
+//! The self-signed root kept in the Secret `istio-ca-secret` (README, "Running in a cluster"),
 //! and its rotation as a state machine over that Secret.
 //!
 //! The Secret is the single source of truth: every replica signs with what
