@@ -217,9 +217,11 @@ pub struct ServeArgs {
     pub root_rotation_at: f64,
 
     /// During a root rotation, how long both roots are published before
-    /// signing switches to the new one (time for clients to pick up the bundle).
-    #[arg(long, env = "MESHCA_ROOT_ROTATION_GRACE", default_value = "1h", value_parser = parse_duration)]
-    pub root_rotation_grace: Duration,
+    /// signing switches to the new one (time for clients to pick up the
+    /// bundle). Default: half of --workload-cert-ttl plus 1h (13h), so a
+    /// client that learns roots only when it renews renews in time.
+    #[arg(long, env = "MESHCA_ROOT_ROTATION_GRACE", value_parser = parse_duration)]
+    pub root_rotation_grace: Option<Duration>,
 
     /// Namespaces that get no `istio-ca-root-cert` ConfigMap; repeatable.
     #[arg(
@@ -486,7 +488,9 @@ impl TryFrom<ServeArgs> for Config {
                 namespace: args.namespace.filter(|n| !n.trim().is_empty()),
                 root_ttl: args.self_signed_root_ttl,
                 rotation_at: args.root_rotation_at,
-                rotation_grace: args.root_rotation_grace,
+                rotation_grace: args.root_rotation_grace.unwrap_or_else(|| {
+                    crate::cluster::root_secret::safe_rotation_grace(args.workload_cert_ttl)
+                }),
                 bundle_excluded_namespaces: args
                     .bundle_exclude_namespaces
                     .into_iter()
@@ -554,6 +558,7 @@ mod tests {
         assert!(c.server_dns.contains(&"localhost".to_string()));
         assert_eq!(c.max_connection_age, Some(Duration::from_secs(30 * 60)));
         assert_eq!(c.request_timeout, Duration::from_secs(30));
+        assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
         assert_eq!(c.max_connection_idle, Some(Duration::from_secs(5 * 60)));
         assert_eq!(c.max_connections, 4096);
         assert_eq!(c.tls_handshake_timeout, Duration::from_secs(10));
@@ -580,6 +585,14 @@ mod tests {
             let err = parse(&refused).err().unwrap();
             assert!(err.contains(refused[0]), "{err}");
         }
+    }
+
+    #[test]
+    fn rotation_grace_follows_the_workload_lifetime_unless_given() {
+        let c = parse(&["--workload-cert-ttl", "48h"]).unwrap();
+        assert_eq!(c.cluster.rotation_grace, Duration::from_secs(25 * 3600));
+        let c = parse(&["--workload-cert-ttl", "48h", "--root-rotation-grace", "2h"]).unwrap();
+        assert_eq!(c.cluster.rotation_grace, Duration::from_secs(2 * 3600));
     }
 
     #[test]

@@ -418,6 +418,9 @@ fn start_cluster_tasks(
         grace: config.cluster.rotation_grace,
         max_leaf_ttl: config.ttl.max,
     };
+    if root_in_secret {
+        cluster::warn_if_rotation_unsafe(&policy, config.ttl.default, config.ca_expiry_margin);
+    }
     let (client, namespace, authority, metrics) = (
         client.clone(),
         namespace.to_string(),

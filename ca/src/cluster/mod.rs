@@ -1,5 +1,5 @@
-//! meshca in a cluster (README, "Running in a cluster"; ARCHITECTURE.md, "In a cluster"): state in Kubernetes objects,
-//! coordination through the Kubernetes API only.
+//! meshca in a cluster (README: "Running in a cluster"): state in
+//! Kubernetes objects, coordination through the Kubernetes API only.
 //!
 //! - [`root_secret`]: the self-signed root in the Secret `istio-ca-secret`,
 //!   created with create-if-absent semantics so replicas agree on one root,
@@ -191,6 +191,19 @@ pub(crate) async fn load_or_create_root_secret(
         }
         Err(kube::Error::Api(e)) if e.code == 404 => Ok(SecretLoad::NotServed),
         Err(e) => Err(api_error("creating")(e)),
+    }
+}
+
+/// Logs a warning, at start, for each reason a root rotation under
+/// `policy` would break clients (see [`RotationPolicy::unsafe_because`]).
+/// meshca still starts: short settings are how rotation is tried out.
+pub fn warn_if_rotation_unsafe(
+    policy: &RotationPolicy,
+    default_leaf_ttl: Duration,
+    expiry_margin: Duration,
+) {
+    for problem in policy.unsafe_because(default_leaf_ttl, expiry_margin) {
+        tracing::warn!(problem = %problem, "root rotation would not be safe for clients");
     }
 }
 

@@ -1,5 +1,6 @@
-//! The self-signed root kept in the Secret `istio-ca-secret` (README, "Running in a cluster"),
-//! and its rotation as a state machine over that Secret.
+//! The self-signed root kept in the Secret `istio-ca-secret` (README:
+//! "Running in a cluster"), and its rotation as a state machine over that
+//! Secret.
 //!
 //! The Secret is the single source of truth: every replica signs with what
 //! it holds, and the only writer is the leader (rotation) or whoever wins
@@ -18,7 +19,11 @@
 //! 1. `stable`: one root, signing, alone in the bundle.
 //! 2. `announced`: a new root (new key) is in the bundle beside the old;
 //!    the old still signs, for `--root-rotation-grace`, so every client
-//!    picks up the bundle before any leaf chains to the new root.
+//!    picks up the bundle before any leaf chains to the new root. Clients
+//!    that learn roots only from their answers (every answer ends with the
+//!    whole bundle) pick it up when they renew, so the default grace is
+//!    longer than a default certificate's renewal interval
+//!    ([`safe_rotation_grace`]).
 //! 3. `switched`: the new root signs; the old stays in the bundle until the
 //!    last leaf it signed has expired (`meshca.io/retire-previous-root-after`:
 //!    switch time + the longest workload lifetime + the grace period, never
@@ -125,6 +130,20 @@ impl RotationPhase {
     }
 }
 
+/// What is added to the longest renewal interval of a default-lifetime
+/// certificate to make the announced phase: time for renewals that are
+/// jittered, retried after a failure or held up by a slow bundle ConfigMap.
+pub const ROTATION_GRACE_MARGIN: Duration = Duration::from_secs(3600);
+
+/// The shortest announced phase that a client learning roots only when it
+/// renews survives: half of the default workload lifetime (Istio's agents
+/// and ztunnel renew at half of it) plus [`ROTATION_GRACE_MARGIN`]. Every
+/// such client then renews, and learns the new root, before any leaf
+/// chains to it. The default of `--root-rotation-grace` (13 h for 24 h).
+pub fn safe_rotation_grace(default_leaf_ttl: Duration) -> Duration {
+    default_leaf_ttl / 2 + ROTATION_GRACE_MARGIN
+}
+
 /// When and how the root rotates.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct RotationPolicy {
@@ -136,6 +155,49 @@ pub(crate) struct RotationPolicy {
     pub(crate) grace: Duration,
     /// Longest lifetime of a leaf the CA signs.
     pub(crate) max_leaf_ttl: Duration,
+}
+
+impl RotationPolicy {
+    /// Why a rotation under this policy would break clients, one sentence
+    /// per problem (empty: none). `default_leaf_ttl` is what a request
+    /// asking for no lifetime gets; `expiry_margin` is how long before its
+    /// end a root stops signing.
+    pub fn unsafe_because(
+        &self,
+        default_leaf_ttl: Duration,
+        expiry_margin: Duration,
+    ) -> Vec<String> {
+        let mut problems = Vec::new();
+        let needed = safe_rotation_grace(default_leaf_ttl);
+        if self.grace < needed {
+            problems.push(format!(
+                "--root-rotation-grace {} is shorter than half of --workload-cert-ttl {} plus {}: \
+                 a client that learns roots only when it renews (Istio's agents and ztunnel renew at half \
+                 the lifetime) may not renew while the new root is announced, and after the switch it \
+                 cannot verify peers holding new certificates until it does; use at least {}",
+                humantime::format_duration(self.grace),
+                humantime::format_duration(default_leaf_ttl),
+                humantime::format_duration(ROTATION_GRACE_MARGIN),
+                humantime::format_duration(needed),
+            ));
+        }
+        let left = self
+            .root_ttl
+            .mul_f64((1.0 - self.rotate_at).clamp(0.0, 1.0));
+        if left < self.grace + expiry_margin {
+            problems.push(format!(
+                "a root lives --self-signed-root-ttl {} and rotates at --root-rotation-at {}, which leaves \
+                 {}: less than --root-rotation-grace {} plus --ca-expiry-margin {}, so the old root stops \
+                 signing before the new one takes over",
+                humantime::format_duration(self.root_ttl),
+                self.rotate_at,
+                humantime::format_duration(Duration::from_secs(left.as_secs())),
+                humantime::format_duration(self.grace),
+                humantime::format_duration(expiry_margin),
+            ));
+        }
+        problems
+    }
 }
 
 /// A root (certificate DER and private key PEM).
@@ -552,6 +614,78 @@ mod tests {
         assert_eq!(stable.bundle, vec![new.cert]);
         assert_eq!(stable.phase, RotationPhase::Stable);
         assert_eq!(stable.due_step(&p, t3), None);
+    }
+
+    /// The roots of the last element a replica answers with in this state
+    /// of the Secret, after a round trip through the Secret as a follower
+    /// reads it.
+    fn answered_roots(s: &RootSecret, now: OffsetDateTime) -> Vec<Vec<u8>> {
+        let read = RootSecret::from_secret(&s.to_secret("ns", None), "ns").unwrap();
+        let tail = read.material("ns", now).unwrap().response_tail_pem();
+        assert_eq!(tail.len(), 1, "a self-signed root: the roots element alone");
+        parse_certs_pem(&tail[0]).unwrap()
+    }
+
+    #[test]
+    fn every_phase_answers_every_root_of_the_bundle_signing_root_first() {
+        let t0 = OffsetDateTime::now_utc();
+        let p = policy();
+        let (old, new) = (root(t0), root(t0));
+        let stable = RootSecret::new(old.clone());
+        assert_eq!(answered_roots(&stable, t0), vec![old.cert.clone()]);
+        let announced = stable.after(RotationStep::Announce, Some(new.clone()), &p, t0);
+        assert_eq!(
+            answered_roots(&announced, t0),
+            vec![old.cert.clone(), new.cert.clone()]
+        );
+        let switched = announced.after(RotationStep::Switch, None, &p, t0);
+        assert_eq!(
+            answered_roots(&switched, t0),
+            vec![new.cert.clone(), old.cert.clone()]
+        );
+        let retired = switched.after(RotationStep::Retire, None, &p, t0);
+        assert_eq!(answered_roots(&retired, t0), vec![new.cert]);
+    }
+
+    #[test]
+    fn the_default_grace_outlasts_a_default_renewal_and_short_ones_are_named() {
+        let day = Duration::from_secs(86_400);
+        let grace = safe_rotation_grace(day);
+        assert_eq!(grace, Duration::from_secs(13 * 3600));
+        let safe = RotationPolicy {
+            root_ttl: Duration::from_secs(3650 * 86_400),
+            rotate_at: 0.8,
+            grace,
+            max_leaf_ttl: 90 * day,
+        };
+        assert!(safe
+            .unsafe_because(day, Duration::from_secs(600))
+            .is_empty());
+        // The old default, 1 h, is shorter than a 24 h certificate's renewal.
+        let short = RotationPolicy {
+            grace: Duration::from_secs(3600),
+            ..safe
+        };
+        let problems = short.unsafe_because(day, Duration::from_secs(600));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("--root-rotation-grace 1h") && problems[0].contains("13h"),
+            "{}",
+            problems[0]
+        );
+        // A root that rotates too late to announce for the grace period.
+        let late = RotationPolicy {
+            root_ttl: 10 * day,
+            rotate_at: 0.99,
+            ..safe
+        };
+        let problems = late.unsafe_because(day, Duration::from_secs(600));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("--root-rotation-at 0.99"),
+            "{}",
+            problems[0]
+        );
     }
 
     #[test]
