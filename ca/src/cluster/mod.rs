@@ -197,7 +197,7 @@ pub(crate) async fn load_or_create_root_secret(
 /// Logs a warning, at start, for each reason a root rotation under
 /// `policy` would break clients (see [`RotationPolicy::unsafe_because`]).
 /// meshca still starts: short settings are how rotation is tried out.
-pub fn warn_if_rotation_unsafe(
+pub(crate) fn warn_if_rotation_unsafe(
     policy: &RotationPolicy,
     default_leaf_ttl: Duration,
     expiry_margin: Duration,
