@@ -21,6 +21,12 @@ pub const DEFAULT_SERVER_DNS: [&str; 2] = ["istiod.istio-system.svc", "localhost
 /// Default cluster ID, as Istio's.
 pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
 
+/// gRPC connections open at once unless `--max-connections` says
+/// otherwise: half the Deployment's memory limit (256 MiB) less the
+/// server's idle RSS, divided by the memory of one idle connection
+/// (README, "Flags", has the formula).
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 4096;
+
 /// HTTP/2 streams (requests) one connection may have open at once unless
 /// `--max-concurrent-streams` says otherwise. A node agent such as ztunnel
 /// asks for every pod of its node over one connection; beyond this many
@@ -151,6 +157,28 @@ pub struct ServeArgs {
     /// forever; 0: never. Istio's istiod uses 30m.
     #[arg(long, env = "MESHCA_MAX_CONNECTION_AGE", default_value = "30m", value_parser = parse_duration)]
     pub max_connection_age: Duration,
+
+    /// A connection with no open stream (request) for this long is asked
+    /// to go away (HTTP/2 GOAWAY), gRPC's MAX_CONNECTION_IDLE; its client
+    /// reconnects on its next call. 0: never.
+    #[arg(long, env = "MESHCA_MAX_CONNECTION_IDLE", default_value = "5m", value_parser = parse_duration)]
+    pub max_connection_idle: Duration,
+
+    /// gRPC connections open at once (in their TLS handshake or
+    /// established); a connection beyond it is closed as soon as it is
+    /// accepted. Sized from the memory limit (README, "Flags").
+    #[arg(
+        long,
+        env = "MESHCA_MAX_CONNECTIONS",
+        default_value_t = DEFAULT_MAX_CONNECTIONS,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub max_connections: u32,
+
+    /// A client that has not completed its TLS handshake this long after
+    /// connecting is dropped.
+    #[arg(long, env = "MESHCA_TLS_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
+    pub tls_handshake_timeout: Duration,
 
     /// A request not answered within this time is ended with CANCELLED
     /// (a shorter `grpc-timeout` from the client wins), so a client that
@@ -341,6 +369,12 @@ pub struct Config {
     pub max_connection_age: Option<Duration>,
     /// Longest time a request is served before it is cancelled.
     pub request_timeout: Duration,
+    /// Connections with no open stream this long get a GOAWAY (`None`: never).
+    pub max_connection_idle: Option<Duration>,
+    /// gRPC connections open at once; more are closed at accept.
+    pub max_connections: usize,
+    /// Longest time a TLS handshake may take.
+    pub tls_handshake_timeout: Duration,
     /// Event loops serving gRPC connections (at least one).
     pub event_loops: usize,
     /// Drain time on shutdown.
@@ -359,7 +393,7 @@ pub struct Config {
     pub pod_watch_failure_limit: Duration,
 }
 
-/// How meshca keeps its state in a cluster (DESIGN §4.1, §7).
+/// How meshca keeps its state in a cluster (README, "Running in a cluster").
 #[derive(Debug, Clone)]
 pub struct ClusterConfig {
     /// meshca's namespace, if given (else $POD_NAMESPACE or the kubeconfig's).
@@ -531,6 +565,9 @@ impl TryFrom<ServeArgs> for Config {
             max_concurrent_streams: args.max_concurrent_streams,
             max_connection_age: Some(args.max_connection_age).filter(|age| !age.is_zero()),
             request_timeout: args.request_timeout,
+            max_connection_idle: Some(args.max_connection_idle).filter(|idle| !idle.is_zero()),
+            max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+            tls_handshake_timeout: args.tls_handshake_timeout,
             event_loops: match args.event_loops {
                 0 => std::thread::available_parallelism().map_or(1, usize::from),
                 n => n,
@@ -621,6 +658,32 @@ mod tests {
         assert_eq!(c.rate_limit, crate::rate_limit::RateLimitPolicy::default());
         assert_eq!(c.pod_watch_failure_limit, Duration::from_secs(30));
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
+        assert_eq!(c.max_connection_idle, Some(Duration::from_secs(5 * 60)));
+        assert_eq!(c.max_connections, 4096);
+        assert_eq!(c.tls_handshake_timeout, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn connection_limits() {
+        let c = parse(&[
+            "--max-connection-idle",
+            "0s",
+            "--max-connections",
+            "10",
+            "--tls-handshake-timeout",
+            "3s",
+        ])
+        .unwrap();
+        assert_eq!(c.max_connection_idle, None);
+        assert_eq!(c.max_connections, 10);
+        assert_eq!(c.tls_handshake_timeout, Duration::from_secs(3));
+        for refused in [
+            ["--max-connections", "0"],
+            ["--tls-handshake-timeout", "0s"],
+        ] {
+            let err = parse(&refused).err().unwrap();
+            assert!(err.contains(refused[0]), "{err}");
+        }
     }
 
     #[test]

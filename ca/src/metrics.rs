@@ -1,4 +1,4 @@
-//! Prometheus metrics with Istio's exact names (DESIGN §4.4), so existing
+//! Prometheus metrics with Istio's exact names (README, "Metrics"), so existing
 //! Istio dashboards and alerts work against meshca.
 //!
 //! Istio's counters have no `_total` suffix. OpenMetrics requires one on
@@ -103,6 +103,13 @@ pub(crate) struct Metrics {
     pub(crate) grpc_connections: Gauge<i64>,
     /// gRPC connections closed before their TLS handshake completed.
     pub(crate) tls_handshake_failures: IstioCounter,
+    /// Of those, the handshakes that took longer than allowed.
+    pub(crate) tls_handshake_timeouts: IstioCounter,
+    /// gRPC connections closed at accept: `--max-connections` were open.
+    pub(crate) grpc_connections_refused: IstioCounter,
+    /// gRPC connections sent a GOAWAY after `--max-connection-idle`
+    /// without an open stream.
+    pub(crate) grpc_idle_connections_closed: IstioCounter,
     /// CreateCertificate requests waiting for a slot.
     pub(crate) requests_waiting: Gauge<i64>,
     /// Requests refused by the per-identity issuance rate limit.
@@ -156,6 +163,9 @@ impl Default for Metrics {
             requests_moved: Default::default(),
             grpc_connections: Default::default(),
             tls_handshake_failures: Default::default(),
+            tls_handshake_timeouts: Default::default(),
+            grpc_connections_refused: Default::default(),
+            grpc_idle_connections_closed: Default::default(),
             requests_waiting: Default::default(),
             issuance_throttled: Default::default(),
             pod_certificate_requests: Default::default(),
@@ -276,8 +286,23 @@ impl Metrics {
         );
         r.register(
             "meshca_tls_handshake_failure_count",
-            "gRPC connections closed before their TLS handshake completed: refused by TLS, broken off, or slower than 10 s",
+            "gRPC connections closed before their TLS handshake completed: refused by TLS, broken off, or slower than --tls-handshake-timeout",
             self.tls_handshake_failures.clone(),
+        );
+        r.register(
+            "meshca_tls_handshake_timeout_count",
+            "gRPC connections dropped because their TLS handshake took longer than --tls-handshake-timeout (also counted in meshca_tls_handshake_failure_count)",
+            self.tls_handshake_timeouts.clone(),
+        );
+        r.register(
+            "meshca_grpc_connections_refused_count",
+            "gRPC connections closed as soon as they were accepted because --max-connections were open",
+            self.grpc_connections_refused.clone(),
+        );
+        r.register(
+            "meshca_grpc_idle_connections_closed_count",
+            "gRPC connections sent an HTTP/2 GOAWAY after --max-connection-idle without an open stream",
+            self.grpc_idle_connections_closed.clone(),
         );
         r.register(
             "meshca_requests_waiting",

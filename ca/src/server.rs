@@ -38,7 +38,7 @@ use crate::server_identity;
 pub use crate::server_identity::TlsError;
 use crate::service::CaService;
 use crate::store::{self, CaMaterial, StoreError};
-use crate::transport::{self, EventLoops, Http2Settings, TlsConnection};
+use crate::transport::{self, AcceptLimits, Accepted, EventLoops, Http2Settings};
 use tokio_stream::wrappers::ReceiverStream;
 
 /// Why the server could not start or stopped with an error.
@@ -77,9 +77,6 @@ pub enum ServeError {
         /// The OS error.
         source: std::io::Error,
     },
-    /// The gRPC server failed.
-    #[error("gRPC server: {0}")]
-    Grpc(#[from] tonic::transport::Error),
     /// The event loops could not be started.
     #[error("cannot start the event loops: {0}")]
     EventLoops(std::io::Error),
@@ -361,20 +358,14 @@ fn update_expiry_metrics(authority: &Authority, metrics: &Metrics) {
         .set(i64::from(authority.refused().is_some()));
 }
 
-/// Keeps `root-cert.pem` in the data directory equal to the bundle in use
+/// Writes the bundle in use to `root-cert.pem` in the data directory
 /// (best effort: a read-only data directory only gets a warning).
-async fn publish_bundle_file(dir: std::path::PathBuf, authority: Arc<Authority>) {
-    let mut changes = authority.subscribe();
-    loop {
-        let bundle = authority.bundle();
-        if let Err(e) =
-            store::create_private_dir(&dir).and_then(|()| store::publish_bundle(&dir, &bundle))
-        {
-            tracing::warn!(error = %e, "could not write the trust bundle to the data directory");
-        }
-        if changes.changed().await.is_err() {
-            return;
-        }
+fn write_bundle_file(dir: &std::path::Path, authority: &Authority) {
+    let bundle = authority.bundle();
+    if let Err(e) =
+        store::create_private_dir(dir).and_then(|()| store::publish_bundle(dir, &bundle))
+    {
+        tracing::warn!(error = %e, "could not write the trust bundle to the data directory");
     }
 }
 
@@ -597,18 +588,24 @@ fn register_metrics(metrics: &Metrics, authority: &Authority) -> Arc<Registry> {
     registry
 }
 
-/// Start-up step: keeps the data directory's `root-cert.pem` equal to the
-/// bundle in use, and takes a changed `--ca-dir` into use.
+/// Start-up step: writes the data directory's `root-cert.pem` and keeps
+/// it equal to the bundle in use, and takes a changed `--ca-dir` into use.
 fn follow_ca_material(
     config: &Config,
     authority: &Arc<Authority>,
     metrics: &Metrics,
     background: &mut tokio::task::JoinSet<()>,
 ) {
-    background.spawn(publish_bundle_file(
-        config.data_dir.clone(),
-        authority.clone(),
-    ));
+    // Written before anything is served, so a client that finds the server
+    // up finds the file too; then again on every change.
+    let mut changes = authority.subscribe();
+    write_bundle_file(&config.data_dir, authority);
+    let (dir, bundle_of) = (config.data_dir.clone(), authority.clone());
+    background.spawn(async move {
+        while changes.changed().await.is_ok() {
+            write_bundle_file(&dir, &bundle_of);
+        }
+    });
     if let Some(dir) = &config.ca_dir {
         background.spawn(reload::watch_ca_dir(
             dir.clone(),
@@ -704,9 +701,10 @@ fn drain_on_shutdown(
 async fn serve_until_drained(
     config: &Config,
     loops: &EventLoops,
-    incoming: Vec<ReceiverStream<Result<TlsConnection, std::io::Error>>>,
+    incoming: Vec<ReceiverStream<Accepted>>,
     service: CaService,
     health: HealthServer<impl Health>,
+    metrics: &Metrics,
     mut draining: tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), ServeError> {
     let grpc = IstioCertificateServiceServer::new(service)
@@ -715,8 +713,17 @@ async fn serve_until_drained(
         max_concurrent_streams: config.max_concurrent_streams,
         request_timeout: config.request_timeout,
         max_connection_age: config.max_connection_age,
+        max_connection_idle: config.max_connection_idle,
     };
-    let server = transport::serve_grpc(loops, incoming, settings, grpc, health, draining.clone());
+    let server = transport::serve_grpc(
+        loops,
+        incoming,
+        settings,
+        grpc,
+        health,
+        draining.clone(),
+        metrics.grpc_idle_connections_closed.clone(),
+    );
     tokio::pin!(server);
     let finished = tokio::select! {
         r = &mut server => Some(r),
@@ -732,10 +739,7 @@ async fn serve_until_drained(
     };
     match finished {
         None => Ok(()),
-        Some(Ok(results)) => results
-            .into_iter()
-            .collect::<Result<(), _>>()
-            .map_err(ServeError::from),
+        Some(Ok(())) => Ok(()),
         Some(Err(e)) => Err(ServeError::EventLoopFailed(e.to_string())),
     }
 }
@@ -823,13 +827,19 @@ pub async fn run(
         "meshca is serving IstioCertificateService over TLS"
     );
     drain_on_shutdown(shutdown, serving, health_reporter, draining_tx);
-    let incoming = transport::tls_incoming(listeners.grpc, acceptor, loops.handles(), &metrics);
+    let limits = AcceptLimits {
+        max_connections: config.max_connections,
+        handshake_timeout: config.tls_handshake_timeout,
+    };
+    let incoming =
+        transport::tls_incoming(listeners.grpc, acceptor, loops.handles(), limits, &metrics);
     let result = serve_until_drained(
         &config,
         &loops,
         incoming,
         service,
         health_service,
+        &metrics,
         draining_rx,
     )
     .await;

@@ -271,8 +271,8 @@ impl KeyKind {
         }
     }
 
-    /// Whether meshca accepts this key in a CSR (DESIGN §3): ECDSA P-256 or
-    /// P-384, RSA 2048–8192 bits, Ed25519.
+    /// Whether meshca accepts this key in a CSR: ECDSA P-256 or P-384, RSA
+    /// 2048–8192 bits, Ed25519.
     pub fn is_acceptable_for_workload(self) -> bool {
         match self {
             Self::EcdsaP256 | Self::EcdsaP384 | Self::Ed25519 => true,

@@ -1,8 +1,8 @@
 //! Certificate profiles and the CA that signs them.
 //!
 //! [`SigningCa`] is a CA certificate with its private key. It issues:
-//! - [`SigningCa::issue_workload`]: an X509-SVID (DESIGN §3) — one URI SAN,
-//!   empty subject (so the SAN is critical), cA=false, keyUsage
+//! - [`SigningCa::issue_workload`]: an X509-SVID (SPIFFE's standard) — one
+//!   URI SAN, empty subject (so the SAN is critical), cA=false, keyUsage
 //!   digitalSignature (+keyEncipherment for RSA), extKeyUsage
 //!   serverAuth+clientAuth, SKI, AKI = the issuer's SKI, a random positive
 //!   serial of more than 128 bits;

@@ -5,8 +5,8 @@
 //! message shares that allocation until HTTP/2 has written it to the
 //! socket. A certificate chain is 2–4 KiB, so during a mass restart — when
 //! thousands of finished answers wait for their connection's turn to write
-//! — most of the CA's memory was empty buffer space (massif, 10,000
-//! identities at once: 69 of 113 MB at the peak). [`CaCodec`] encodes each
+//! — most of the CA's memory was empty buffer space (BENCHMARKS.md).
+//! [`CaCodec`] encodes each
 //! message into an allocation of exactly its size and decodes requests with
 //! a 2 KiB buffer, which grows if a request is larger.
 

@@ -437,14 +437,35 @@ impl rcgen::SigningKey for WeakRsaKey {
     }
 }
 
-/// Whether `openssl` is on PATH.
-pub fn have_openssl() -> bool {
-    Command::new("openssl")
-        .arg("version")
+/// Whether the command-line tool `tool` runs (`tool probe…` succeeds), for
+/// the checks that cross-check meshca with it. When it does not and the
+/// environment variable `CI` is set, panics naming the tool: in CI a check
+/// must fail, not pass by not running (`.ci/run` installs the tools).
+/// Elsewhere the caller skips the check and says so.
+pub fn tool_available(tool: &str, probe: &[&str]) -> bool {
+    let runs = Command::new(tool)
+        .args(probe)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
-        .is_ok_and(|s| s.success())
+        .is_ok_and(|s| s.success());
+    if !runs && std::env::var_os("CI").is_some() {
+        panic!(
+            "`{tool}` is needed by this test and is not installed (CI is set, so the test \
+             fails instead of skipping; `.ci/run` installs it)"
+        );
+    }
+    runs
+}
+
+/// Whether `openssl` is on PATH (see [`tool_available`]: panics in CI if not).
+pub fn have_openssl() -> bool {
+    tool_available("openssl", &["version"])
+}
+
+/// Whether `kubectl` is on PATH (see [`tool_available`]: panics in CI if not).
+pub fn have_kubectl() -> bool {
+    tool_available("kubectl", &["version", "--client"])
 }
 
 /// Runs a command, panicking with its output if it fails.

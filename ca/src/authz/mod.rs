@@ -1,4 +1,4 @@
-//! Authorization: which identity an authenticated caller may
+//! Authorization (README, "Node agents (ztunnel)"): which identity an authenticated caller may
 //! get a certificate for.
 //!
 //! A caller may hold its own identity. Another identity only by

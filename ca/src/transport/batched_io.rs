@@ -5,7 +5,7 @@
 //! connection task has run once more to assign send capacity, and that
 //! task flushes the connection every time it runs, so every response used
 //! to cost two TLS records in two `writev` calls, and the peer two wake-ups
-//! (measured with `strace -c`: 2.0 `writev` per certificate). On loopback
+//! (BENCHMARKS.md has the system-call counts). On loopback
 //! the kernel's TCP transmit *and* the receiver's processing run inside the
 //! sender's `writev`, so each call is expensive.
 //!
@@ -15,9 +15,8 @@
 //! streams about to send their trailers, other responses finishing on the
 //! same connection) add their frames first: at least once, and up to
 //! [`FLUSH_YIELDS_MAX`] times while the oldest byte held is younger than
-//! [`FLUSH_HOLD_MAX`]; then one call writes everything. (Yielding once left
-//! ~1.3 responses per `sendto` at 16 requests in flight over 4 connections;
-//! up to 4 times within 500 µs, ~4: BENCHMARKS.md.) The wrapper relies on
+//! [`FLUSH_HOLD_MAX`]; then one call writes everything (BENCHMARKS.md has
+//! the answers per `sendto` for one yield and for several). The wrapper relies on
 //! the `AsyncWrite` contract: a flush that returned `Pending` is polled
 //! again once the task is woken, and it wakes the task at once. h2 flushes
 //! at the end of every poll of its connection, so nothing is ever left in

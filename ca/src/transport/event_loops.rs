@@ -46,9 +46,8 @@ pub(crate) const BUSY_BEFORE_HANDOFF: Duration = Duration::from_micros(200);
 /// How long a loop must have been parked before it takes a request of
 /// another loop (unless it is already helping). Under even load every loop
 /// parks briefly between the bursts of its own connections; taking another
-/// loop's request then only makes its own next burst wait behind it (at
-/// concurrency 16 over 4 connections that cost ~0.9 ms of p99 and 5–10 %
-/// throughput: BENCHMARKS.md). A loop with no busy connection of its own
+/// loop's request then only makes its own next burst wait behind it, which
+/// costs p99 and throughput (BENCHMARKS.md). A loop with no busy connection of its own
 /// (one connection carrying everything, ztunnel's case) idles far longer,
 /// and once it helps it keeps helping: a loop that finished a handed request
 /// less than this long ago may take the next at once.

@@ -11,16 +11,13 @@ use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::batched_io::BatchedWriteStream;
 use crate::metrics::Metrics;
-
-/// Time allowed for a TLS handshake.
-pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Connections the kernel may hold completed but not yet accepted on the
 /// gRPC port. When thousands of sidecars restart at once their connects
@@ -45,7 +42,34 @@ pub(crate) fn bind_with_backlog(addr: SocketAddr, backlog: u32) -> io::Result<Tc
 }
 
 /// An established connection, as the gRPC server gets it.
-pub(crate) type TlsConnection = TlsStream<BatchedWriteStream<TcpStream, ConnectionSeat>>;
+pub(crate) type TlsConnection = TlsStream<BatchedWriteStream<TcpStream, ConnectionLife>>;
+
+/// What a connection holds for as long as it lives: its seat on a loop,
+/// and the sender whose drop tells [`Accepted::closed`] it is gone.
+#[derive(Debug)]
+pub(crate) struct ConnectionLife {
+    _seat: ConnectionSeat,
+    _closed: oneshot::Sender<()>,
+}
+
+/// A connection whose TLS handshake has completed.
+#[derive(Debug)]
+pub(crate) struct Accepted {
+    /// The connection.
+    pub(crate) stream: TlsConnection,
+    /// Completes (with an error) once the connection has been dropped.
+    pub(crate) closed: oneshot::Receiver<()>,
+}
+
+/// The accept loop's limits (README, "Flags").
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AcceptLimits {
+    /// Connections open at once (in their handshake or established);
+    /// beyond it a new one is closed at once.
+    pub(crate) max_connections: usize,
+    /// Time allowed for a TLS handshake.
+    pub(crate) handshake_timeout: Duration,
+}
 
 /// How many connections each event loop holds, to place a new one on the
 /// loop with the fewest. Dealing in turn would drift after churn: agents
@@ -86,6 +110,14 @@ impl LoopOccupancy {
         }
     }
 
+    /// Open connections on all loops together.
+    pub(crate) fn open_total(&self) -> usize {
+        self.open
+            .iter()
+            .map(|open| open.load(Ordering::Relaxed))
+            .sum()
+    }
+
     /// Open connections on loop `index` (0 for a loop that does not exist).
     #[cfg(test)]
     pub(crate) fn open_on(&self, index: usize) -> usize {
@@ -118,19 +150,23 @@ impl Drop for ConnectionSeat {
 
 /// Accepts TCP connections on `listener` and places each on the loop of
 /// `loops` that holds the fewest open connections ([`LoopOccupancy`]):
-/// its TLS handshake (bounded by [`HANDSHAKE_TIMEOUT`]) and then its whole
-/// life run there. Returns one stream of established connections per loop.
-/// Stops when every stream is dropped.
+/// its TLS handshake (bounded by `limits.handshake_timeout`) and then its
+/// whole life run there. With `limits.max_connections` open, a new
+/// connection is closed as soon as it is accepted. Returns one stream of
+/// established connections per loop. Stops when every stream is dropped.
 pub(crate) fn tls_incoming(
     listener: TcpListener,
     acceptor: TlsAcceptor,
     loops: &[tokio::runtime::Handle],
+    limits: AcceptLimits,
     metrics: &Metrics,
-) -> Vec<ReceiverStream<Result<TlsConnection, io::Error>>> {
+) -> Vec<ReceiverStream<Accepted>> {
     let (senders, receivers): (Vec<_>, Vec<_>) = loops.iter().map(|_| mpsc::channel(128)).unzip();
     let loops = loops.to_vec();
     let occupancy = LoopOccupancy::new(loops.len(), metrics.grpc_connections.clone());
     let handshake_failures = metrics.tls_handshake_failures.clone();
+    let handshake_timeouts = metrics.tls_handshake_timeouts.clone();
+    let refused = metrics.grpc_connections_refused.clone();
     tokio::spawn(async move {
         let all_closed = futures::future::join_all(senders.iter().map(|tx| tx.closed()));
         tokio::pin!(all_closed);
@@ -149,12 +185,21 @@ pub(crate) fn tls_incoming(
                     continue;
                 }
             };
+            // Seats are taken only here, so the count cannot grow between
+            // the check and the seat.
+            if occupancy.open_total() >= limits.max_connections {
+                refused.inc();
+                tracing::debug!(%peer, max_connections = limits.max_connections, "connection refused: too many open");
+                drop(tcp);
+                continue;
+            }
             let _ = tcp.set_nodelay(true);
             let seat = occupancy.seat(next);
             next = next.wrapping_add(1);
             let index = seat.loop_index();
             let acceptor = acceptor.clone();
             let handshake_failures = handshake_failures.clone();
+            let handshake_timeouts = handshake_timeouts.clone();
             let tx = senders[index].clone();
             // The socket is registered with the reactor of the loop that
             // polls it first: move it there as a std socket.
@@ -173,14 +218,19 @@ pub(crate) fn tls_incoming(
                         return;
                     }
                 };
+                let (closed_tx, closed) = oneshot::channel();
+                let life = ConnectionLife {
+                    _seat: seat,
+                    _closed: closed_tx,
+                };
                 match tokio::time::timeout(
-                    HANDSHAKE_TIMEOUT,
-                    acceptor.accept(BatchedWriteStream::with_guard(tcp, seat)),
+                    limits.handshake_timeout,
+                    acceptor.accept(BatchedWriteStream::with_guard(tcp, life)),
                 )
                 .await
                 {
                     Ok(Ok(stream)) => {
-                        let _ = tx.send(Ok(stream)).await;
+                        let _ = tx.send(Accepted { stream, closed }).await;
                     }
                     Ok(Err(e)) => {
                         handshake_failures.inc();
@@ -188,6 +238,7 @@ pub(crate) fn tls_incoming(
                     }
                     Err(_) => {
                         handshake_failures.inc();
+                        handshake_timeouts.inc();
                         tracing::debug!(%peer, "TLS handshake timed out");
                     }
                 }

@@ -9,10 +9,12 @@
 //!   authentication).
 //! - [`event_loops`]: one single-threaded runtime per thread, and the
 //!   hand-off of a request from a backed-up loop to an idle one.
+//! - [`connection`]: one connection's life: a tonic server of its own,
+//!   with the HTTP/2 limits, and a GOAWAY when it has been idle too long.
 //! - [`batched_io`]: one `write` per burst of answers on a connection.
 //! - [`log_lines`]: log lines gathered per turn of work on an event loop.
-//! - [`serve_grpc`]: one tonic server per event loop, with the HTTP/2
-//!   settings (README, "Flags").
+//! - [`serve_grpc`]: the connections of each event loop, each served
+//!   with the HTTP/2 settings and limits (README, "Flags").
 //!
 //! The server's own certificate is not here: `server_identity` issues and
 //! renews it, and the listener only asks its resolver.
@@ -40,28 +42,48 @@
 //! never the line of a certificate that has left the CA.
 
 pub(crate) mod batched_io;
+pub(crate) mod connection;
 pub(crate) mod event_loops;
 pub(crate) mod listener;
 pub(crate) mod log_lines;
 pub(crate) mod tls_policy;
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use http::Request;
+use tokio_stream::wrappers::ReceiverStream;
 use tonic::body::Body;
 use tonic::server::NamedService;
 use tower::Service;
 
+use crate::metrics::IstioCounter;
+use connection::{CountStreamsLayer, StreamActivity};
 pub(crate) use event_loops::{EventLoops, SpareLoops};
-pub(crate) use listener::{bind_with_backlog, tls_incoming, TlsConnection, LISTEN_BACKLOG};
+pub(crate) use listener::{
+    bind_with_backlog, tls_incoming, AcceptLimits, Accepted, LISTEN_BACKLOG,
+};
 pub use log_lines::{stderr as log_writer, LogLineWriter};
 pub(crate) use tls_policy::server_config;
 
 /// Largest gRPC request message accepted (a CSR is at most 32 KiB of PEM).
 pub(crate) const MAX_REQUEST_BYTES: usize = 64 * 1024;
 
-/// The HTTP/2 settings of every gRPC server (README, "Flags").
+/// Streams one connection may have reset on the server's own account
+/// (malformed requests and the like) before it gets a GOAWAY with
+/// ENHANCE_YOUR_CALM. hyper's default; tonic would otherwise leave it
+/// unlimited, so a client sending malformed requests and never reading
+/// could keep the server busy resetting them for ever.
+pub(crate) const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
+
+/// Streams reset by the client before the server took them up that may
+/// wait on one connection before it gets a GOAWAY (the "rapid reset"
+/// attack). h2's default, set here so it does not change unnoticed.
+pub(crate) const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+
+/// The HTTP/2 settings of every gRPC connection (README, "Flags").
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Http2Settings {
     /// Streams one connection may have open at once.
@@ -70,6 +92,8 @@ pub(crate) struct Http2Settings {
     pub(crate) request_timeout: Duration,
     /// GOAWAY after a connection has been open this long.
     pub(crate) max_connection_age: Option<Duration>,
+    /// GOAWAY after a connection has had no open stream this long.
+    pub(crate) max_connection_idle: Option<Duration>,
 }
 
 /// Rewrites tonic's `OUT_OF_RANGE` for an oversized request message into
@@ -83,62 +107,164 @@ fn oversized_is_invalid_argument<B>(mut response: http::Response<B>) -> http::Re
     response
 }
 
+/// A gRPC service tonic can route to.
+pub(crate) trait GrpcService:
+    Service<
+        Request<Body>,
+        Error = Infallible,
+        Response: axum::response::IntoResponse,
+        Future: Send + 'static,
+    > + NamedService
+    + Clone
+    + Send
+    + Sync
+    + 'static
+{
+}
+
+impl<S> GrpcService for S where
+    S: Service<
+            Request<Body>,
+            Error = Infallible,
+            Response: axum::response::IntoResponse,
+            Future: Send + 'static,
+        > + NamedService
+        + Clone
+        + Send
+        + Sync
+        + 'static
+{
+}
+
 /// Serves `grpc` and `health` on every event loop of `loops`, each loop
 /// serving the connections the accept loop placed on it, until `drain`
-/// turns true; then each server stops accepting and finishes the requests
-/// in flight. The future completes when every server has stopped.
-pub(crate) fn serve_grpc<S, H>(
+/// turns true; then no connection is taken up any more and each is asked
+/// to go away once its requests in flight are answered. Completes when
+/// every connection has closed.
+pub(crate) async fn serve_grpc<S: GrpcService, H: GrpcService>(
     loops: &EventLoops,
-    incoming: Vec<
-        tokio_stream::wrappers::ReceiverStream<Result<listener::TlsConnection, std::io::Error>>,
-    >,
+    incoming: Vec<ReceiverStream<Accepted>>,
     settings: Http2Settings,
     grpc: S,
     health: H,
     drain: tokio::sync::watch::Receiver<bool>,
-) -> impl std::future::Future<
-    Output = Result<Vec<Result<(), tonic::transport::Error>>, tokio::task::JoinError>,
->
-where
-    S: Service<Request<Body>, Error = Infallible> + NamedService + Clone + Send + Sync + 'static,
-    S::Response: axum::response::IntoResponse,
-    S::Future: Send + 'static,
-    H: Service<Request<Body>, Error = Infallible> + NamedService + Clone + Send + Sync + 'static,
-    H::Response: axum::response::IntoResponse,
-    H::Future: Send + 'static,
-{
+    idle_closes: IstioCounter,
+) -> Result<(), tokio::task::JoinError> {
     let servers = incoming
         .into_iter()
         .zip(loops.handles())
         .map(|(incoming, handle)| {
-            let mut drain = drain.clone();
-            let builder = tonic::transport::Server::builder()
-                .max_concurrent_streams(Some(settings.max_concurrent_streams))
-                .timeout(settings.request_timeout);
-            // No `max_connection_age_grace`: tonic 0.14 then closes at
-            // age + grace without a GOAWAY first. Without it the connection
-            // gets a GOAWAY at its age and closes once its requests in flight
-            // are answered, which `--request-timeout` bounds.
-            let builder = match settings.max_connection_age {
-                Some(age) => builder.max_connection_age(age),
-                None => builder,
-            };
-            let server = builder
-                // Large flow-control windows: no WINDOW_UPDATE round trip every
-                // few dozen small requests.
-                .initial_connection_window_size(Some(4 << 20))
-                .initial_stream_window_size(Some(1 << 20))
-                .http2_keepalive_interval(Some(Duration::from_secs(30)))
-                .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-                .layer(tower::util::MapResponseLayer::new(
-                    oversized_is_invalid_argument,
-                ))
-                .add_service(health.clone())
-                .add_service(grpc.clone())
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let _ = drain.wait_for(|d| *d).await;
-                });
-            handle.spawn(server)
+            handle.spawn(serve_loop(
+                incoming,
+                settings,
+                grpc.clone(),
+                health.clone(),
+                drain.clone(),
+                idle_closes.clone(),
+            ))
         });
-    futures::future::try_join_all(servers)
+    futures::future::try_join_all(servers).await.map(|_| ())
+}
+
+/// One event loop's part of [`serve_grpc`].
+async fn serve_loop<S: GrpcService, H: GrpcService>(
+    mut incoming: ReceiverStream<Accepted>,
+    settings: Http2Settings,
+    grpc: S,
+    health: H,
+    mut drain: tokio::sync::watch::Receiver<bool>,
+    idle_closes: IstioCounter,
+) {
+    let mut connections = tokio::task::JoinSet::new();
+    let for_connections = drain.clone();
+    loop {
+        tokio::select! {
+            accepted = incoming.next() => match accepted {
+                Some(accepted) => {
+                    connections.spawn(serve_connection(
+                        accepted,
+                        settings,
+                        grpc.clone(),
+                        health.clone(),
+                        for_connections.clone(),
+                        idle_closes.clone(),
+                    ));
+                }
+                None => break,
+            },
+            // Reaps the connections that have closed.
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            _ = drain.wait_for(|d| *d) => break,
+        }
+    }
+    drop(incoming);
+    while connections.join_next().await.is_some() {}
+}
+
+/// Serves one connection with a tonic server of its own, until the
+/// connection closes; asks it to go away (GOAWAY, then it closes once its
+/// requests in flight are answered) after `settings.max_connection_idle`
+/// without an open stream, at `settings.max_connection_age`, and when
+/// `drain` turns true.
+async fn serve_connection<S: GrpcService, H: GrpcService>(
+    accepted: Accepted,
+    settings: Http2Settings,
+    grpc: S,
+    health: H,
+    mut drain: tokio::sync::watch::Receiver<bool>,
+    idle_closes: IstioCounter,
+) {
+    let Accepted { stream, closed } = accepted;
+    let activity = Arc::new(StreamActivity::default());
+    let builder = tonic::transport::Server::builder()
+        .max_concurrent_streams(Some(settings.max_concurrent_streams))
+        .timeout(settings.request_timeout)
+        .http2_max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
+        .http2_max_pending_accept_reset_streams(Some(MAX_PENDING_ACCEPT_RESET_STREAMS));
+    // No `max_connection_age_grace`: tonic 0.14 then closes at
+    // age + grace without a GOAWAY first. Without it the connection
+    // gets a GOAWAY at its age and closes once its requests in flight
+    // are answered, which `--request-timeout` bounds.
+    let builder = match settings.max_connection_age {
+        Some(age) => builder.max_connection_age(age),
+        None => builder,
+    };
+    let server = builder
+        // Large flow-control windows: no WINDOW_UPDATE round trip every
+        // few dozen small requests.
+        .initial_connection_window_size(Some(4 << 20))
+        .initial_stream_window_size(Some(1 << 20))
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(10)))
+        .layer(tower::util::MapResponseLayer::new(
+            oversized_is_invalid_argument,
+        ))
+        .layer(CountStreamsLayer::new(activity.clone()))
+        .add_service(health)
+        .add_service(grpc);
+    let idle = async {
+        match settings.max_connection_idle {
+            Some(limit) => {
+                activity.idle_for(limit).await;
+                idle_closes.inc();
+                tracing::debug!(idle = ?limit, "connection idle: GOAWAY");
+            }
+            None => std::future::pending().await,
+        }
+    };
+    // tonic's server ends its connections when this completes, and then
+    // returns once they have closed.
+    let go_away = async move {
+        tokio::select! {
+            () = idle => {}
+            _ = drain.wait_for(|d| *d) => {}
+            _ = closed => {}
+        }
+    };
+    // One connection, and then none: the server takes no other.
+    let incoming = futures::stream::once(async move { Ok::<_, std::io::Error>(stream) })
+        .chain(futures::stream::pending());
+    if let Err(e) = server.serve_with_incoming_shutdown(incoming, go_away).await {
+        tracing::debug!(error = %e, "serving a connection failed");
+    }
 }

@@ -1,0 +1,211 @@
+//! One gRPC connection's life on its event loop: a tonic server of its
+//! own, so the connection can be told to go away (HTTP/2 GOAWAY) on its
+//! own account: when it has had no open stream for
+//! `--max-connection-idle`, besides at `--max-connection-age` and when the
+//! server drains.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{Request, Response};
+use http_body_util::BodyExt;
+use tokio::sync::Notify;
+use tonic::codegen::{Body as HttpBody, Bytes, StdError};
+use tower::{Layer, Service};
+
+/// How many HTTP/2 streams (requests) of one connection are open, and a
+/// wake-up for each time that number leaves or reaches zero.
+#[derive(Debug, Default)]
+pub(crate) struct StreamActivity {
+    open: AtomicUsize,
+    changed: Notify,
+}
+
+impl StreamActivity {
+    /// A stream opened: counted until the returned guard is dropped.
+    pub(crate) fn open(self: &Arc<Self>) -> OpenStream {
+        if self.open.fetch_add(1, Ordering::AcqRel) == 0 {
+            self.changed.notify_one();
+        }
+        OpenStream {
+            activity: self.clone(),
+        }
+    }
+
+    /// Streams open now.
+    pub(crate) fn open_streams(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Completes once no stream has been open for `limit` in a row.
+    pub(crate) async fn idle_for(&self, limit: Duration) {
+        loop {
+            if self.open_streams() > 0 {
+                self.changed.notified().await;
+                continue;
+            }
+            tokio::select! {
+                () = tokio::time::sleep(limit) => {
+                    if self.open_streams() == 0 {
+                        return;
+                    }
+                }
+                () = self.changed.notified() => {}
+            }
+        }
+    }
+}
+
+/// One open stream; see [`StreamActivity::open`].
+#[derive(Debug)]
+pub(crate) struct OpenStream {
+    activity: Arc<StreamActivity>,
+}
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        if self.activity.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.activity.changed.notify_one();
+        }
+    }
+}
+
+/// Counts each request on the connection as an open stream until its
+/// answer's body has been sent or dropped (a reset stream, a cancelled
+/// request).
+#[derive(Debug, Clone)]
+pub(crate) struct CountStreamsLayer {
+    activity: Arc<StreamActivity>,
+}
+
+impl CountStreamsLayer {
+    /// Counts into `activity`.
+    pub(crate) fn new(activity: Arc<StreamActivity>) -> Self {
+        Self { activity }
+    }
+}
+
+impl<S> Layer<S> for CountStreamsLayer {
+    type Service = CountStreams<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        CountStreams {
+            inner,
+            activity: self.activity.clone(),
+        }
+    }
+}
+
+/// The service of [`CountStreamsLayer`].
+#[derive(Debug, Clone)]
+pub(crate) struct CountStreams<S> {
+    inner: S,
+    activity: Arc<StreamActivity>,
+}
+
+impl<S, B, R> Service<Request<B>> for CountStreams<S>
+where
+    S: Service<Request<B>, Response = Response<R>>,
+    S::Future: Send + 'static,
+    R: HttpBody<Data = Bytes> + Send + 'static,
+    R::Error: Into<StdError>,
+{
+    type Response = Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let stream = self.activity.open();
+        let answer = self.inner.call(request);
+        Box::pin(async move {
+            let response = answer.await?;
+            Ok(response.map(|body| {
+                // The stream counts as open for as long as its body lives.
+                tonic::body::Body::new(body.map_frame(move |frame| {
+                    let _open = &stream;
+                    frame
+                }))
+            }))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+
+    use super::*;
+
+    /// Whether `idle` has completed after the time advanced by `by`.
+    /// (Polled first, as the server's task is when woken: it takes in
+    /// what changed before the time moves.)
+    async fn done_after<F: Future<Output = ()>>(idle: &mut Pin<&mut F>, by: Duration) -> bool {
+        let _ = futures::poll!(idle.as_mut());
+        tokio::time::advance(by).await;
+        futures::poll!(idle.as_mut()).is_ready()
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn idle_counts_from_the_last_stream_closed() {
+        let activity = Arc::new(StreamActivity::default());
+        let limit = Duration::from_secs(60);
+        let idle = activity.idle_for(limit);
+        tokio::pin!(idle);
+        assert!(!done_after(&mut idle, Duration::from_secs(30)).await);
+        // A stream opens: however long it stays open, the connection is busy.
+        let first = activity.open();
+        let second = activity.open();
+        assert_eq!(activity.open_streams(), 2);
+        assert!(!done_after(&mut idle, Duration::from_secs(300)).await);
+        drop(first);
+        assert!(!done_after(&mut idle, Duration::from_secs(300)).await);
+        // The last one closes: idle from now, not from the first poll.
+        drop(second);
+        assert_eq!(activity.open_streams(), 0);
+        assert!(!done_after(&mut idle, Duration::from_secs(59)).await);
+        assert!(done_after(&mut idle, Duration::from_secs(2)).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_that_opens_and_closes_restarts_the_idle_clock() {
+        let activity = Arc::new(StreamActivity::default());
+        let idle = activity.idle_for(Duration::from_secs(60));
+        tokio::pin!(idle);
+        assert!(!done_after(&mut idle, Duration::from_secs(50)).await);
+        drop(activity.open());
+        assert!(!done_after(&mut idle, Duration::from_secs(50)).await);
+        assert!(done_after(&mut idle, Duration::from_secs(11)).await);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_stream_stays_open_until_its_answer_body_is_dropped() {
+        use http_body_util::BodyExt;
+        let activity = Arc::new(StreamActivity::default());
+        let mut service = CountStreamsLayer::new(activity.clone()).layer(tower::service_fn(
+            |_: Request<()>| async {
+                Ok::<_, Infallible>(Response::new(http_body_util::Full::new(
+                    Bytes::from_static(b"answer"),
+                )))
+            },
+        ));
+        let answer = service.call(Request::new(()));
+        assert_eq!(activity.open_streams(), 1, "open from the call on");
+        let response = answer.await.unwrap();
+        assert_eq!(activity.open_streams(), 1, "open while its body is unsent");
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"answer");
+        assert_eq!(activity.open_streams(), 0);
+
+        // A request dropped before it is answered (a reset stream) closes too.
+        drop(service.call(Request::new(())));
+        assert_eq!(activity.open_streams(), 0);
+    }
+}
