@@ -100,6 +100,7 @@ impl<V: Clone> TokenCache<V> {
         self
     }
 
+    #[cfg(test)]
     /// Hits so far.
     pub fn hits(&self) -> u64 {
         self.hits.get()
@@ -186,11 +187,13 @@ impl<V: Clone> TokenCache<V> {
         }
     }
 
+    #[cfg(test)]
     /// Entries held, live or not yet dropped.
     pub fn len(&self) -> usize {
         self.entries.as_ref().map_or(0, |e| e.len())
     }
 
+    #[cfg(test)]
     /// Whether no entry is held.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
