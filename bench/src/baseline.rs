@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use meshca_ca::authority::Authority;
-use meshca_ca::config::TtlPolicy;
+use meshca_ca::authority::TtlPolicy;
 use meshca_ca::store::{CaMaterial, CaSource};
 use meshca_certs::keys::KeyAlgorithm;
 use meshca_certs::profile::SigningCa;

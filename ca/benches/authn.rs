@@ -16,7 +16,7 @@ use meshca_ca::authn::{
     TokenReviewAuthenticator, TokenReviewConfig,
 };
 use meshca_ca::authority::Authority;
-use meshca_ca::config::TtlPolicy;
+use meshca_ca::authority::TtlPolicy;
 use meshca_ca::store::load_or_create_data_dir;
 use meshca_certs::profile::{SubjectKey, Validity};
 use meshca_certs::token::{TokenIssuer, TokenRequest};

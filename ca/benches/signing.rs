@@ -9,7 +9,7 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use meshca_ca::authority::Authority;
-use meshca_ca::config::TtlPolicy;
+use meshca_ca::authority::TtlPolicy;
 use meshca_ca::store::{CaMaterial, CaSource};
 use meshca_certs::profile::{SigningCa, Validity};
 use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle, VerifiedCsr};

@@ -13,7 +13,6 @@ use meshca_certs::profile::{ProfileError, SigningCa, SubjectKey, Validity};
 use meshca_certs::{SpiffeId, TrustBundle};
 use time::OffsetDateTime;
 
-use crate::config::TtlPolicy;
 use crate::store::CaMaterial;
 
 /// Why a certificate was not signed.
@@ -48,7 +47,9 @@ pub enum SignError {
 /// A signed certificate and its chain.
 #[derive(Debug, Clone)]
 pub struct IssuedChain {
-    /// PEM certificates, one per element: `[leaf, intermediates..., root]`.
+    /// The answer's `cert_chain`: `[leaf, intermediates..., roots]`, one
+    /// PEM certificate per element except the last, which holds every root
+    /// of the trust bundle (the anchor first; see [`meshca_certs::answer`]).
     pub chain_pem: Vec<String>,
     /// The leaf's serial, hex.
     pub serial_hex: String,
@@ -165,7 +166,8 @@ impl Authority {
     }
 
     /// Signs an X509-SVID for `identity` with `subject`'s key and returns
-    /// the chain. notAfter is `now + ttl`, never past the CA's own notAfter.
+    /// the chain, ending with every root clients must trust now.
+    /// notAfter is `now + ttl`, never past the CA's own notAfter.
     pub fn sign_workload(
         &self,
         subject: &SubjectKey,
@@ -233,6 +235,29 @@ fn check_ca_validity(
 
 fn to_time_duration(d: Duration) -> time::Duration {
     time::Duration::try_from(d).unwrap_or(time::Duration::MAX)
+}
+
+/// Default workload certificate lifetime.
+pub const DEFAULT_WORKLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
+/// Default longest workload certificate lifetime (Istio's 90 days).
+pub const DEFAULT_MAX_WORKLOAD_TTL: Duration = Duration::from_secs(90 * 24 * 3600);
+
+/// Workload certificate lifetime rules.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TtlPolicy {
+    /// Used when a request asks for 0 or less.
+    pub default: Duration,
+    /// Requests above this are refused.
+    pub max: Duration,
+}
+
+impl Default for TtlPolicy {
+    fn default() -> Self {
+        Self {
+            default: DEFAULT_WORKLOAD_TTL,
+            max: DEFAULT_MAX_WORKLOAD_TTL,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -323,6 +348,38 @@ mod tests {
         let err = a.sign_workload(&subject(), &id(), 600, late).unwrap_err();
         assert!(err.to_string().contains("3600s before it expires"), "{err}");
         assert!(a.cannot_sign_reason(late).is_some());
+    }
+
+    #[test]
+    fn the_answer_ends_with_every_root_and_the_leaf_verifies_to_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut material =
+            load_or_create_data_dir(dir.path(), &Default::default(), OffsetDateTime::now_utc())
+                .unwrap();
+        let anchor = material.anchor_root.clone();
+        let (_, announced) = crate::store::generate_self_signed_root(
+            &Default::default(),
+            time::Duration::days(1),
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap();
+        // A bundle as in a rotation's announced phase, the new root first
+        // in the bundle: the answer still puts the anchor first.
+        material.bundle = TrustBundle::new(vec![announced.der.clone(), anchor.clone()]);
+        let a = Authority::new(material, TtlPolicy::default());
+        let issued = a
+            .sign_workload(&subject(), &id(), 0, OffsetDateTime::now_utc())
+            .unwrap();
+        assert_eq!(issued.chain_pem.len(), 2, "[leaf, roots]");
+        let answer = meshca_certs::answer::ChainAnswer::parse(&issued.chain_pem).unwrap();
+        assert_eq!(answer.roots.roots(), &[anchor, announced.der]);
+        meshca_certs::verify::verify_svid(
+            &answer.presented_chain(),
+            &answer.roots,
+            std::time::SystemTime::now(),
+            Some(&id()),
+        )
+        .unwrap();
     }
 
     #[test]

@@ -8,20 +8,28 @@ use std::time::Duration;
 use clap::Args;
 use meshca_certs::{parse_duration, TrustDomain};
 
+use crate::authority::TtlPolicy;
+
 /// Default gRPC+TLS address (istiod's port).
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:15012";
 /// Default monitoring address (istiod's port).
 pub const DEFAULT_MONITORING_LISTEN: &str = "127.0.0.1:15014";
 /// Default data directory of the embedded mode.
 pub const DEFAULT_DATA_DIR: &str = "./meshca-data";
-/// Default workload certificate lifetime.
-pub const DEFAULT_WORKLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
-/// Default longest workload certificate lifetime (Istio's 90 days).
-pub const DEFAULT_MAX_WORKLOAD_TTL: Duration = Duration::from_secs(90 * 24 * 3600);
 /// DNS names always on the server's own certificate.
 pub const DEFAULT_SERVER_DNS: [&str; 2] = ["istiod.istio-system.svc", "localhost"];
 /// Default cluster ID, as Istio's.
 pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
+
+/// HTTP/2 streams (requests) one connection may have open at once unless
+/// `--max-concurrent-streams` says otherwise. A node agent such as ztunnel
+/// asks for every pod of its node over one connection; beyond this many
+/// its HTTP/2 client holds further requests until an answer frees a
+/// stream, so a burst waits in the clients, not in the CA's memory
+/// (BENCHMARKS.md has the peak memory and drain time for 64 to 256). 128
+/// is nginx's default and above the 100 RFC 9113 recommends as the least;
+/// a node (110 pods by Kubernetes' default) fits in it.
+pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 128;
 
 /// Flags of `meshca serve`.
 #[derive(Debug, Clone, Args)]
@@ -127,7 +135,7 @@ pub struct ServeArgs {
     #[arg(
         long,
         env = "MESHCA_MAX_CONCURRENT_STREAMS",
-        default_value_t = crate::server::DEFAULT_MAX_STREAMS_PER_CONNECTION,
+        default_value_t = DEFAULT_MAX_STREAMS_PER_CONNECTION,
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub max_concurrent_streams: u32,
@@ -181,9 +189,11 @@ pub struct ServeArgs {
     pub root_rotation_at: f64,
 
     /// During a root rotation, how long both roots are published before
-    /// signing switches to the new one (time for clients to pick up the bundle).
-    #[arg(long, env = "MESHCA_ROOT_ROTATION_GRACE", default_value = "1h", value_parser = parse_duration)]
-    pub root_rotation_grace: Duration,
+    /// signing switches to the new one (time for clients to pick up the
+    /// bundle). Default: half of --workload-cert-ttl plus 1h (13h), so a
+    /// client that learns roots only when it renews renews in time.
+    #[arg(long, env = "MESHCA_ROOT_ROTATION_GRACE", value_parser = parse_duration)]
+    pub root_rotation_grace: Option<Duration>,
 
     /// Namespaces that get no `istio-ca-root-cert` ConfigMap; repeatable.
     #[arg(
@@ -323,24 +333,6 @@ pub struct KubernetesConfig {
     pub api_max_in_flight: usize,
 }
 
-/// Workload certificate lifetime rules.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TtlPolicy {
-    /// Used when a request asks for 0 or less.
-    pub default: Duration,
-    /// Requests above this are refused.
-    pub max: Duration,
-}
-
-impl Default for TtlPolicy {
-    fn default() -> Self {
-        Self {
-            default: DEFAULT_WORKLOAD_TTL,
-            max: DEFAULT_MAX_WORKLOAD_TTL,
-        }
-    }
-}
-
 impl TryFrom<ServeArgs> for Config {
     type Error = ConfigError;
 
@@ -459,7 +451,9 @@ impl TryFrom<ServeArgs> for Config {
                 namespace: args.namespace.filter(|n| !n.trim().is_empty()),
                 root_ttl: args.self_signed_root_ttl,
                 rotation_at: args.root_rotation_at,
-                rotation_grace: args.root_rotation_grace,
+                rotation_grace: args.root_rotation_grace.unwrap_or_else(|| {
+                    crate::cluster::root_secret::safe_rotation_grace(args.workload_cert_ttl)
+                }),
                 bundle_excluded_namespaces: args
                     .bundle_exclude_namespaces
                     .into_iter()
@@ -527,6 +521,15 @@ mod tests {
         assert!(c.server_dns.contains(&"localhost".to_string()));
         assert_eq!(c.max_connection_age, Some(Duration::from_secs(30 * 60)));
         assert_eq!(c.request_timeout, Duration::from_secs(30));
+        assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
+    }
+
+    #[test]
+    fn rotation_grace_follows_the_workload_lifetime_unless_given() {
+        let c = parse(&["--workload-cert-ttl", "48h"]).unwrap();
+        assert_eq!(c.cluster.rotation_grace, Duration::from_secs(25 * 3600));
+        let c = parse(&["--workload-cert-ttl", "48h", "--root-rotation-grace", "2h"]).unwrap();
+        assert_eq!(c.cluster.rotation_grace, Duration::from_secs(2 * 3600));
     }
 
     #[test]

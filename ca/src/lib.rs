@@ -6,14 +6,21 @@
 //! SPIFFE identity it may hold, and signs an X.509 SVID for the CSR's key.
 //!
 //! Modules, in request order:
-//! [`tls`] (server certificate, client certificates) →
-//! [`service`] (the gRPC handler) → [`authn`] (who is calling) →
-//! [`authz`] (which identity it gets) → [`authority`] (signing, lifetimes) →
-//! [`store`] (where the CA key material comes from).
-//! [`config`] parses the command line; [`metrics`] holds Istio's metrics;
-//! [`reload`] takes a changed `--ca-dir` into use; [`cluster`] keeps the
-//! root in a Secret, the bundle in every namespace, elects a leader and
-//! rotates the root; [`server`] wires it all together.
+//! `transport` (the gRPC port: accept loop, TLS, HTTP/2, event loops) →
+//! `service` (the gRPC handler: admission, then each step below) →
+//! [`authn`] (who is calling) → `authz` (which identity it gets) →
+//! [`authority`] (signing, lifetimes) → [`store`] (where the CA key
+//! material comes from).
+//!
+//! Around the request path: [`config`] parses the command line;
+//! `server_identity` issues and renews the server's own TLS certificate;
+//! `metrics` holds Istio's metrics; `reload` takes a changed `--ca-dir`
+//! into use; [`cluster`] keeps the root in a Secret, the bundle in every
+//! namespace, elects a leader and rotates the root; [`server`] starts it
+//! all, in named steps, and drains it on shutdown.
+//!
+//! Public are only what the `meshca` binary, the benchmarks and the
+//! end-to-end tests use; ARCHITECTURE.md walks through the rest.
 //!
 //! ```no_run
 //! use clap::Parser;
@@ -34,15 +41,15 @@
 
 pub mod authn;
 pub mod authority;
-pub mod authz;
-pub mod batched_io;
+pub(crate) mod authz;
 pub mod cluster;
 pub mod config;
-pub mod event_loops;
-pub mod log_lines;
-pub mod metrics;
-pub mod reload;
+pub(crate) mod metrics;
+pub(crate) mod reload;
 pub mod server;
-pub mod service;
+pub(crate) mod server_identity;
+pub(crate) mod service;
 pub mod store;
-pub mod tls;
+pub(crate) mod transport;
+
+pub use transport::{log_writer, LogLineWriter};

@@ -19,16 +19,16 @@ use time::OffsetDateTime;
 
 /// A monotonic counter exposed under its exact name (no `_total`).
 #[derive(Debug, Clone, Default)]
-pub struct IstioCounter(Arc<AtomicU64>);
+pub(crate) struct IstioCounter(Arc<AtomicU64>);
 
 impl IstioCounter {
     /// Adds one.
-    pub fn inc(&self) {
+    pub(crate) fn inc(&self) {
         self.0.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The current value.
-    pub fn get(&self) -> u64 {
+    pub(crate) fn get(&self) -> u64 {
         self.0.load(Ordering::Relaxed)
     }
 }
@@ -51,67 +51,67 @@ impl EncodeMetric for IstioCounter {
 
 /// Label of `citadel_server_csr_sign_err_count`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SignErrorLabels {
+pub(crate) struct SignErrorLabels {
     /// What kind of error.
-    pub error: String,
+    pub(crate) error: String,
 }
 
 /// Every metric of the CA.
 #[derive(Debug, Clone)]
-pub struct Metrics {
+pub(crate) struct Metrics {
     /// CSRs received.
-    pub csr_count: IstioCounter,
+    pub(crate) csr_count: IstioCounter,
     /// Authentication failures.
-    pub authentication_failure_count: IstioCounter,
+    pub(crate) authentication_failure_count: IstioCounter,
     /// CSRs that could not be parsed or verified.
-    pub csr_parsing_err_count: IstioCounter,
+    pub(crate) csr_parsing_err_count: IstioCounter,
     /// Identity could not be determined or was not allowed.
-    pub id_extraction_err_count: IstioCounter,
+    pub(crate) id_extraction_err_count: IstioCounter,
     /// Signing failures, by error.
-    pub csr_sign_err_count: Family<SignErrorLabels, IstioCounter>,
+    pub(crate) csr_sign_err_count: Family<SignErrorLabels, IstioCounter>,
     /// Certificates issued.
-    pub success_cert_issuance_count: IstioCounter,
+    pub(crate) success_cert_issuance_count: IstioCounter,
     /// Root certificate notAfter (unix seconds).
-    pub root_cert_expiry_timestamp: Gauge<f64, AtomicU64>,
+    pub(crate) root_cert_expiry_timestamp: Gauge<f64, AtomicU64>,
     /// Root certificate time left (seconds).
-    pub root_cert_expiry_seconds: Gauge<f64, AtomicU64>,
+    pub(crate) root_cert_expiry_seconds: Gauge<f64, AtomicU64>,
     /// Signing chain notAfter (earliest in the chain, unix seconds).
-    pub cert_chain_expiry_timestamp: Gauge<f64, AtomicU64>,
+    pub(crate) cert_chain_expiry_timestamp: Gauge<f64, AtomicU64>,
     /// Signing chain time left (seconds).
-    pub cert_chain_expiry_seconds: Gauge<f64, AtomicU64>,
+    pub(crate) cert_chain_expiry_seconds: Gauge<f64, AtomicU64>,
     /// 1 when the CA can sign, 0 otherwise.
-    pub ready: Gauge<i64>,
+    pub(crate) ready: Gauge<i64>,
     /// CreateCertificate latency, successful issuances.
-    pub issuance_duration_seconds: Histogram,
+    pub(crate) issuance_duration_seconds: Histogram,
     /// New CA material taken into use (a `--ca-dir` change, a Secret change).
-    pub reloads_ok: IstioCounter,
+    pub(crate) reloads_ok: IstioCounter,
     /// New CA material refused (the previous material keeps signing).
-    pub reloads_refused: IstioCounter,
+    pub(crate) reloads_refused: IstioCounter,
     /// 1 while the last offered CA material was refused.
-    pub reload_refused: Gauge<i64>,
+    pub(crate) reload_refused: Gauge<i64>,
     /// Root rotation phase: 1 on the current phase's label.
-    pub root_rotation_phase: Family<PhaseLabels, Gauge<i64>>,
+    pub(crate) root_rotation_phase: Family<PhaseLabels, Gauge<i64>>,
     /// 1 while this replica holds the leader Lease.
-    pub leader: Gauge<i64>,
+    pub(crate) leader: Gauge<i64>,
     /// Bundle ConfigMaps created or updated.
-    pub bundle_configmap_writes: IstioCounter,
+    pub(crate) bundle_configmap_writes: IstioCounter,
     /// Requests authenticated from the cache of verified tokens.
-    pub token_cache_hits: IstioCounter,
+    pub(crate) token_cache_hits: IstioCounter,
     /// Requests run on an idle event loop instead of their connection's.
-    pub requests_moved: IstioCounter,
+    pub(crate) requests_moved: IstioCounter,
     /// gRPC connections open: in their TLS handshake or established.
-    pub grpc_connections: Gauge<i64>,
+    pub(crate) grpc_connections: Gauge<i64>,
     /// gRPC connections closed before their TLS handshake completed.
-    pub tls_handshake_failures: IstioCounter,
+    pub(crate) tls_handshake_failures: IstioCounter,
     /// CreateCertificate requests waiting for a slot.
-    pub requests_waiting: Gauge<i64>,
+    pub(crate) requests_waiting: Gauge<i64>,
 }
 
 /// Label of `meshca_root_rotation_phase`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PhaseLabels {
+pub(crate) struct PhaseLabels {
     /// The phase's name.
-    pub phase: String,
+    pub(crate) phase: String,
 }
 
 impl Default for Metrics {
@@ -146,7 +146,7 @@ impl Default for Metrics {
 
 impl Metrics {
     /// Registers every metric in a new registry.
-    pub fn register(&self) -> Registry {
+    pub(crate) fn register(&self) -> Registry {
         let mut r = Registry::default();
         r.register(
             "citadel_server_csr_count",
@@ -266,19 +266,20 @@ impl Metrics {
         r
     }
 
-    /// Sets the rotation phase gauge: 1 on `phase`, 0 on the others.
-    pub fn set_rotation_phase(&self, phase: crate::cluster::root_secret::RotationPhase) {
-        for p in crate::cluster::root_secret::RotationPhase::ALL {
+    /// Sets the rotation phase gauge: 1 on `phase`, 0 on the others of
+    /// `phases` (every phase's name).
+    pub(crate) fn set_rotation_phase(&self, phase: &str, phases: &[&str]) {
+        for &p in phases {
             self.root_rotation_phase
                 .get_or_create(&PhaseLabels {
-                    phase: p.name().to_string(),
+                    phase: p.to_string(),
                 })
                 .set(i64::from(p == phase));
         }
     }
 
     /// Counts a signing error of the given kind.
-    pub fn sign_error(&self, kind: &str) {
+    pub(crate) fn sign_error(&self, kind: &str) {
         self.csr_sign_err_count
             .get_or_create(&SignErrorLabels {
                 error: kind.to_string(),
@@ -287,7 +288,7 @@ impl Metrics {
     }
 
     /// Sets the expiry gauges from the root's and the chain's notAfter.
-    pub fn set_expiry(
+    pub(crate) fn set_expiry(
         &self,
         root_not_after: OffsetDateTime,
         chain_not_after: OffsetDateTime,
@@ -304,7 +305,7 @@ impl Metrics {
 }
 
 /// Encodes a registry in the classic Prometheus text format.
-pub fn encode_text(registry: &Registry) -> String {
+pub(crate) fn encode_text(registry: &Registry) -> String {
     let mut out = String::new();
     if prometheus_client::encoding::text::encode(&mut out, registry).is_err() {
         return String::new();

@@ -1,4 +1,4 @@
-//! Live reload of a plugged-in CA directory (DESIGN §4.1).
+//! Live reload of a plugged-in CA directory (README: "Using your own CA").
 //!
 //! The directory is checked every `--ca-dir-check-interval`. A change is
 //! taken only once the files have stopped changing (two identical readings,
@@ -43,7 +43,7 @@ fn fingerprint(dir: &Path) -> Vec<u8> {
 }
 
 /// Watches `dir` and swaps new CA material into `authority` until dropped.
-pub async fn watch_ca_dir(
+pub(crate) async fn watch_ca_dir(
     dir: PathBuf,
     authority: Arc<Authority>,
     metrics: Metrics,

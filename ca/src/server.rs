@@ -16,6 +16,7 @@ use prometheus_client::registry::Registry;
 use time::OffsetDateTime;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
+use tonic_health::pb::health_server::{Health, HealthServer};
 
 use crate::authn::oidc::KubernetesJwks;
 use crate::authn::token_review::kube_client;
@@ -31,50 +32,14 @@ use crate::cluster::leader::{self, candidate_identity, LeaderElector, LeaderTimi
 use crate::cluster::root_secret::{RotationPhase, RotationPolicy};
 use crate::cluster::{self, bundle_publisher, ClusterError, SecretLoad};
 use crate::config::Config;
-use crate::event_loops::EventLoops;
 use crate::metrics::{encode_text, IstioCounter, Metrics};
 use crate::reload;
+use crate::server_identity;
+pub use crate::server_identity::TlsError;
 use crate::service::CaService;
 use crate::store::{self, CaMaterial, StoreError};
-use crate::tls::{self, TlsError};
-
-/// Largest gRPC request message accepted (a CSR is at most 32 KiB of PEM).
-pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
-
-/// HTTP/2 streams (requests) one connection may have open at once unless
-/// `--max-concurrent-streams` says otherwise. A node agent such as ztunnel
-/// asks for every pod of its node over one connection; beyond this many
-/// its HTTP/2 client holds further requests until an answer frees a
-/// stream, so a burst waits in the clients, not in the CA's memory: in the
-/// 10,000-identity restart over 64 connections peak RSS was 66–68 MiB with
-/// 256 streams, 58–61 MiB with 128, 42–45 MiB with 64, drain time the same;
-/// 10,000 pods over one connection drained 5–15 % slower with 128 or 64
-/// than with 256 (1.3 against 1.2 s). 128 is nginx's
-/// default and above the 100 RFC 9113 recommends as the least; a node
-/// (110 pods by Kubernetes' default) fits in it.
-pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 128;
-
-/// Connections the kernel may hold completed but not yet accepted on the
-/// gRPC port. When thousands of sidecars restart at once their connects
-/// arrive faster than one accept loop takes them off the queue; tokio's
-/// default of 1,024 then drops SYNs, and every dropped client waits a
-/// second before its TCP retry. The kernel caps the value at
-/// `net.core.somaxconn` (4,096 by default since Linux 5.4; Go, and so
-/// istiod, listens with that value too).
-pub const LISTEN_BACKLOG: u32 = 4096;
-
-/// Binds a listening TCP socket with `backlog` (and `SO_REUSEADDR`, as
-/// tokio's `TcpListener::bind` sets it, so a restarted server binds at once).
-pub fn bind_with_backlog(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(backlog)
-}
+use crate::transport::{self, EventLoops, Http2Settings, TlsConnection};
+use tokio_stream::wrappers::ReceiverStream;
 
 /// Why the server could not start or stopped with an error.
 #[derive(Debug, thiserror::Error)]
@@ -133,7 +98,7 @@ pub struct BoundAddrs {
 }
 
 /// Loads the CA material the configuration names.
-pub fn load_material(config: &Config) -> Result<CaMaterial, StoreError> {
+pub(crate) fn load_material(config: &Config) -> Result<CaMaterial, StoreError> {
     let now = OffsetDateTime::now_utc();
     match &config.ca_dir {
         Some(dir) => store::load_ca_dir(dir, now),
@@ -188,7 +153,7 @@ async fn discovered_jwt_authenticator(
 }
 
 /// How often discovered keys are fetched again.
-pub const JWKS_REFRESH_PERIOD: Duration = Duration::from_secs(300);
+pub(crate) const JWKS_REFRESH_PERIOD: Duration = Duration::from_secs(300);
 
 async fn build_authenticators(
     config: &Config,
@@ -462,6 +427,9 @@ fn start_cluster_tasks(
         grace: config.cluster.rotation_grace,
         max_leaf_ttl: config.ttl.max,
     };
+    if root_in_secret {
+        cluster::warn_if_rotation_unsafe(&policy, config.ttl.default, config.ca_expiry_margin);
+    }
     let (client, namespace, authority, metrics) = (
         client.clone(),
         namespace.to_string(),
@@ -497,63 +465,62 @@ fn start_cluster_tasks(
     elector
 }
 
-/// Rewrites tonic's `OUT_OF_RANGE` for an oversized request message into
-/// `INVALID_ARGUMENT` (DESIGN §2); the service itself never answers
-/// `OUT_OF_RANGE`.
-fn oversized_is_invalid_argument<B>(mut response: http::Response<B>) -> http::Response<B> {
-    let headers = response.headers_mut();
-    if headers.get("grpc-status").is_some_and(|v| v == "11") {
-        headers.insert("grpc-status", http::HeaderValue::from_static("3"));
-    }
-    response
+/// The Kubernetes API, when there is one: the client and the namespace
+/// meshca runs in.
+struct ClusterAccess {
+    client: kube::Client,
+    namespace: String,
 }
 
-/// Runs the CA until `shutdown` completes, then drains in-flight requests
-/// (up to `config.shutdown_grace`) and returns. `on_bound` is called with
-/// the bound addresses once both listeners are up.
-pub async fn run(
-    config: Config,
-    shutdown: impl Future<Output = ()> + Send + 'static,
-    on_bound: impl FnOnce(BoundAddrs) + Send,
-) -> Result<(), ServeError> {
-    let kube = kube_client(
+/// Start-up step: connects to the Kubernetes API (`--kubeconfig`, or the
+/// pod's service account), if there is one.
+async fn connect_to_cluster(config: &Config) -> Result<Option<ClusterAccess>, ServeError> {
+    let client = kube_client(
         config.kubernetes.kubeconfig.as_deref(),
         config.kubernetes.api_timeout,
     )
     .await
     .map_err(ServeError::Kubernetes)?;
-    let namespace = kube
-        .as_ref()
-        .map(|client| cluster::own_namespace(config.cluster.namespace.as_deref(), client));
-    // The root lives in the cluster's Secret when there is a cluster and no
-    // plugged-in CA; else in the data directory.
-    let mut root_in_secret = false;
-    let material = match (&config.ca_dir, &kube, &namespace) {
-        (None, Some(client), Some(ns)) => {
-            match cluster::load_or_create_root_secret(
-                client,
-                ns,
-                &config.trust_domain,
-                config.cluster.root_ttl,
-            )
-            .await?
-            {
-                SecretLoad::Loaded(material) => {
-                    root_in_secret = true;
-                    *material
-                }
-                SecretLoad::NotServed => {
-                    tracing::warn!(
-                        namespace = %ns,
-                        data_dir = %config.data_dir.display(),
-                        "the Kubernetes API does not serve Secrets in this namespace; keeping the root in the data directory (replicas will not share it)"
-                    );
-                    load_material(&config)?
-                }
-            }
-        }
-        _ => load_material(&config)?,
+    Ok(client.map(|client| ClusterAccess {
+        namespace: cluster::own_namespace(config.cluster.namespace.as_deref(), &client),
+        client,
+    }))
+}
+
+/// Start-up step: loads the CA material. The root lives in the cluster's
+/// Secret when there is a cluster and no plugged-in CA (`--ca-dir`); else
+/// in the data directory. The flag tells whether it is in the Secret.
+async fn load_ca_material(
+    config: &Config,
+    cluster: Option<&ClusterAccess>,
+) -> Result<(CaMaterial, bool), ServeError> {
+    let (None, Some(ClusterAccess { client, namespace })) = (&config.ca_dir, cluster) else {
+        return Ok((load_material(config)?, false));
     };
+    match cluster::load_or_create_root_secret(
+        client,
+        namespace,
+        &config.trust_domain,
+        config.cluster.root_ttl,
+    )
+    .await?
+    {
+        SecretLoad::Loaded(material) => Ok((*material, true)),
+        SecretLoad::NotServed => {
+            tracing::warn!(
+                namespace = %namespace,
+                data_dir = %config.data_dir.display(),
+                "the Kubernetes API does not serve Secrets in this namespace; keeping the root in the data directory (replicas will not share it)"
+            );
+            Ok((load_material(config)?, false))
+        }
+    }
+}
+
+/// Start-up step: the signing authority over `material`, with the
+/// lifetime rules of the configuration. A CA that cannot sign still
+/// serves, so `/ready` and the metrics can tell why.
+fn start_authority(config: &Config, material: CaMaterial) -> Arc<Authority> {
     tracing::info!(
         source = ?material.source,
         trust_domain = %config.trust_domain,
@@ -565,39 +532,54 @@ pub async fn run(
     if let Some(reason) = authority.cannot_sign_reason(OffsetDateTime::now_utc()) {
         tracing::error!(error = %reason, "the CA cannot sign; serving anyway so /ready and the metrics can tell");
     }
-    let mut background = tokio::task::JoinSet::new();
-    let metrics = Metrics::default();
-    let authn =
-        build_authenticators(&config, &metrics, &authority, kube.clone(), &mut background).await?;
-    if config.discovered_jwt_issuer.is_some() && kube.is_none() {
+    authority
+}
+
+/// Start-up step: who may ask for which identity. Only its own unless
+/// node agents are trusted to ask for their node's pods, which needs the
+/// pods watched.
+fn build_authorizer(
+    config: &Config,
+    kube: Option<kube::Client>,
+    background: &mut tokio::task::JoinSet<()>,
+) -> Result<Authorizer, ServeError> {
+    if config.trusted_node_agents.is_empty() {
+        return Ok(Authorizer::own_identity_only());
+    }
+    let Some(client) = kube else {
         return Err(ServeError::Kubernetes(
-            "--jwt-issuer without --jwks needs the Kubernetes API (--kubeconfig, or running in a pod) for OIDC discovery"
+            "--trusted-node-agent needs the Kubernetes API (--kubeconfig, or running in a pod) to check pods"
                 .into(),
         ));
-    }
-    let authz = if config.trusted_node_agents.is_empty() {
-        Authorizer::own_identity_only()
-    } else {
-        let Some(client) = kube.clone() else {
-            return Err(ServeError::Kubernetes(
-                "--trusted-node-agent needs the Kubernetes API (--kubeconfig, or running in a pod) to check pods"
-                    .into(),
-            ));
-        };
-        let pods = Arc::new(PodIndex::default());
-        background.spawn(watch_pods(client, pods.clone()));
-        tracing::info!(agents = ?config.trusted_node_agents, "node-agent impersonation enabled");
-        Authorizer::with_impersonation(Arc::new(NodeAgentPolicy::new(
-            config.trusted_node_agents.clone(),
-            pods,
-        )))
     };
-    tracing::info!(authenticators = ?authn, "authentication configured");
-    let registry = Arc::new(metrics.register());
-    update_expiry_metrics(&authority, &metrics);
-    metrics.set_rotation_phase(RotationPhase::Stable);
-    let (draining_tx, mut draining_rx) = tokio::sync::watch::channel(false);
+    let pods = Arc::new(PodIndex::default());
+    background.spawn(watch_pods(client, pods.clone()));
+    tracing::info!(agents = ?config.trusted_node_agents, "node-agent impersonation enabled");
+    Ok(Authorizer::with_impersonation(Arc::new(
+        NodeAgentPolicy::new(config.trusted_node_agents.clone(), pods),
+    )))
+}
 
+/// Start-up step: registers the metrics and sets the gauges known before
+/// the first request.
+fn register_metrics(metrics: &Metrics, authority: &Authority) -> Arc<Registry> {
+    let registry = Arc::new(metrics.register());
+    update_expiry_metrics(authority, metrics);
+    metrics.set_rotation_phase(
+        RotationPhase::Stable.name(),
+        &RotationPhase::ALL.map(RotationPhase::name),
+    );
+    registry
+}
+
+/// Start-up step: keeps the data directory's `root-cert.pem` equal to the
+/// bundle in use, and takes a changed `--ca-dir` into use.
+fn follow_ca_material(
+    config: &Config,
+    authority: &Arc<Authority>,
+    metrics: &Metrics,
+    background: &mut tokio::task::JoinSet<()>,
+) {
     background.spawn(publish_bundle_file(
         config.data_dir.clone(),
         authority.clone(),
@@ -610,45 +592,172 @@ pub async fn run(
             config.ca_dir_check_interval,
         ));
     }
-    let elector = match (&kube, &namespace) {
-        (Some(client), Some(ns)) => Some(start_cluster_tasks(
+}
+
+/// The listening sockets, bound before anything is served.
+struct Listeners {
+    grpc: TcpListener,
+    monitoring: TcpListener,
+    bound: BoundAddrs,
+}
+
+/// Start-up step: binds the gRPC port (with a deep accept queue) and the
+/// monitoring port.
+async fn bind_listeners(config: &Config) -> Result<Listeners, ServeError> {
+    let grpc = transport::bind_with_backlog(config.listen, transport::LISTEN_BACKLOG).map_err(
+        |source| ServeError::Bind {
+            flag: "--listen",
+            addr: config.listen,
+            source,
+        },
+    )?;
+    let monitoring = TcpListener::bind(config.monitoring_listen)
+        .await
+        .map_err(|source| ServeError::Bind {
+            flag: "--monitoring-listen",
+            addr: config.monitoring_listen,
+            source,
+        })?;
+    let bound = BoundAddrs {
+        grpc: grpc.local_addr().unwrap_or(config.listen),
+        monitoring: monitoring.local_addr().unwrap_or(config.monitoring_listen),
+    };
+    Ok(Listeners {
+        grpc,
+        monitoring,
+        bound,
+    })
+}
+
+/// Start-up step: serves `/metrics`, `/ready` and `/healthz` on the
+/// monitoring port, on a thread of its own, until `stop` turns true.
+fn start_monitoring(
+    listener: TcpListener,
+    registry: Arc<Registry>,
+    metrics: &Metrics,
+    authority: &Arc<Authority>,
+    serving: &Arc<AtomicBool>,
+    stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<tokio::sync::oneshot::Receiver<()>, ServeError> {
+    let state = MonitoringState {
+        registry,
+        metrics: metrics.clone(),
+        authority: authority.clone(),
+        serving: serving.clone(),
+    };
+    let app = axum::Router::new()
+        .route("/metrics", get(metrics_handler))
+        .route("/ready", get(ready_handler))
+        .route("/healthz", get(|| async { "ok\n" }))
+        .with_state(state);
+    spawn_monitoring_thread(listener, app, stop)
+}
+
+/// Start-up step: once `shutdown` completes, marks the server not ready,
+/// reports `NOT_SERVING` and turns `draining` true, so the gRPC servers
+/// stop accepting and finish what is in flight.
+fn drain_on_shutdown(
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    serving: Arc<AtomicBool>,
+    health: tonic_health::server::HealthReporter,
+    draining: tokio::sync::watch::Sender<bool>,
+) {
+    tokio::spawn(async move {
+        shutdown.await;
+        tracing::info!("shutdown requested: draining in-flight requests");
+        serving.store(false, Ordering::Relaxed);
+        health
+            .set_not_serving::<IstioCertificateServiceServer<CaService>>()
+            .await;
+        let _ = draining.send(true);
+    });
+}
+
+/// Serves gRPC on the event loops until the servers stop, or, once
+/// draining, until they have finished their requests in flight or
+/// `--shutdown-grace` is over.
+async fn serve_until_drained(
+    config: &Config,
+    loops: &EventLoops,
+    incoming: Vec<ReceiverStream<Result<TlsConnection, std::io::Error>>>,
+    service: CaService,
+    health: HealthServer<impl Health>,
+    mut draining: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), ServeError> {
+    let grpc = IstioCertificateServiceServer::new(service)
+        .max_decoding_message_size(transport::MAX_REQUEST_BYTES);
+    let settings = Http2Settings {
+        max_concurrent_streams: config.max_concurrent_streams,
+        request_timeout: config.request_timeout,
+        max_connection_age: config.max_connection_age,
+    };
+    let server = transport::serve_grpc(loops, incoming, settings, grpc, health, draining.clone());
+    tokio::pin!(server);
+    let finished = tokio::select! {
+        r = &mut server => Some(r),
+        _ = draining.wait_for(|d| *d) => {
+            match tokio::time::timeout(config.shutdown_grace, &mut server).await {
+                Ok(r) => Some(r),
+                Err(_) => {
+                    tracing::warn!(grace = ?config.shutdown_grace, "shutdown grace period over; stopping with requests still in flight");
+                    None
+                }
+            }
+        }
+    };
+    match finished {
+        None => Ok(()),
+        Some(Ok(results)) => results
+            .into_iter()
+            .collect::<Result<(), _>>()
+            .map_err(ServeError::from),
+        Some(Err(e)) => Err(ServeError::EventLoopFailed(e.to_string())),
+    }
+}
+
+/// Runs the CA until `shutdown` completes, then drains in-flight requests
+/// (up to `config.shutdown_grace`) and returns. `on_bound` is called with
+/// the bound addresses once both listeners are up.
+pub async fn run(
+    config: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    on_bound: impl FnOnce(BoundAddrs) + Send,
+) -> Result<(), ServeError> {
+    let cluster = connect_to_cluster(&config).await?;
+    let kube = cluster.as_ref().map(|c| c.client.clone());
+    let (material, root_in_secret) = load_ca_material(&config, cluster.as_ref()).await?;
+    let authority = start_authority(&config, material);
+    let mut background = tokio::task::JoinSet::new();
+    let metrics = Metrics::default();
+    let authn =
+        build_authenticators(&config, &metrics, &authority, kube.clone(), &mut background).await?;
+    if config.discovered_jwt_issuer.is_some() && kube.is_none() {
+        return Err(ServeError::Kubernetes(
+            "--jwt-issuer without --jwks needs the Kubernetes API (--kubeconfig, or running in a pod) for OIDC discovery"
+                .into(),
+        ));
+    }
+    let authz = build_authorizer(&config, kube, &mut background)?;
+    tracing::info!(authenticators = ?authn, "authentication configured");
+    let registry = register_metrics(&metrics, &authority);
+    let (draining_tx, draining_rx) = tokio::sync::watch::channel(false);
+    follow_ca_material(&config, &authority, &metrics, &mut background);
+    let elector = cluster.as_ref().map(|c| {
+        start_cluster_tasks(
             &config,
-            client,
-            ns,
+            &c.client,
+            &c.namespace,
             root_in_secret,
             &authority,
             &metrics,
             draining_rx.clone(),
             &mut background,
-        )),
-        _ => None,
-    };
+        )
+    });
 
-    let resolver = tls::new_resolver(&authority, &config.server_dns)?;
-    let tls_config = tls::server_config(resolver.clone())?;
-    let acceptor = TlsAcceptor::from(Arc::new(tls_config));
-
-    let grpc_listener =
-        bind_with_backlog(config.listen, LISTEN_BACKLOG).map_err(|source| ServeError::Bind {
-            flag: "--listen",
-            addr: config.listen,
-            source,
-        })?;
-    let monitoring_listener =
-        TcpListener::bind(config.monitoring_listen)
-            .await
-            .map_err(|source| ServeError::Bind {
-                flag: "--monitoring-listen",
-                addr: config.monitoring_listen,
-                source,
-            })?;
-    let bound = BoundAddrs {
-        grpc: grpc_listener.local_addr().unwrap_or(config.listen),
-        monitoring: monitoring_listener
-            .local_addr()
-            .unwrap_or(config.monitoring_listen),
-    };
-
+    let resolver = server_identity::new_resolver(&authority, &config.server_dns)?;
+    let acceptor = TlsAcceptor::from(Arc::new(transport::server_config(resolver.clone())?));
+    let listeners = bind_listeners(&config).await?;
     let loops = EventLoops::start(config.event_loops).map_err(ServeError::EventLoops)?;
     let service = CaService::new(
         authority.clone(),
@@ -663,114 +772,43 @@ pub async fn run(
     health_reporter
         .set_serving::<IstioCertificateServiceServer<CaService>>()
         .await;
-
     let serving = Arc::new(AtomicBool::new(true));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-
-    // Monitoring endpoints.
-    let monitoring_state = MonitoringState {
+    let monitoring = start_monitoring(
+        listeners.monitoring,
         registry,
-        metrics: metrics.clone(),
-        authority: authority.clone(),
-        serving: serving.clone(),
-    };
-    let app = axum::Router::new()
-        .route("/metrics", get(metrics_handler))
-        .route("/ready", get(ready_handler))
-        .route("/healthz", get(|| async { "ok\n" }))
-        .with_state(monitoring_state);
-    let monitoring = spawn_monitoring_thread(monitoring_listener, app, stop_rx.clone())?;
-
-    // Server certificate renewal.
-    let renewal = tokio::spawn(tls::renew_server_cert(
+        &metrics,
+        &authority,
+        &serving,
+        stop_rx.clone(),
+    )?;
+    let renewal = tokio::spawn(server_identity::renew_server_cert(
         resolver,
         authority.clone(),
         config.server_dns.clone(),
-        stop_rx.clone(),
+        stop_rx,
     ));
 
+    let bound = listeners.bound;
     on_bound(bound);
     tracing::info!(
         grpc = %bound.grpc,
         monitoring = %bound.monitoring,
         "meshca is serving IstioCertificateService over TLS"
     );
+    drain_on_shutdown(shutdown, serving, health_reporter, draining_tx);
+    let incoming = transport::tls_incoming(listeners.grpc, acceptor, loops.handles(), &metrics);
+    let result = serve_until_drained(
+        &config,
+        &loops,
+        incoming,
+        service,
+        health_service,
+        draining_rx,
+    )
+    .await;
 
-    // Shutdown: mark not ready, report NOT_SERVING, then let tonic stop
-    // accepting and drain in-flight requests, for at most the grace period.
-    let (drain_tx, drain_rx) = tokio::sync::watch::channel(false);
-    let serving_flag = serving.clone();
-    let reporter = health_reporter.clone();
-    tokio::spawn(async move {
-        shutdown.await;
-        tracing::info!("shutdown requested: draining in-flight requests");
-        serving_flag.store(false, Ordering::Relaxed);
-        reporter
-            .set_not_serving::<IstioCertificateServiceServer<CaService>>()
-            .await;
-        let _ = drain_tx.send(true);
-        let _ = draining_tx.send(true);
-    });
-
-    // One gRPC server per event loop, each serving the connections placed on it.
-    let grpc =
-        IstioCertificateServiceServer::new(service).max_decoding_message_size(MAX_REQUEST_BYTES);
-    let incoming = tls::tls_incoming(grpc_listener, acceptor, loops.handles(), &metrics);
-    let servers = incoming
-        .into_iter()
-        .zip(loops.handles())
-        .map(|(incoming, handle)| {
-            let mut drain = drain_rx.clone();
-            let builder = tonic::transport::Server::builder()
-                .max_concurrent_streams(Some(config.max_concurrent_streams))
-                .timeout(config.request_timeout);
-            // No `max_connection_age_grace`: tonic 0.14 then closes at
-            // age + grace without a GOAWAY first. Without it the connection
-            // gets a GOAWAY at its age and closes once its requests in flight
-            // are answered, which `--request-timeout` bounds.
-            let builder = match config.max_connection_age {
-                Some(age) => builder.max_connection_age(age),
-                None => builder,
-            };
-            let server = builder
-                // Large flow-control windows: no WINDOW_UPDATE round trip every
-                // few dozen small requests.
-                .initial_connection_window_size(Some(4 << 20))
-                .initial_stream_window_size(Some(1 << 20))
-                .http2_keepalive_interval(Some(Duration::from_secs(30)))
-                .http2_keepalive_timeout(Some(Duration::from_secs(10)))
-                .layer(tower::util::MapResponseLayer::new(
-                    oversized_is_invalid_argument,
-                ))
-                .add_service(health_service.clone())
-                .add_service(grpc.clone())
-                .serve_with_incoming_shutdown(incoming, async move {
-                    let _ = drain.wait_for(|d| *d).await;
-                });
-            handle.spawn(server)
-        });
-    let server = futures::future::try_join_all(servers);
-    tokio::pin!(server);
-    let finished = tokio::select! {
-        r = &mut server => Some(r),
-        _ = draining_rx.wait_for(|d| *d) => {
-            match tokio::time::timeout(config.shutdown_grace, &mut server).await {
-                Ok(r) => Some(r),
-                Err(_) => {
-                    tracing::warn!(grace = ?config.shutdown_grace, "shutdown grace period over; stopping with requests still in flight");
-                    None
-                }
-            }
-        }
-    };
-    let result = match finished {
-        None => Ok(()),
-        Some(Ok(results)) => results
-            .into_iter()
-            .collect::<Result<(), _>>()
-            .map_err(ServeError::from),
-        Some(Err(e)) => Err(ServeError::EventLoopFailed(e.to_string())),
-    };
+    // Stop: the monitoring thread, the background tasks, the Lease, the loops.
     let _ = stop_tx.send(true);
     let _ = monitoring.await;
     renewal.abort();

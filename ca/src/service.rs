@@ -17,27 +17,27 @@ use tonic::{Request, Response, Status};
 use crate::authn::{AuthenticatorChain, AuthnError, CallerKind, Credentials};
 use crate::authority::{Authority, SignError};
 use crate::authz::Authorizer;
-use crate::event_loops::SpareLoops;
 use crate::metrics::Metrics;
+use crate::transport::SpareLoops;
 
 /// Header naming the cluster a request is for (empty: this one).
-pub const CLUSTER_ID_HEADER: &str = "clusterid";
+pub(crate) const CLUSTER_ID_HEADER: &str = "clusterid";
 /// How long a request waits for a signing slot before `RESOURCE_EXHAUSTED`.
-pub const QUEUE_WAIT: Duration = Duration::from_secs(2);
+pub(crate) const QUEUE_WAIT: Duration = Duration::from_secs(2);
 /// Requests that may wait for a slot, per slot, whatever the CA's pace;
 /// beyond the queue ([`Admission`]) a request is refused at once with
 /// `RESOURCE_EXHAUSTED`, so a burst (a mass restart) gets fast answers to
 /// back off on instead of a pile of timeouts.
-pub const QUEUE_PER_SLOT: usize = 8;
+pub(crate) const QUEUE_PER_SLOT: usize = 8;
 /// The queue never holds more than this many requests per slot, however
 /// fast the CA is (each waiting request holds its CSR and token).
-pub const QUEUE_PER_SLOT_MAX: usize = 64;
+pub(crate) const QUEUE_PER_SLOT_MAX: usize = 64;
 /// Shortest time over which the pace of finished requests is measured.
 const PACE_WINDOW: Duration = Duration::from_millis(20);
 
 /// The CA service.
 #[derive(Clone)]
-pub struct CaService {
+pub(crate) struct CaService {
     authority: Arc<Authority>,
     authn: AuthenticatorChain,
     authz: Authorizer,
@@ -58,7 +58,7 @@ impl std::fmt::Debug for CaService {
 
 impl CaService {
     /// A service signing with `authority`.
-    pub fn new(
+    pub(crate) fn new(
         authority: Arc<Authority>,
         authn: AuthenticatorChain,
         authz: Authorizer,
@@ -80,7 +80,7 @@ impl CaService {
 
     /// Served from [`crate::event_loops`]: a request whose loop is backed
     /// up runs on an idle loop instead.
-    pub fn with_spare_loops(mut self, spare_loops: SpareLoops) -> Self {
+    pub(crate) fn with_spare_loops(mut self, spare_loops: SpareLoops) -> Self {
         self.spare_loops = Some(spare_loops);
         self
     }
@@ -239,7 +239,7 @@ impl IstioCertificateService for CaService {
 /// API answers slowly keeps a short queue and refuses the rest at once,
 /// with nothing left to time out.
 #[derive(Debug)]
-pub struct Admission {
+pub(crate) struct Admission {
     limiter: Arc<Semaphore>,
     /// Requests waiting for a slot (exported as `meshca_requests_waiting`).
     waiting: Gauge<i64>,
@@ -260,7 +260,7 @@ struct PaceWindow {
 
 /// A request's slot: given back, and counted as finished, when dropped.
 #[derive(Debug)]
-pub struct Slot<'a> {
+pub(crate) struct Slot<'a> {
     _permit: OwnedSemaphorePermit,
     admission: &'a Admission,
 }
@@ -294,7 +294,7 @@ impl Drop for InQueue<'_> {
 impl Admission {
     /// `slots` requests at once (at least one); `waiting` follows the
     /// number of requests in the queue.
-    pub fn new(slots: usize, waiting: Gauge<i64>) -> Self {
+    pub(crate) fn new(slots: usize, waiting: Gauge<i64>) -> Self {
         let slots = slots.max(1);
         Self {
             limiter: Arc::new(Semaphore::new(slots)),
@@ -309,7 +309,7 @@ impl Admission {
 
     /// A slot now, or after waiting in the queue; `None`: refused (the
     /// queue is full, or no slot came within [`QUEUE_WAIT`]).
-    pub async fn admit(&self) -> Option<Slot<'_>> {
+    pub(crate) async fn admit(&self) -> Option<Slot<'_>> {
         let permit = match self.limiter.clone().try_acquire_owned() {
             Ok(permit) => permit,
             Err(_) => {
@@ -335,7 +335,7 @@ impl Admission {
     /// How many may wait now: what the CA finishes in half of
     /// [`QUEUE_WAIT`] at its last measured pace, within the bounds.
     /// Only called when the floor is reached, i.e. in a burst.
-    pub fn queue_length(&self) -> usize {
+    pub(crate) fn queue_length(&self) -> usize {
         let pace = self.pace_per_second();
         let answerable = (pace * QUEUE_WAIT.as_secs_f64() / 2.0) as usize;
         answerable.clamp(self.min_waiting, self.max_waiting)
@@ -360,7 +360,7 @@ impl Admission {
 }
 
 /// The first `authorization` value of the form `Bearer <token>`.
-pub fn bearer_token(metadata: &MetadataMap) -> Option<String> {
+pub(crate) fn bearer_token(metadata: &MetadataMap) -> Option<String> {
     metadata.get_all("authorization").iter().find_map(|value| {
         let value = value.to_str().ok()?;
         let (scheme, token) = value.split_once(' ')?;

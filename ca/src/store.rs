@@ -1,5 +1,6 @@
 //! CA key material: where the signing certificate, its key, the chain and
-//! the trust bundle come from (DESIGN §4.1).
+//! the trust bundle come from (README: "Using your own CA", "Running in a
+//! cluster").
 //!
 //! - [`load_ca_dir`]: a plugged-in CA in Istio's `cacerts` layout
 //!   (`ca-cert.pem`, `ca-key.pem`, `cert-chain.pem`, `root-cert.pem`) or the
@@ -101,14 +102,12 @@ pub struct CaMaterial {
 }
 
 impl CaMaterial {
-    /// The certificates after the leaf in a response, PEM, one per element:
-    /// `[signing cert, intermediates..., root]`.
+    /// The elements after the leaf in a response, PEM: one per certificate
+    /// of the chain (`signing cert, intermediates...`), then one element
+    /// holding every root of the bundle, the anchor first (see
+    /// [`meshca_certs::answer`]: Istio's clients trust only that element).
     pub fn response_tail_pem(&self) -> Vec<String> {
-        self.chain
-            .iter()
-            .chain(std::iter::once(&self.anchor_root))
-            .map(|der| bundle::encode_cert_pem(der))
-            .collect()
+        meshca_certs::answer::encode_tail(&self.chain, &self.anchor_root, &self.bundle)
     }
 }
 
@@ -355,6 +354,31 @@ mod tests {
         assert_eq!(m.chain, vec![int]);
         assert_eq!(m.anchor_root, root);
         assert_eq!(m.response_tail_pem().len(), 2);
+    }
+
+    #[test]
+    fn plugged_in_root_cert_with_several_roots_is_answered_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let (int, root) = write_cacerts(dir.path());
+        // An operator's own rotation: another root listed before ours.
+        let other =
+            generate_self_signed_root(&TrustDomain::default(), time::Duration::days(10), now())
+                .unwrap()
+                .1;
+        fs::write(
+            dir.path().join(ROOT_CERT_FILE),
+            format!("{}{}", other.to_pem(), bundle::encode_cert_pem(&root)),
+        )
+        .unwrap();
+        let m = load_ca_dir(dir.path(), now()).unwrap();
+        let tail = m.response_tail_pem();
+        assert_eq!(tail.len(), 2, "intermediate, then one element of roots");
+        assert_eq!(bundle::parse_certs_pem(&tail[0]).unwrap(), vec![int]);
+        assert_eq!(
+            bundle::parse_certs_pem(&tail[1]).unwrap(),
+            vec![root, other.der],
+            "every root, the anchor first"
+        );
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //!   and [`SigningCa`], which issues them;
 //! - [`verify`]: SVID chain verification to a [`TrustBundle`], CA chain checks;
 //! - [`bundle`]: PEM bundles and atomic file writes;
+//! - [`answer`]: the shape of a CA answer's chain, `[leaf, intermediates…, roots]`;
 //! - [`cadir`]: CA directories (Istio's `cacerts` layout and others), loaded and checked;
 //! - [`inspect`]: what a certificate says;
 //! - [`token`]: Kubernetes-style service-account tokens and the local issuer.
@@ -24,6 +25,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod answer;
 pub mod bundle;
 pub mod cadir;
 pub mod csr;

@@ -42,12 +42,12 @@ impl CertificateIssuer for InProcessCa {
             .map_err(|e| ClientError::BadAnswer(e.to_string()))?;
         let chain = vec![cert.to_pem(), self.root_pem.clone()];
         // Back on the client side.
-        let leaf = check_answer(&key, identity, &chain, &self.bundle, SystemTime::now())?;
+        let checked = check_answer(&key, identity, &chain, &self.bundle, SystemTime::now())?;
         Ok(Svid {
             key,
             chain_pem: chain,
-            bundle: self.bundle.clone(),
-            leaf,
+            bundle: checked.roots,
+            leaf: checked.leaf,
         })
     }
 }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
+use meshca_certs::answer::ChainAnswer;
 use meshca_certs::bundle::{self, FileError};
 use meshca_certs::verify::verify_svid;
 use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle, VerifiedSvid};
@@ -129,9 +130,12 @@ struct Connection {
 pub struct Svid {
     /// The private key (ours, never sent).
     pub key: PrivateKey,
-    /// The chain as the CA sent it: leaf first, root last, PEM.
+    /// The chain as the CA sent it, PEM: leaf first, then one element per
+    /// intermediate, then one element holding every root to trust.
     pub chain_pem: Vec<String>,
-    /// The trust bundle it was verified against.
+    /// Every root of the answer's last element: what the CA says workloads
+    /// must trust now (both roots during a root rotation). This is what
+    /// `root-cert.pem` gets, as Istio's agent and ztunnel take it.
     pub bundle: TrustBundle,
     /// What the leaf says.
     pub leaf: VerifiedSvid,
@@ -276,7 +280,7 @@ impl CaClient {
                 Err(status) => return Err(status.into()),
             }
         };
-        let leaf = check_answer(
+        let checked = check_answer(
             &key,
             identity,
             &response.cert_chain,
@@ -286,52 +290,76 @@ impl CaClient {
         Ok(Svid {
             key,
             chain_pem: response.cert_chain,
-            bundle: connection.bundle.clone(),
-            leaf,
+            bundle: checked.roots,
+            leaf: checked.leaf,
         })
     }
 }
 
-/// Checks a CA answer: at least leaf and root, the leaf's key is `key`, its
-/// only URI SAN is `identity`, it is not a CA, the chain verifies to
-/// `bundle` at `now`.
+/// What a checked answer gives.
+#[derive(Debug, Clone)]
+pub struct CheckedAnswer {
+    /// What the leaf says.
+    pub leaf: VerifiedSvid,
+    /// Every root of the answer's last element, in order.
+    pub roots: TrustBundle,
+}
+
+/// Checks a CA answer: `[leaf, intermediates..., roots]` with the leaf alone
+/// in its element; the leaf's key is `key`, its only URI SAN is
+/// `identity`, it is not a CA; the chain verifies at `now` to `bundle` (the
+/// roots this client trusts) and to the roots of the answer's last element
+/// (the roots it will hand on, which must cover its own certificate).
+/// The last element may hold several roots, as during a root rotation.
 pub fn check_answer(
     key: &PrivateKey,
     identity: &SpiffeId,
     chain_pem: &[String],
     bundle: &TrustBundle,
     now: SystemTime,
-) -> Result<VerifiedSvid, ClientError> {
-    if chain_pem.is_empty() {
-        return Err(ClientError::BadAnswer(
-            "the certificate chain is empty".into(),
-        ));
-    }
-    let mut ders = Vec::new();
-    for (i, pem) in chain_pem.iter().enumerate() {
-        let certs = bundle::parse_certs_pem(pem)
-            .map_err(|e| ClientError::BadAnswer(format!("chain element #{}: {e}", i + 1)))?;
-        ders.extend(certs);
-    }
-    meshca_certs::verify::check_svid_leaf(&ders[0])
+) -> Result<CheckedAnswer, ClientError> {
+    let answer =
+        ChainAnswer::parse(chain_pem).map_err(|e| ClientError::BadAnswer(e.to_string()))?;
+    let leaf_der = &answer.leaf;
+    meshca_certs::verify::check_svid_leaf(leaf_der)
         .map_err(|e| ClientError::BadAnswer(e.to_string()))?;
-    let summary = meshca_certs::inspect::CertSummary::from_der(&ders[0])
+    let summary = meshca_certs::inspect::CertSummary::from_der(leaf_der)
         .map_err(|e| ClientError::BadAnswer(e.to_string()))?;
-    let leaf_spki = x509_spki(&ders[0])
+    let leaf_spki = x509_spki(leaf_der)
         .ok_or_else(|| ClientError::BadAnswer("leaf has no public key".into()))?;
     if leaf_spki != key.public_key_spki_der() {
         return Err(ClientError::BadAnswer(
             "the leaf certificate's public key is not the key we sent".into(),
         ));
     }
-    let verified = verify_svid(&ders, bundle, now, Some(identity))
+    // Every certificate of the answer may link the leaf to a root we trust.
+    let all: Vec<Vec<u8>> = answer
+        .presented_chain()
+        .into_iter()
+        .chain(answer.roots.roots().iter().cloned())
+        .collect();
+    let verified = verify_svid(&all, bundle, now, Some(identity))
         .map_err(|e| ClientError::BadAnswer(e.to_string()))?;
+    verify_svid(
+        &answer.presented_chain(),
+        &answer.roots,
+        now,
+        Some(identity),
+    )
+    .map_err(|e| {
+        ClientError::BadAnswer(format!(
+            "the roots in the last chain element do not cover the certificate itself: {e}"
+        ))
+    })?;
     if summary.not_after <= summary.not_before {
         return Err(ClientError::BadAnswer(
             "the leaf's validity is empty".into(),
         ));
     }
-    Ok(verified)
+    Ok(CheckedAnswer {
+        leaf: verified,
+        roots: answer.roots,
+    })
 }
 
 fn x509_spki(der: &[u8]) -> Option<Vec<u8>> {
@@ -342,5 +370,109 @@ fn x509_spki(der: &[u8]) -> Option<Vec<u8>> {
 impl crate::manager::CertificateIssuer for CaClient {
     async fn fetch(&self, identity: &SpiffeId) -> Result<Svid, ClientError> {
         self.fetch_default(identity).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshca_certs::bundle::encode_cert_pem;
+    use meshca_certs::profile::{self_signed_root, SigningCa, SubjectKey, SubjectName, Validity};
+    use time::OffsetDateTime;
+
+    fn root_ca(cn: &str) -> SigningCa {
+        let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let name = SubjectName {
+            common_name: Some(cn.into()),
+            ..Default::default()
+        };
+        let v = Validity::backdated(OffsetDateTime::now_utc(), time::Duration::days(1));
+        let root = self_signed_root(&key, &name, v).unwrap();
+        SigningCa::new(root.der, key).unwrap()
+    }
+
+    fn id() -> SpiffeId {
+        SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web").unwrap()
+    }
+
+    /// A key and its certificate from `ca`, PEM.
+    fn leaf(ca: &SigningCa) -> (PrivateKey, String) {
+        let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let v = Validity::backdated(OffsetDateTime::now_utc(), time::Duration::hours(1));
+        let cert = ca
+            .issue_workload(&SubjectKey::of(&key).unwrap(), &id(), v)
+            .unwrap();
+        (key, cert.to_pem())
+    }
+
+    fn roots(cas: &[&SigningCa]) -> String {
+        cas.iter()
+            .map(|ca| encode_cert_pem(ca.cert_der()))
+            .collect()
+    }
+
+    #[test]
+    fn a_multi_root_last_element_is_accepted_and_every_root_handed_on() {
+        let (old, new) = (root_ca("old"), root_ca("new"));
+        let trusted = TrustBundle::new(vec![old.cert_der().to_vec()]);
+        // Announced phase: signed by the old root, both roots in the answer.
+        let (key, cert) = leaf(&old);
+        let chain = vec![cert, roots(&[&old, &new])];
+        let checked = check_answer(&key, &id(), &chain, &trusted, SystemTime::now()).unwrap();
+        assert_eq!(checked.leaf.spiffe_id, id());
+        assert_eq!(
+            checked.roots.roots(),
+            &[old.cert_der().to_vec(), new.cert_der().to_vec()]
+        );
+
+        // And `root-cert.pem` gets both, `cert-chain.pem` the leaf alone.
+        let svid = Svid {
+            key,
+            chain_pem: chain.clone(),
+            bundle: checked.roots,
+            leaf: checked.leaf,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        crate::output::write_credentials(dir.path(), &svid).unwrap();
+        let written = std::fs::read_to_string(dir.path().join("root-cert.pem")).unwrap();
+        assert_eq!(written, chain[1]);
+        let chain_file = std::fs::read_to_string(dir.path().join("cert-chain.pem")).unwrap();
+        assert_eq!(chain_file, chain[0]);
+    }
+
+    #[test]
+    fn roots_that_do_not_cover_the_leaf_or_no_roots_at_all_are_refused() {
+        let (old, new) = (root_ca("old"), root_ca("new"));
+        let trusted = TrustBundle::new(vec![old.cert_der().to_vec()]);
+        let (key, cert) = leaf(&old);
+        // The last element names only a root the leaf does not chain to.
+        let err = check_answer(
+            &key,
+            &id(),
+            &[cert.clone(), roots(&[&new])],
+            &trusted,
+            SystemTime::now(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("do not cover"), "{err}");
+        // The leaf alone.
+        let err = check_answer(&key, &id(), &[cert], &trusted, SystemTime::now())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("only the leaf"), "{err}");
+        // Signed by a root the client does not trust, even if the answer
+        // lists it among its roots.
+        let (key, cert) = leaf(&new);
+        let err = check_answer(
+            &key,
+            &id(),
+            &[cert, roots(&[&new, &old])],
+            &trusted,
+            SystemTime::now(),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("does not chain"), "{err}");
     }
 }

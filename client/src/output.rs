@@ -1,6 +1,7 @@
 //! Writing credentials to a directory with Istio's file names:
 //! `cert-chain.pem` (leaf and intermediates), `key.pem` (0600) and
-//! `root-cert.pem` (the trust bundle), each atomically.
+//! `root-cert.pem` (every root of the CA answer's last element: both roots
+//! during a root rotation), each atomically.
 
 use std::path::Path;
 
@@ -43,7 +44,7 @@ pub fn write_credentials(dir: &Path, svid: &Svid) -> Result<(), BundleError> {
 }
 
 /// `cert-chain.pem`: every element of the CA's answer but the last (the
-/// root), as Istio's agent writes it; the leaf alone if that is all there is.
+/// roots), as Istio's agent writes it; the leaf alone if that is all there is.
 pub fn chain_pem(svid: &Svid) -> String {
     let n = svid.chain_pem.len();
     let keep = if n > 1 { n - 1 } else { n };

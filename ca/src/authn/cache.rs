@@ -21,10 +21,10 @@ use super::Caller;
 use crate::metrics::IstioCounter;
 
 /// The SHA-256 of a token: the cache key.
-pub type TokenHash = [u8; 32];
+pub(crate) type TokenHash = [u8; 32];
 
 /// Most entries a cache holds (about 250 bytes each).
-pub const MAX_CACHED_TOKENS: usize = 50_000;
+pub(crate) const MAX_CACHED_TOKENS: usize = 50_000;
 
 struct CachedCaller {
     caller: Caller,
@@ -32,7 +32,7 @@ struct CachedCaller {
 }
 
 /// Successful authentications, reused for a short time.
-pub struct VerifiedTokenCache {
+pub(crate) struct VerifiedTokenCache {
     ttl: Duration,
     max_entries: usize,
     entries: Mutex<HashMap<TokenHash, CachedCaller>>,
@@ -50,12 +50,12 @@ impl std::fmt::Debug for VerifiedTokenCache {
 
 impl VerifiedTokenCache {
     /// A cache keeping results for `ttl` (zero: a cache that keeps nothing).
-    pub fn new(ttl: Duration) -> Self {
+    pub(crate) fn new(ttl: Duration) -> Self {
         Self::with_capacity_limit(ttl, MAX_CACHED_TOKENS)
     }
 
     /// A cache of at most `max_entries` results.
-    pub fn with_capacity_limit(ttl: Duration, max_entries: usize) -> Self {
+    pub(crate) fn with_capacity_limit(ttl: Duration, max_entries: usize) -> Self {
         Self {
             ttl,
             max_entries,
@@ -65,23 +65,24 @@ impl VerifiedTokenCache {
     }
 
     /// Counts every hit on `hits` (e.g. a metric shared by several caches).
-    pub fn counting_hits(mut self, hits: IstioCounter) -> Self {
+    pub(crate) fn counting_hits(mut self, hits: IstioCounter) -> Self {
         self.hits = hits;
         self
     }
 
     /// Hits so far.
-    pub fn hits(&self) -> u64 {
+    #[cfg(test)]
+    pub(crate) fn hits(&self) -> u64 {
         self.hits.get()
     }
 
     /// Whether results are kept at all.
-    pub fn is_enabled(&self) -> bool {
+    pub(crate) fn is_enabled(&self) -> bool {
         !self.ttl.is_zero() && self.max_entries > 0
     }
 
     /// The cache key of `token`.
-    pub fn key(token: &str) -> TokenHash {
+    pub(crate) fn key(token: &str) -> TokenHash {
         let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
         let mut out = [0u8; 32];
         out.copy_from_slice(digest.as_ref());
@@ -89,7 +90,7 @@ impl VerifiedTokenCache {
     }
 
     /// The caller cached for `key`, if its entry is still live.
-    pub fn get(&self, key: &TokenHash) -> Option<Caller> {
+    pub(crate) fn get(&self, key: &TokenHash) -> Option<Caller> {
         if !self.is_enabled() {
             return None;
         }
@@ -109,7 +110,7 @@ impl VerifiedTokenCache {
 
     /// Remembers that the token hashed to `key` authenticated as `caller`;
     /// `expires_at` is the token's `exp` (Unix seconds), if it has one.
-    pub fn insert(&self, key: TokenHash, caller: Caller, expires_at: Option<u64>) {
+    pub(crate) fn insert(&self, key: TokenHash, caller: Caller, expires_at: Option<u64>) {
         if !self.is_enabled() {
             return;
         }
@@ -142,17 +143,18 @@ impl VerifiedTokenCache {
     }
 
     /// Forgets everything (e.g. after the signing keys changed).
-    pub fn clear(&self) {
+    pub(crate) fn clear(&self) {
         self.lock().clear();
     }
 
     /// Entries held, live or not yet dropped.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.lock().len()
     }
 
     /// Whether no entry is held.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 

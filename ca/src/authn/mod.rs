@@ -13,11 +13,11 @@
 //!
 //! Tokens and keys never appear in errors or logs.
 
-pub mod cache;
-pub mod oidc;
+pub(crate) mod cache;
+pub(crate) mod oidc;
 pub mod token_review;
 
-pub use cache::VerifiedTokenCache;
+pub(crate) use cache::VerifiedTokenCache;
 pub use token_review::{TokenReviewAuthenticator, TokenReviewConfig};
 
 use std::sync::Arc;
@@ -385,7 +385,7 @@ impl JwtAuthenticator {
     }
 
     /// Counts cache hits on `hits` (the `meshca_token_cache_hit_count` metric).
-    pub fn counting_cache_hits(mut self, hits: crate::metrics::IstioCounter) -> Self {
+    pub(crate) fn counting_cache_hits(mut self, hits: crate::metrics::IstioCounter) -> Self {
         self.cache = self.cache.counting_hits(hits);
         self
     }

@@ -8,7 +8,7 @@ use super::JwksFetcher;
 
 /// Fetches the API server's JWKS through the Kubernetes client (same TLS
 /// trust and credentials as every other call).
-pub struct KubernetesJwks {
+pub(crate) struct KubernetesJwks {
     client: kube::Client,
 }
 
@@ -20,16 +20,16 @@ impl std::fmt::Debug for KubernetesJwks {
 
 /// What OIDC discovery says.
 #[derive(Debug, Clone, serde::Deserialize)]
-pub struct Discovery {
+pub(crate) struct Discovery {
     /// The issuer (`iss` of the tokens).
-    pub issuer: String,
+    pub(crate) issuer: String,
     /// Where the keys are.
-    pub jwks_uri: String,
+    pub(crate) jwks_uri: String,
 }
 
 impl KubernetesJwks {
     /// A fetcher using `client`.
-    pub fn new(client: kube::Client) -> Self {
+    pub(crate) fn new(client: kube::Client) -> Self {
         Self { client }
     }
 
@@ -44,7 +44,7 @@ impl KubernetesJwks {
     }
 
     /// Reads `/.well-known/openid-configuration`.
-    pub async fn discover(&self) -> Result<Discovery, String> {
+    pub(crate) async fn discover(&self) -> Result<Discovery, String> {
         let text = self.get("/.well-known/openid-configuration").await?;
         serde_json::from_str(&text).map_err(|e| format!("OIDC discovery document: {e}"))
     }

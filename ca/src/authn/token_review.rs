@@ -82,7 +82,7 @@ impl TokenReviewAuthenticator {
     }
 
     /// Counts cache hits on `hits` (the `meshca_token_cache_hit_count` metric).
-    pub fn counting_cache_hits(mut self, hits: crate::metrics::IstioCounter) -> Self {
+    pub(crate) fn counting_cache_hits(mut self, hits: crate::metrics::IstioCounter) -> Self {
         self.cache = self.cache.counting_hits(hits);
         self
     }

@@ -6,7 +6,7 @@
 //! [`ImpersonationPolicy`]; without one, impersonation is refused. A CSR's
 //! URI SANs, if any, must all be the identity granted.
 
-pub mod node_agent;
+pub(crate) mod node_agent;
 
 use std::sync::Arc;
 
@@ -18,7 +18,7 @@ use crate::authn::Caller;
 /// Why a caller may not have the identity it asks for (gRPC
 /// `PERMISSION_DENIED`; Istio answers `UNAUTHENTICATED` here).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum AuthzError {
+pub(crate) enum AuthzError {
     /// The impersonation target is not a valid SPIFFE ID.
     #[error("ImpersonatedIdentity {value:?} is not a valid SPIFFE ID: {reason}")]
     BadImpersonationTarget {
@@ -55,14 +55,14 @@ pub enum AuthzError {
 
 /// Decides whether a caller may get a certificate for another identity.
 #[async_trait]
-pub trait ImpersonationPolicy: Send + Sync {
+pub(crate) trait ImpersonationPolicy: Send + Sync {
     /// `Ok(())` if `caller` may get a certificate for `target`.
     async fn may_impersonate(&self, caller: &Caller, target: &SpiffeId) -> Result<(), AuthzError>;
 }
 
 /// The authorizer.
 #[derive(Clone, Default)]
-pub struct Authorizer {
+pub(crate) struct Authorizer {
     impersonation: Option<Arc<dyn ImpersonationPolicy>>,
 }
 
@@ -76,12 +76,12 @@ impl std::fmt::Debug for Authorizer {
 
 impl Authorizer {
     /// An authorizer that allows only a caller's own identity.
-    pub fn own_identity_only() -> Self {
+    pub(crate) fn own_identity_only() -> Self {
         Self::default()
     }
 
     /// An authorizer that also allows impersonation where `policy` says so.
-    pub fn with_impersonation(policy: Arc<dyn ImpersonationPolicy>) -> Self {
+    pub(crate) fn with_impersonation(policy: Arc<dyn ImpersonationPolicy>) -> Self {
         Self {
             impersonation: Some(policy),
         }
@@ -89,7 +89,7 @@ impl Authorizer {
 
     /// The identity `caller` gets, given the requested impersonation target
     /// (empty means none) and the CSR's URI SANs.
-    pub async fn authorize(
+    pub(crate) async fn authorize(
         &self,
         caller: &Caller,
         impersonated: Option<&str>,

@@ -26,15 +26,15 @@ use crate::authn::Caller;
 
 /// What the index keeps of a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PodInfo {
+pub(crate) struct PodInfo {
     /// metadata.uid
-    pub uid: String,
+    pub(crate) uid: String,
     /// spec.nodeName (unscheduled pods have none)
-    pub node: Option<String>,
+    pub(crate) node: Option<String>,
     /// spec.serviceAccountName
-    pub service_account: String,
+    pub(crate) service_account: String,
     /// Whether the pod has finished (Succeeded or Failed).
-    pub terminated: bool,
+    pub(crate) terminated: bool,
 }
 
 type NsName = (String, String);
@@ -104,14 +104,14 @@ fn pod_entry(pod: &Pod) -> Option<(NsName, PodInfo)> {
 
 /// Pods by namespace/name and by node, kept current by a watch.
 #[derive(Debug, Default)]
-pub struct PodIndex {
+pub(crate) struct PodIndex {
     maps: RwLock<PodMaps>,
     synced: AtomicBool,
 }
 
 impl PodIndex {
     /// Adds or updates a pod.
-    pub fn apply(&self, pod: &Pod) {
+    pub(crate) fn apply(&self, pod: &Pod) {
         if let Some((key, info)) = pod_entry(pod) {
             self.maps
                 .write()
@@ -121,7 +121,7 @@ impl PodIndex {
     }
 
     /// Removes a pod.
-    pub fn delete(&self, pod: &Pod) {
+    pub(crate) fn delete(&self, pod: &Pod) {
         if let Some((key, _)) = pod_entry(pod) {
             self.maps
                 .write()
@@ -131,7 +131,7 @@ impl PodIndex {
     }
 
     /// Replaces the whole content (after a full list) and marks it synced.
-    pub fn replace(&self, pods: &[Pod]) {
+    pub(crate) fn replace(&self, pods: &[Pod]) {
         let mut fresh = PodMaps::default();
         for pod in pods {
             if let Some((key, info)) = pod_entry(pod) {
@@ -143,12 +143,12 @@ impl PodIndex {
     }
 
     /// Whether a full list has been loaded.
-    pub fn is_synced(&self) -> bool {
+    pub(crate) fn is_synced(&self) -> bool {
         self.synced.load(Ordering::Acquire)
     }
 
     /// A pod by namespace and name.
-    pub fn pod(&self, namespace: &str, name: &str) -> Option<PodInfo> {
+    pub(crate) fn pod(&self, namespace: &str, name: &str) -> Option<PodInfo> {
         self.maps
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -158,7 +158,12 @@ impl PodIndex {
     }
 
     /// Whether a live pod of `namespace`/`service_account` runs on `node`.
-    pub fn has_workload_on_node(&self, node: &str, namespace: &str, service_account: &str) -> bool {
+    pub(crate) fn has_workload_on_node(
+        &self,
+        node: &str,
+        namespace: &str,
+        service_account: &str,
+    ) -> bool {
         self.maps
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -168,7 +173,8 @@ impl PodIndex {
     }
 
     /// How many pods are indexed.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.maps
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -177,14 +183,15 @@ impl PodIndex {
     }
 
     /// Whether no pod is indexed.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
 
 /// Keeps `index` current from a watch on all pods until the task is dropped.
 /// Errors (API down, watch expired) are retried with backoff.
-pub async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
+pub(crate) async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
     let api: Api<Pod> = Api::all(client);
     let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
     futures::pin_mut!(stream);
@@ -210,14 +217,17 @@ pub async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
 
 /// The impersonation rules for trusted node agents.
 #[derive(Debug)]
-pub struct NodeAgentPolicy {
+pub(crate) struct NodeAgentPolicy {
     trusted: HashSet<NsName>,
     pods: Arc<PodIndex>,
 }
 
 impl NodeAgentPolicy {
     /// Trusts `trusted` (namespace, service account) pairs, checking pods in `pods`.
-    pub fn new(trusted: impl IntoIterator<Item = (String, String)>, pods: Arc<PodIndex>) -> Self {
+    pub(crate) fn new(
+        trusted: impl IntoIterator<Item = (String, String)>,
+        pods: Arc<PodIndex>,
+    ) -> Self {
         Self {
             trusted: trusted.into_iter().collect(),
             pods,

@@ -23,11 +23,11 @@ use crate::authority::Authority;
 use crate::metrics::Metrics;
 
 /// Name of the bundle ConfigMap (Istio's).
-pub const CONFIGMAP_NAME: &str = "istio-ca-root-cert";
+pub(crate) const CONFIGMAP_NAME: &str = "istio-ca-root-cert";
 /// Data key of the bundle.
-pub const CONFIGMAP_KEY: &str = "root-cert.pem";
+pub(crate) const CONFIGMAP_KEY: &str = "root-cert.pem";
 /// Label put on the ConfigMap (Istio's).
-pub const CONFIGMAP_LABEL: (&str, &str) = ("istio.io/config", "true");
+pub(crate) const CONFIGMAP_LABEL: (&str, &str) = ("istio.io/config", "true");
 
 /// How long a failed write waits before it is tried again.
 const RETRY_AFTER: Duration = Duration::from_secs(2);
@@ -36,7 +36,7 @@ const RESYNC_PERIOD: Duration = Duration::from_secs(300);
 
 /// Keeps the bundle ConfigMap right in every namespace not in `excluded`,
 /// until dropped.
-pub async fn publish_bundles(
+pub(crate) async fn publish_bundles(
     client: kube::Client,
     authority: Arc<Authority>,
     excluded: Vec<String>,

@@ -22,23 +22,23 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 
 /// Name of meshca's leader-election Lease.
-pub const LEASE_NAME: &str = "meshca-leader";
+pub(crate) const LEASE_NAME: &str = "meshca-leader";
 
 /// Timing of the election, derived from the lease duration as client-go's
 /// defaults are (15 s / 10 s / 2 s).
 #[derive(Debug, Clone, Copy)]
-pub struct LeaderTiming {
+pub(crate) struct LeaderTiming {
     /// How long a Lease is valid after its last renewal.
-    pub lease_duration: Duration,
+    pub(crate) lease_duration: Duration,
     /// A leader that has not renewed for this long steps down.
-    pub renew_deadline: Duration,
+    pub(crate) renew_deadline: Duration,
     /// Time between attempts.
-    pub retry_period: Duration,
+    pub(crate) retry_period: Duration,
 }
 
 impl LeaderTiming {
     /// Timing for a lease duration (renew deadline 2/3 of it, retry 2/15).
-    pub fn for_lease(lease_duration: Duration) -> Self {
+    pub(crate) fn for_lease(lease_duration: Duration) -> Self {
         Self {
             lease_duration,
             renew_deadline: lease_duration * 2 / 3,
@@ -48,7 +48,7 @@ impl LeaderTiming {
 }
 
 /// One candidate in the election.
-pub struct LeaderElector {
+pub(crate) struct LeaderElector {
     api: Api<Lease>,
     identity: String,
     timing: LeaderTiming,
@@ -67,7 +67,7 @@ impl std::fmt::Debug for LeaderElector {
 
 /// This replica's identity in the election: the pod name (`POD_NAME`, or the
 /// hostname) plus a random suffix, so a restarted process is a new candidate.
-pub fn candidate_identity() -> String {
+pub(crate) fn candidate_identity() -> String {
     let base = std::env::var("POD_NAME")
         .or_else(|_| std::env::var("HOSTNAME"))
         .ok()
@@ -80,7 +80,7 @@ pub fn candidate_identity() -> String {
 
 impl LeaderElector {
     /// A candidate for the Lease [`LEASE_NAME`] in `namespace`.
-    pub fn new(
+    pub(crate) fn new(
         client: kube::Client,
         namespace: &str,
         identity: String,
@@ -97,13 +97,17 @@ impl LeaderElector {
     }
 
     /// This candidate's identity.
-    pub fn identity(&self) -> &str {
+    pub(crate) fn identity(&self) -> &str {
         &self.identity
     }
 
     /// Runs the election until `stop` fires, publishing leadership on
     /// `leader`. Releases the Lease on the way out if held.
-    pub async fn run(mut self, leader: watch::Sender<bool>, mut stop: watch::Receiver<bool>) {
+    pub(crate) async fn run(
+        mut self,
+        leader: watch::Sender<bool>,
+        mut stop: watch::Receiver<bool>,
+    ) {
         loop {
             let now = Instant::now();
             match self.try_acquire_or_renew().await {
@@ -151,7 +155,7 @@ impl LeaderElector {
 
     /// One round of client-go's `tryAcquireOrRenew`: `Ok(true)` when this
     /// candidate holds the Lease afterwards.
-    pub async fn try_acquire_or_renew(&mut self) -> Result<bool, kube::Error> {
+    pub(crate) async fn try_acquire_or_renew(&mut self) -> Result<bool, kube::Error> {
         let now = MicroTime(k8s_openapi::jiff::Timestamp::now());
         let duration_secs = self.timing.lease_duration.as_secs().max(1) as i32;
         let Some(current) = self.api.get_opt(LEASE_NAME).await? else {
@@ -248,7 +252,7 @@ impl LeaderElector {
 
 /// Runs `work` whenever `leader` is true, and drops it (cancelling every
 /// await point inside) the moment leadership is lost.
-pub async fn while_leader<F, Fut>(mut leader: watch::Receiver<bool>, mut work: F)
+pub(crate) async fn while_leader<F, Fut>(mut leader: watch::Receiver<bool>, mut work: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = ()>,

@@ -1,5 +1,5 @@
-//! meshca in a cluster (DESIGN §4.1, §7): state in Kubernetes objects,
-//! coordination through the Kubernetes API only.
+//! meshca in a cluster (README: "Running in a cluster"): state in
+//! Kubernetes objects, coordination through the Kubernetes API only.
 //!
 //! - [`root_secret`]: the self-signed root in the Secret `istio-ca-secret`,
 //!   created with create-if-absent semantics so replicas agree on one root,
@@ -10,9 +10,11 @@
 //! Every replica follows the Secret ([`follow_root_secret`]) and signs with
 //! what it holds; the leader moves a rotation forward ([`rotate_root`]).
 
-pub mod bundle_publisher;
-pub mod leader;
-pub mod root_secret;
+pub(crate) mod bundle_publisher;
+pub(crate) mod leader;
+pub(crate) mod root_secret;
+
+pub use root_secret::RootSecretError;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,7 +32,7 @@ use crate::authority::Authority;
 use crate::metrics::Metrics;
 use crate::store::CaMaterial;
 use root_secret::{
-    RootKeyPair, RootSecret, RootSecretError, RotationPolicy, RotationStep, SECRET_NAME,
+    RootKeyPair, RootSecret, RotationPhase, RotationPolicy, RotationStep, SECRET_NAME,
 };
 
 /// One RBAC rule meshca needs: API group, resource, verbs, and whether it
@@ -108,7 +110,7 @@ pub enum ClusterError {
 
 /// meshca's namespace: the flag, else `$POD_NAMESPACE`, else the
 /// kubeconfig's (or the in-cluster service account's) namespace.
-pub fn own_namespace(flag: Option<&str>, client: &kube::Client) -> String {
+pub(crate) fn own_namespace(flag: Option<&str>, client: &kube::Client) -> String {
     flag.map(str::to_string)
         .or_else(|| {
             std::env::var("POD_NAMESPACE")
@@ -120,7 +122,7 @@ pub fn own_namespace(flag: Option<&str>, client: &kube::Client) -> String {
 
 /// The outcome of [`load_or_create_root_secret`].
 #[derive(Debug)]
-pub enum SecretLoad {
+pub(crate) enum SecretLoad {
     /// The material of the Secret as read or written.
     Loaded(Box<CaMaterial>),
     /// The API does not serve Secrets in that namespace (404 on create):
@@ -131,7 +133,7 @@ pub enum SecretLoad {
 /// Loads the root from the Secret, or creates it if absent. When several
 /// replicas start together, exactly one create succeeds; the others get
 /// `AlreadyExists` and read the winner's Secret.
-pub async fn load_or_create_root_secret(
+pub(crate) async fn load_or_create_root_secret(
     client: &kube::Client,
     namespace: &str,
     trust_domain: &TrustDomain,
@@ -192,13 +194,26 @@ pub async fn load_or_create_root_secret(
     }
 }
 
+/// Logs a warning, at start, for each reason a root rotation under
+/// `policy` would break clients (see [`RotationPolicy::unsafe_because`]).
+/// meshca still starts: short settings are how rotation is tried out.
+pub fn warn_if_rotation_unsafe(
+    policy: &RotationPolicy,
+    default_leaf_ttl: Duration,
+    expiry_margin: Duration,
+) {
+    for problem in policy.unsafe_because(default_leaf_ttl, expiry_margin) {
+        tracing::warn!(problem = %problem, "root rotation would not be safe for clients");
+    }
+}
+
 /// The Secret as the watch last saw it: `None` until the first listing,
 /// then `Some(None)` if it does not exist.
-pub type SeenSecret = Option<Option<Secret>>;
+pub(crate) type SeenSecret = Option<Option<Secret>>;
 
 /// Keeps `authority` signing with what the Secret holds (every replica),
 /// and shares the latest Secret on `latest` for the leader's rotation.
-pub async fn follow_root_secret(
+pub(crate) async fn follow_root_secret(
     client: kube::Client,
     namespace: String,
     authority: Arc<Authority>,
@@ -247,7 +262,10 @@ fn adopt(secret: &Secret, namespace: &str, authority: &Authority, metrics: &Metr
             return;
         }
     };
-    metrics.set_rotation_phase(root.phase);
+    metrics.set_rotation_phase(
+        root.phase.name(),
+        &RotationPhase::ALL.map(RotationPhase::name),
+    );
     let current = authority.current();
     let same = current.material.signing.cert_der() == root.signing.cert.as_slice()
         && current.material.bundle.roots() == root.bundle.as_slice();
@@ -275,7 +293,7 @@ fn adopt(secret: &Secret, namespace: &str, authority: &Authority, metrics: &Metr
 
 /// The leader's side of the root: moves a rotation forward when a step is
 /// due, and writes the Secret back if it was deleted. Runs until dropped.
-pub async fn rotate_root(
+pub(crate) async fn rotate_root(
     client: kube::Client,
     namespace: String,
     trust_domain: TrustDomain,

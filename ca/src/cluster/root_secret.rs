@@ -1,5 +1,6 @@
-//! The self-signed root kept in the Secret `istio-ca-secret` (DESIGN §4.1),
-//! and its rotation as a state machine over that Secret.
+//! The self-signed root kept in the Secret `istio-ca-secret` (README:
+//! "Running in a cluster"), and its rotation as a state machine over that
+//! Secret.
 //!
 //! The Secret is the single source of truth: every replica signs with what
 //! it holds, and the only writer is the leader (rotation) or whoever wins
@@ -18,7 +19,11 @@
 //! 1. `stable`: one root, signing, alone in the bundle.
 //! 2. `announced`: a new root (new key) is in the bundle beside the old;
 //!    the old still signs, for `--root-rotation-grace`, so every client
-//!    picks up the bundle before any leaf chains to the new root.
+//!    picks up the bundle before any leaf chains to the new root. Clients
+//!    that learn roots only from their answers (every answer ends with the
+//!    whole bundle) pick it up when they renew, so the default grace is
+//!    longer than a default certificate's renewal interval
+//!    ([`safe_rotation_grace`]).
 //! 3. `switched`: the new root signs; the old stays in the bundle until the
 //!    last leaf it signed has expired (`meshca.io/retire-previous-root-after`:
 //!    switch time + the longest workload lifetime + the grace period, never
@@ -48,27 +53,27 @@ use time::OffsetDateTime;
 use crate::store::{generate_self_signed_root, CaMaterial, CaSource, StoreError};
 
 /// Name of the Secret holding the self-signed root (Istio's).
-pub const SECRET_NAME: &str = "istio-ca-secret";
+pub(crate) const SECRET_NAME: &str = "istio-ca-secret";
 /// Type of that Secret (Istio's).
-pub const SECRET_TYPE: &str = "istio.io/ca-root";
+pub(crate) const SECRET_TYPE: &str = "istio.io/ca-root";
 /// Key of the signing root certificate.
-pub const CA_CERT_KEY: &str = "ca-cert.pem";
+pub(crate) const CA_CERT_KEY: &str = "ca-cert.pem";
 /// Key of the signing root's private key.
-pub const CA_KEY_KEY: &str = "ca-key.pem";
+pub(crate) const CA_KEY_KEY: &str = "ca-key.pem";
 /// Key of the trust bundle.
-pub const ROOT_CERT_KEY: &str = "root-cert.pem";
+pub(crate) const ROOT_CERT_KEY: &str = "root-cert.pem";
 /// Key of the announced (not yet signing) root certificate.
-pub const NEXT_CA_CERT_KEY: &str = "next-ca-cert.pem";
+pub(crate) const NEXT_CA_CERT_KEY: &str = "next-ca-cert.pem";
 /// Key of the announced root's private key.
-pub const NEXT_CA_KEY_KEY: &str = "next-ca-key.pem";
+pub(crate) const NEXT_CA_KEY_KEY: &str = "next-ca-key.pem";
 /// Annotation holding the rotation phase.
-pub const PHASE_ANNOTATION: &str = "meshca.io/root-rotation-phase";
+pub(crate) const PHASE_ANNOTATION: &str = "meshca.io/root-rotation-phase";
 /// Annotation holding when the phase began (RFC 3339).
-pub const PHASE_SINCE_ANNOTATION: &str = "meshca.io/root-rotation-since";
+pub(crate) const PHASE_SINCE_ANNOTATION: &str = "meshca.io/root-rotation-since";
 /// Annotation holding when the previous root may leave the bundle (RFC 3339).
-pub const RETIRE_AFTER_ANNOTATION: &str = "meshca.io/retire-previous-root-after";
+pub(crate) const RETIRE_AFTER_ANNOTATION: &str = "meshca.io/retire-previous-root-after";
 /// Annotation an operator sets to ask for a rotation now.
-pub const ROTATE_ANNOTATION: &str = "meshca.io/rotate-root";
+pub(crate) const ROTATE_ANNOTATION: &str = "meshca.io/rotate-root";
 
 /// Why the Secret could not be used.
 #[derive(Debug, thiserror::Error)]
@@ -98,7 +103,7 @@ pub enum RootSecretError {
 
 /// Where a root rotation stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RotationPhase {
+pub(crate) enum RotationPhase {
     /// One root, signing, alone in the bundle.
     Stable,
     /// A new root is in the bundle; the old one still signs.
@@ -109,10 +114,10 @@ pub enum RotationPhase {
 
 impl RotationPhase {
     /// Every phase, in order.
-    pub const ALL: [RotationPhase; 3] = [Self::Stable, Self::Announced, Self::Switched];
+    pub(crate) const ALL: [RotationPhase; 3] = [Self::Stable, Self::Announced, Self::Switched];
 
     /// The name used in the annotation and the metric label.
-    pub fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             Self::Stable => "stable",
             Self::Announced => "announced",
@@ -125,26 +130,83 @@ impl RotationPhase {
     }
 }
 
+/// What is added to the longest renewal interval of a default-lifetime
+/// certificate to make the announced phase: time for renewals that are
+/// jittered, retried after a failure or held up by a slow bundle ConfigMap.
+pub const ROTATION_GRACE_MARGIN: Duration = Duration::from_secs(3600);
+
+/// The shortest announced phase that a client learning roots only when it
+/// renews survives: half of the default workload lifetime (Istio's agents
+/// and ztunnel renew at half of it) plus [`ROTATION_GRACE_MARGIN`]. Every
+/// such client then renews, and learns the new root, before any leaf
+/// chains to it. The default of `--root-rotation-grace` (13 h for 24 h).
+pub fn safe_rotation_grace(default_leaf_ttl: Duration) -> Duration {
+    default_leaf_ttl / 2 + ROTATION_GRACE_MARGIN
+}
+
 /// When and how the root rotates.
 #[derive(Debug, Clone, Copy)]
-pub struct RotationPolicy {
+pub(crate) struct RotationPolicy {
     /// Lifetime of a new root.
-    pub root_ttl: Duration,
+    pub(crate) root_ttl: Duration,
     /// Fraction of the root's life after which it rotates.
-    pub rotate_at: f64,
+    pub(crate) rotate_at: f64,
     /// Time both roots are published before signing switches.
-    pub grace: Duration,
+    pub(crate) grace: Duration,
     /// Longest lifetime of a leaf the CA signs.
-    pub max_leaf_ttl: Duration,
+    pub(crate) max_leaf_ttl: Duration,
+}
+
+impl RotationPolicy {
+    /// Why a rotation under this policy would break clients, one sentence
+    /// per problem (empty: none). `default_leaf_ttl` is what a request
+    /// asking for no lifetime gets; `expiry_margin` is how long before its
+    /// end a root stops signing.
+    pub fn unsafe_because(
+        &self,
+        default_leaf_ttl: Duration,
+        expiry_margin: Duration,
+    ) -> Vec<String> {
+        let mut problems = Vec::new();
+        let needed = safe_rotation_grace(default_leaf_ttl);
+        if self.grace < needed {
+            problems.push(format!(
+                "--root-rotation-grace {} is shorter than half of --workload-cert-ttl {} plus {}: \
+                 a client that learns roots only when it renews (Istio's agents and ztunnel renew at half \
+                 the lifetime) may not renew while the new root is announced, and after the switch it \
+                 cannot verify peers holding new certificates until it does; use at least {}",
+                humantime::format_duration(self.grace),
+                humantime::format_duration(default_leaf_ttl),
+                humantime::format_duration(ROTATION_GRACE_MARGIN),
+                humantime::format_duration(needed),
+            ));
+        }
+        let left = self
+            .root_ttl
+            .mul_f64((1.0 - self.rotate_at).clamp(0.0, 1.0));
+        if left < self.grace + expiry_margin {
+            problems.push(format!(
+                "a root lives --self-signed-root-ttl {} and rotates at --root-rotation-at {}, which leaves \
+                 {}: less than --root-rotation-grace {} plus --ca-expiry-margin {}, so the old root stops \
+                 signing before the new one takes over",
+                humantime::format_duration(self.root_ttl),
+                self.rotate_at,
+                humantime::format_duration(Duration::from_secs(left.as_secs())),
+                humantime::format_duration(self.grace),
+                humantime::format_duration(expiry_margin),
+            ));
+        }
+        problems
+    }
 }
 
 /// A root (certificate DER and private key PEM).
 #[derive(Clone)]
-pub struct RootKeyPair {
+pub(crate) struct RootKeyPair {
     /// The certificate, DER.
-    pub cert: Vec<u8>,
+    pub(crate) cert: Vec<u8>,
     /// The private key, PKCS#8 PEM.
-    pub key_pem: String,
+    pub(crate) key_pem: String,
 }
 
 impl std::fmt::Debug for RootKeyPair {
@@ -158,7 +220,7 @@ impl std::fmt::Debug for RootKeyPair {
 
 impl RootKeyPair {
     /// A new self-signed root.
-    pub fn generate(
+    pub(crate) fn generate(
         trust_domain: &TrustDomain,
         ttl: Duration,
         now: OffsetDateTime,
@@ -174,26 +236,26 @@ impl RootKeyPair {
 
 /// The content of `istio-ca-secret`.
 #[derive(Debug, Clone)]
-pub struct RootSecret {
+pub(crate) struct RootSecret {
     /// The root that signs now.
-    pub signing: RootKeyPair,
+    pub(crate) signing: RootKeyPair,
     /// Every root clients must trust (DER), signing root included.
-    pub bundle: Vec<Vec<u8>>,
+    pub(crate) bundle: Vec<Vec<u8>>,
     /// The announced root, during [`RotationPhase::Announced`].
-    pub next: Option<RootKeyPair>,
+    pub(crate) next: Option<RootKeyPair>,
     /// The rotation phase.
-    pub phase: RotationPhase,
+    pub(crate) phase: RotationPhase,
     /// When the phase began.
-    pub phase_since: Option<OffsetDateTime>,
+    pub(crate) phase_since: Option<OffsetDateTime>,
     /// When the previous root may leave the bundle ([`RotationPhase::Switched`]).
-    pub retire_after: Option<OffsetDateTime>,
+    pub(crate) retire_after: Option<OffsetDateTime>,
     /// An operator asked for a rotation.
-    pub rotation_requested: bool,
+    pub(crate) rotation_requested: bool,
 }
 
 /// What the leader should do next to a [`RootSecret`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RotationStep {
+pub(crate) enum RotationStep {
     /// Make a new root and publish it beside the old one.
     Announce,
     /// Sign with the announced root.
@@ -204,7 +266,7 @@ pub enum RotationStep {
 
 impl RootSecret {
     /// A fresh secret around a new root.
-    pub fn new(signing: RootKeyPair) -> Self {
+    pub(crate) fn new(signing: RootKeyPair) -> Self {
         Self {
             bundle: vec![signing.cert.clone()],
             signing,
@@ -217,7 +279,7 @@ impl RootSecret {
     }
 
     /// Reads the Secret's data and annotations.
-    pub fn from_secret(secret: &Secret, namespace: &str) -> Result<Self, RootSecretError> {
+    pub(crate) fn from_secret(secret: &Secret, namespace: &str) -> Result<Self, RootSecretError> {
         let malformed = |key: &'static str, reason: String| RootSecretError::Malformed {
             namespace: namespace.to_string(),
             key,
@@ -288,7 +350,7 @@ impl RootSecret {
 
     /// Writes the content into a Secret, keeping `base`'s other metadata
     /// (labels, foreign annotations, resourceVersion for the compare-and-swap).
-    pub fn to_secret(&self, namespace: &str, base: Option<&Secret>) -> Secret {
+    pub(crate) fn to_secret(&self, namespace: &str, base: Option<&Secret>) -> Secret {
         let mut metadata = base
             .map(|s| s.metadata.clone())
             .unwrap_or_else(|| ObjectMeta {
@@ -338,7 +400,7 @@ impl RootSecret {
 
     /// The CA material to sign with: the signing root, checked (key matches,
     /// CA bits, inside its validity), and the bundle.
-    pub fn material(
+    pub(crate) fn material(
         &self,
         namespace: &str,
         now: OffsetDateTime,
@@ -367,7 +429,11 @@ impl RootSecret {
     }
 
     /// The next rotation step due at `now`, if any.
-    pub fn due_step(&self, policy: &RotationPolicy, now: OffsetDateTime) -> Option<RotationStep> {
+    pub(crate) fn due_step(
+        &self,
+        policy: &RotationPolicy,
+        now: OffsetDateTime,
+    ) -> Option<RotationStep> {
         match self.phase {
             RotationPhase::Stable => {
                 if self.rotation_requested || now >= self.rotation_due(policy) {
@@ -388,7 +454,11 @@ impl RootSecret {
     }
 
     /// When the next step is due (for sleeping until then).
-    pub fn next_step_at(&self, policy: &RotationPolicy, now: OffsetDateTime) -> OffsetDateTime {
+    pub(crate) fn next_step_at(
+        &self,
+        policy: &RotationPolicy,
+        now: OffsetDateTime,
+    ) -> OffsetDateTime {
         match self.phase {
             RotationPhase::Stable if self.rotation_requested => now,
             RotationPhase::Stable => self.rotation_due(policy),
@@ -409,7 +479,7 @@ impl RootSecret {
     }
 
     /// The Secret after `step`. `Announce` takes the new root.
-    pub fn after(
+    pub(crate) fn after(
         &self,
         step: RotationStep,
         new_root: Option<RootKeyPair>,
@@ -544,6 +614,78 @@ mod tests {
         assert_eq!(stable.bundle, vec![new.cert]);
         assert_eq!(stable.phase, RotationPhase::Stable);
         assert_eq!(stable.due_step(&p, t3), None);
+    }
+
+    /// The roots of the last element a replica answers with in this state
+    /// of the Secret, after a round trip through the Secret as a follower
+    /// reads it.
+    fn answered_roots(s: &RootSecret, now: OffsetDateTime) -> Vec<Vec<u8>> {
+        let read = RootSecret::from_secret(&s.to_secret("ns", None), "ns").unwrap();
+        let tail = read.material("ns", now).unwrap().response_tail_pem();
+        assert_eq!(tail.len(), 1, "a self-signed root: the roots element alone");
+        parse_certs_pem(&tail[0]).unwrap()
+    }
+
+    #[test]
+    fn every_phase_answers_every_root_of_the_bundle_signing_root_first() {
+        let t0 = OffsetDateTime::now_utc();
+        let p = policy();
+        let (old, new) = (root(t0), root(t0));
+        let stable = RootSecret::new(old.clone());
+        assert_eq!(answered_roots(&stable, t0), vec![old.cert.clone()]);
+        let announced = stable.after(RotationStep::Announce, Some(new.clone()), &p, t0);
+        assert_eq!(
+            answered_roots(&announced, t0),
+            vec![old.cert.clone(), new.cert.clone()]
+        );
+        let switched = announced.after(RotationStep::Switch, None, &p, t0);
+        assert_eq!(
+            answered_roots(&switched, t0),
+            vec![new.cert.clone(), old.cert.clone()]
+        );
+        let retired = switched.after(RotationStep::Retire, None, &p, t0);
+        assert_eq!(answered_roots(&retired, t0), vec![new.cert]);
+    }
+
+    #[test]
+    fn the_default_grace_outlasts_a_default_renewal_and_short_ones_are_named() {
+        let day = Duration::from_secs(86_400);
+        let grace = safe_rotation_grace(day);
+        assert_eq!(grace, Duration::from_secs(13 * 3600));
+        let safe = RotationPolicy {
+            root_ttl: Duration::from_secs(3650 * 86_400),
+            rotate_at: 0.8,
+            grace,
+            max_leaf_ttl: 90 * day,
+        };
+        assert!(safe
+            .unsafe_because(day, Duration::from_secs(600))
+            .is_empty());
+        // The old default, 1 h, is shorter than a 24 h certificate's renewal.
+        let short = RotationPolicy {
+            grace: Duration::from_secs(3600),
+            ..safe
+        };
+        let problems = short.unsafe_because(day, Duration::from_secs(600));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("--root-rotation-grace 1h") && problems[0].contains("13h"),
+            "{}",
+            problems[0]
+        );
+        // A root that rotates too late to announce for the grace period.
+        let late = RotationPolicy {
+            root_ttl: 10 * day,
+            rotate_at: 0.99,
+            ..safe
+        };
+        let problems = late.unsafe_because(day, Duration::from_secs(600));
+        assert_eq!(problems.len(), 1, "{problems:?}");
+        assert!(
+            problems[0].contains("--root-rotation-at 0.99"),
+            "{}",
+            problems[0]
+        );
     }
 
     #[test]

@@ -18,9 +18,8 @@
 //! it never waits for the next one. Under even load loops park only briefly
 //! and nothing moves.
 //!
-//! ```no_run
-//! # fn main() -> std::io::Result<()> {
-//! let loops = meshca_ca::event_loops::EventLoops::start(2)?;
+//! ```text
+//! let loops = EventLoops::start(2)?;
 //! let spare = loops.spare();
 //! loops.handle(0).spawn(async move {
 //!     // On loop 0: run somewhere else if loop 0 is backed up and loop 1 idles.
@@ -29,8 +28,6 @@
 //!     }
 //! });
 //! loops.stop();
-//! # Ok(())
-//! # }
 //! ```
 
 use std::cell::Cell;
@@ -44,7 +41,7 @@ use tokio::runtime::Handle;
 /// requests are handed to an idle loop: about one certificate's work, so
 /// a loop that answers one request at a time keeps its requests (a
 /// hand-off costs a wake-up of the other thread).
-pub const BUSY_BEFORE_HANDOFF: Duration = Duration::from_micros(200);
+pub(crate) const BUSY_BEFORE_HANDOFF: Duration = Duration::from_micros(200);
 
 /// How long a loop must have been parked before it takes a request of
 /// another loop (unless it is already helping). Under even load every loop
@@ -55,7 +52,7 @@ pub const BUSY_BEFORE_HANDOFF: Duration = Duration::from_micros(200);
 /// (one connection carrying everything, ztunnel's case) idles far longer,
 /// and once it helps it keeps helping: a loop that finished a handed request
 /// less than this long ago may take the next at once.
-pub const IDLE_BEFORE_HELPING: Duration = Duration::from_micros(1000);
+pub(crate) const IDLE_BEFORE_HELPING: Duration = Duration::from_micros(1000);
 
 thread_local! {
     /// The index of the loop this thread runs, if it runs one.
@@ -105,7 +102,7 @@ fn micros_since(epoch: Instant) -> u64 {
 /// The running loops. Dropping this stops them too, without waiting for
 /// their threads.
 #[derive(Debug)]
-pub struct EventLoops {
+pub(crate) struct EventLoops {
     shared: Arc<Shared>,
     stops: Vec<tokio::sync::oneshot::Sender<()>>,
     threads: Vec<std::thread::JoinHandle<()>>,
@@ -113,20 +110,20 @@ pub struct EventLoops {
 
 impl EventLoops {
     /// Starts `count` loops (at least one), each on a thread of its own.
-    pub fn start(count: usize) -> std::io::Result<Self> {
+    pub(crate) fn start(count: usize) -> std::io::Result<Self> {
         Self::start_with_handoff_after(count, BUSY_BEFORE_HANDOFF)
     }
 
     /// [`EventLoops::start`], with requests moving from a loop once it has
     /// been busy for `busy` instead of [`BUSY_BEFORE_HANDOFF`].
-    pub fn start_with_handoff_after(count: usize, busy: Duration) -> std::io::Result<Self> {
+    pub(crate) fn start_with_handoff_after(count: usize, busy: Duration) -> std::io::Result<Self> {
         Self::start_with_thresholds(count, busy, IDLE_BEFORE_HELPING)
     }
 
     /// [`EventLoops::start`], with requests moving from a loop busy for
     /// `busy` to one parked for `idle` (instead of [`BUSY_BEFORE_HANDOFF`]
     /// and [`IDLE_BEFORE_HELPING`]).
-    pub fn start_with_thresholds(
+    pub(crate) fn start_with_thresholds(
         count: usize,
         busy: Duration,
         idle: Duration,
@@ -152,7 +149,7 @@ impl EventLoops {
                 .enable_all()
                 .on_thread_park(move || {
                     // Out of work: the log lines of this turn go out now.
-                    crate::log_lines::write_gathered();
+                    super::log_lines::write_gathered();
                     let state = &parked[index];
                     let micros = micros_since(epoch);
                     state.idle_since_micros.store(micros, Ordering::Relaxed);
@@ -172,10 +169,10 @@ impl EventLoops {
                 .name(format!("meshca-loop-{index}"))
                 .spawn(move || {
                     CURRENT_LOOP.with(|current| current.set(Some(index)));
-                    crate::log_lines::gather_on_this_thread();
+                    super::log_lines::gather_on_this_thread();
                     let _ = runtime.block_on(stop_rx);
                     drop(runtime);
-                    crate::log_lines::write_gathered();
+                    super::log_lines::write_gathered();
                 })?;
             threads.push(thread);
         }
@@ -193,30 +190,27 @@ impl EventLoops {
     }
 
     /// How many loops run.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.shared.handles.len()
-    }
-
-    /// Whether there are no loops (never: at least one is started).
-    pub fn is_empty(&self) -> bool {
-        self.shared.handles.is_empty()
     }
 
     /// Loop `index`'s runtime, to spawn work on it.
     ///
     /// # Panics
     /// If `index >= self.len()`.
-    pub fn handle(&self, index: usize) -> &Handle {
+    #[cfg(test)]
+    pub(crate) fn handle(&self, index: usize) -> &Handle {
         &self.shared.handles[index]
     }
 
     /// Every loop's runtime, in index order.
-    pub fn handles(&self) -> &[Handle] {
+    pub(crate) fn handles(&self) -> &[Handle] {
         &self.shared.handles
     }
 
     /// What a request needs to move to an idle loop.
-    pub fn spare(&self) -> SpareLoops {
+    pub(crate) fn spare(&self) -> SpareLoops {
         SpareLoops {
             shared: self.shared.clone(),
         }
@@ -224,7 +218,7 @@ impl EventLoops {
 
     /// Stops the loops (tasks still on them are dropped) and waits for
     /// their threads.
-    pub fn stop(self) {
+    pub(crate) fn stop(self) {
         for stop in self.stops {
             let _ = stop.send(());
         }
@@ -236,7 +230,7 @@ impl EventLoops {
 
 /// Lets a request on one loop move to another that is idle.
 #[derive(Clone, Debug)]
-pub struct SpareLoops {
+pub(crate) struct SpareLoops {
     shared: Arc<Shared>,
 }
 
@@ -249,7 +243,7 @@ impl SpareLoops {
     /// [`HANDED_PER_LOOP`] such requests (so it has the next one at hand
     /// when it finishes: one busy connection keeps a helper loop busy).
     /// `None`: run the request here.
-    pub fn claim(&self) -> Option<IdleLoop> {
+    pub(crate) fn claim(&self) -> Option<IdleLoop> {
         let current = CURRENT_LOOP.with(Cell::get)?;
         let shared = &*self.shared;
         let count = shared.states.len();
@@ -313,18 +307,18 @@ fn helped_recently(state: &LoopState, now: u64, window: u64) -> bool {
 }
 
 /// Most requests handed to one helper loop at a time.
-pub const HANDED_PER_LOOP: usize = 2;
+pub(crate) const HANDED_PER_LOOP: usize = 2;
 
 /// A loop claimed by [`SpareLoops::claim`] for one request.
 #[derive(Debug)]
-pub struct IdleLoop {
+pub(crate) struct IdleLoop {
     shared: Arc<Shared>,
     index: usize,
 }
 
 impl IdleLoop {
     /// Runs the request on the claimed loop.
-    pub fn spawn<F>(self, request: F) -> tokio::task::JoinHandle<F::Output>
+    pub(crate) fn spawn<F>(self, request: F) -> tokio::task::JoinHandle<F::Output>
     where
         F: std::future::Future + Send + 'static,
         F::Output: Send + 'static,
@@ -334,7 +328,7 @@ impl IdleLoop {
             let _done = self; // releases the claim when the request ends
             let output = request.await;
             // Its log lines go out before the answer reaches its own loop.
-            crate::log_lines::write_gathered();
+            super::log_lines::write_gathered();
             output
         })
     }

@@ -2,31 +2,21 @@
 //! threads, and one `write` per turn of work on the event loops.
 //!
 //! Every certificate adds an audit line (`meshca::audit`). Written one by
-//! one, the lines cost a `write` system call per certificate (~1.5 % of the
-//! server's CPU under load, measured with perf; into a pipe, as under
-//! Kubernetes, each call also wakes the reader). On an event loop
-//! ([`gather_on_this_thread`]) lines are gathered in a buffer of the thread
-//! and written together: before the loop writes to a client connection
-//! (`batched_io`: the audit line of a certificate is out before the
-//! certificate), when the loop runs out of work and parks, when a request
-//! it ran for another loop ends, when the buffer would pass
-//! [`GATHERED_BYTES_MAX`], and when the loop stops. Each `write` is whole
-//! lines, at most [`GATHERED_BYTES_MAX`] bytes (the size a pipe writes
-//! without interleaving), under the process's lock on standard error.
+//! one, the lines would cost a `write` system call per certificate (and,
+//! into a pipe as under Kubernetes, a wake-up of the reader each). On an
+//! event loop ([`gather_on_this_thread`]) lines are gathered in a buffer of
+//! the thread and written together ([`write_gathered`]); when, so that an
+//! audit line is always out before its answer, is described once, in the
+//! documentation of the `transport` module. Each `write` is whole lines, at
+//! most [`GATHERED_BYTES_MAX`] bytes (the size a pipe writes without
+//! interleaving), under the process's lock on standard error.
 //!
-//! Since answers are themselves written several at a time, this is one log
-//! `write` per few certificates. What it costs: a process killed outright
-//! (`SIGKILL`, out of memory) can lose lines not yet written, but never
-//! the line of a certificate that has left the CA.
+//! The binary installs the writer (`meshca_ca::log_writer`):
 //!
 //! ```no_run
 //! tracing_subscriber::fmt()
-//!     .with_writer(meshca_ca::log_lines::stderr)
+//!     .with_writer(meshca_ca::log_writer)
 //!     .init();
-//! // On an event loop:
-//! meshca_ca::log_lines::gather_on_this_thread();
-//! tracing::info!(target: "meshca::audit", serial = "01ab", "issued certificate");
-//! meshca_ca::log_lines::write_gathered(); // the loop parks: out it goes
 //! ```
 
 use std::cell::{Cell, RefCell};
@@ -34,7 +24,7 @@ use std::io::{self, Write};
 
 /// Most bytes of lines gathered before they are written (`PIPE_BUF` on
 /// Linux: a pipe writes this much without interleaving other writers).
-pub const GATHERED_BYTES_MAX: usize = 4096;
+pub(crate) const GATHERED_BYTES_MAX: usize = 4096;
 
 /// The lines gathered on one thread.
 struct GatheredLines {
@@ -113,16 +103,16 @@ fn write_to_stderr(bytes: &[u8]) -> io::Result<()> {
 /// From now on, log lines written on this thread are gathered and written
 /// by [`write_gathered`] (or when the buffer is full, or when the thread
 /// ends). For the event loops.
-pub fn gather_on_this_thread() {
+pub(crate) fn gather_on_this_thread() {
     GATHERED.with(|gathered| gathered.gathering.set(true));
 }
 
 /// Writes out the lines gathered on this thread, if any.
-pub fn write_gathered() {
+pub(crate) fn write_gathered() {
     let _ = GATHERED.try_with(GatheredLines::write_gathered);
 }
 
-/// The log writer: `tracing_subscriber::fmt().with_writer(log_lines::stderr)`.
+/// The log writer: `tracing_subscriber::fmt().with_writer(meshca_ca::log_writer)`.
 pub fn stderr() -> LogLineWriter {
     LogLineWriter
 }

@@ -33,26 +33,26 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Above this many buffered bytes a write first drains the buffer, so a
 /// large response streams out instead of growing the buffer.
-pub const MAX_BUFFERED_BYTES: usize = 64 * 1024;
+pub(crate) const MAX_BUFFERED_BYTES: usize = 64 * 1024;
 
 /// Most times a flush yields before it writes (see the module documentation).
-pub const FLUSH_YIELDS_MAX: u8 = 4;
+pub(crate) const FLUSH_YIELDS_MAX: u8 = 4;
 
 /// After the first yield, a flush yields again only while the oldest byte
 /// held is younger than this, so batching never holds an answer longer.
-pub const FLUSH_HOLD_MAX: Duration = Duration::from_micros(500);
+pub(crate) const FLUSH_HOLD_MAX: Duration = Duration::from_micros(500);
 
 /// A drained buffer keeps its allocation only up to this size, so ten
 /// thousand mostly idle agent connections do not each hold on to the
 /// largest burst they ever had.
-pub const RETAINED_CAPACITY: usize = 4 * 1024;
+pub(crate) const RETAINED_CAPACITY: usize = 4 * 1024;
 
 /// A stream whose writes are buffered and whose flushes are batched; see
 /// the module documentation. `G` is kept for as long as the connection
 /// lives and dropped with it (the server keeps the connection's seat on an
-/// event loop there: `tls::ConnectionSeat`).
+/// event loop there: `listener::ConnectionSeat`).
 #[derive(Debug)]
-pub struct BatchedWriteStream<S, G = ()> {
+pub(crate) struct BatchedWriteStream<S, G = ()> {
     inner: S,
     buffer: Vec<u8>,
     written: usize,
@@ -67,14 +67,15 @@ pub struct BatchedWriteStream<S, G = ()> {
 
 impl<S> BatchedWriteStream<S> {
     /// Wraps `inner`.
-    pub fn new(inner: S) -> Self {
+    #[cfg(test)]
+    pub(crate) fn new(inner: S) -> Self {
         Self::with_guard(inner, ())
     }
 }
 
 impl<S, G> BatchedWriteStream<S, G> {
     /// Wraps `inner`, holding `guard` until the stream is dropped.
-    pub fn with_guard(inner: S, guard: G) -> Self {
+    pub(crate) fn with_guard(inner: S, guard: G) -> Self {
         Self {
             inner,
             buffer: Vec::new(),
@@ -85,11 +86,6 @@ impl<S, G> BatchedWriteStream<S, G> {
             max_hold: FLUSH_HOLD_MAX,
             _guard: guard,
         }
-    }
-
-    /// The wrapped stream.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
     }
 
     fn pending(&self) -> &[u8] {
@@ -103,7 +99,7 @@ impl<S: AsyncWrite + Unpin, G> BatchedWriteStream<S, G> {
         if self.written < self.buffer.len() {
             // The audit lines of the answers about to leave go out first:
             // a client that has its certificate finds it in the log.
-            crate::log_lines::write_gathered();
+            super::log_lines::write_gathered();
         }
         while self.written < self.buffer.len() {
             let pending = &self.buffer[self.written..];
