@@ -15,13 +15,18 @@
 //! meshca serve --data-dir d &
 //! meshca-bench --data-dir d --server-pid $! --concurrency 16 --duration 10s --crypto-baseline
 //! meshca-bench mass-restart --identities 10000 --api-latency 5ms
+//! meshca-bench attack cancelled-junk --requests 200000 --deadline 20ms
+//! meshca-bench pod-certificates --requests 10000 --api-latency 5ms
 //! ```
 
+mod attack;
 mod baseline;
 mod load;
 mod mass_restart;
+mod pod_certificates;
 mod proc_stats;
 mod report;
+mod server_process;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -48,6 +53,14 @@ enum Command {
     /// Start meshca against a fake Kubernetes API (TokenReview with latency)
     /// and have N distinct identities ask at once, as after a mass restart.
     MassRestart(mass_restart::MassRestartArgs),
+    /// Start meshca against a fake Kubernetes API and attack it (junk
+    /// tokens, reset floods, connection floods, idle connections); report
+    /// the server's memory and what real clients saw meanwhile.
+    Attack(attack::AttackArgs),
+    /// Start meshca with --pod-certificate-signer against a fake Kubernetes
+    /// API holding N pending PodCertificateRequests; time until all are
+    /// answered and count the API calls per certificate.
+    PodCertificates(pod_certificates::PodCertificatesArgs),
 }
 
 /// Flags of a load run against a running CA.
@@ -141,6 +154,8 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async {
         match cli.command {
             Some(Command::MassRestart(args)) => mass_restart::run(args).await,
+            Some(Command::Attack(args)) => attack::run(args).await,
+            Some(Command::PodCertificates(args)) => pod_certificates::run(args).await,
             None => load::run(cli.run).await,
         }
     });

@@ -6,20 +6,19 @@
 //! errors by status, and how the health endpoint answered meanwhile.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
 use meshca_certs::parse_duration;
-use meshca_tests::fake_kube::{FakeKube, FakeUser, OIDC_ISSUER};
+use meshca_tests::fake_kube::{FakeUser, OIDC_ISSUER};
 use serde_json::json;
 
 use crate::load::{self, Prepared};
 use crate::report::new_histogram;
+use crate::server_process::{self, healthz, Meshca};
 use crate::{proc_stats, RunArgs};
 
 /// Retries of one identity before it gives up.
@@ -70,110 +69,21 @@ pub(crate) struct MassRestartArgs {
     pub(crate) json: bool,
 }
 
-struct KillOnDrop(Child);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_addr() -> anyhow::Result<SocketAddr> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
-}
-
-/// One `GET /healthz`, blocking, bounded by `timeout` per step. Blocking on
-/// a thread of its own, like a kubelet probe from another process: the
-/// answer time is the server's, not this busy load generator's.
-fn healthz(addr: SocketAddr, timeout: Duration) -> Result<(), String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, timeout).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(timeout))
-        .map_err(|e| e.to_string())?;
-    s.set_write_timeout(Some(timeout))
-        .map_err(|e| e.to_string())?;
-    s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n")
-        .map_err(|e| e.to_string())?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
-    if buf.starts_with(b"HTTP/1.0 200") || buf.starts_with(b"HTTP/1.1 200") {
-        Ok(())
-    } else {
-        Err("not 200".into())
-    }
-}
-
 /// Runs the scenario. `Ok(false)` when a request got no certificate.
 pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
-    let meshca = match &args.meshca {
-        Some(p) => p.clone(),
-        None => std::env::current_exe()?
-            .parent()
-            .context("locating meshca")?
-            .join("meshca"),
-    };
-    let dir = tempfile::tempdir()?;
-    let kube = FakeKube::start(dir.path()).await;
-    kube.set_latency(args.api_latency);
-    let grpc = free_addr()?;
-    let monitoring = free_addr()?;
-    let log = std::fs::File::create(dir.path().join("meshca.log"))?;
-    let child = Command::new(&meshca)
-        .arg("serve")
-        .args([
-            "--listen",
-            &grpc.to_string(),
-            "--monitoring-listen",
-            &monitoring.to_string(),
-        ])
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
-        .arg("--kubeconfig")
-        .arg(&kube.kubeconfig)
-        .args(if args.node_agent {
-            &["--trusted-node-agent", NODE_AGENT][..]
-        } else {
-            &[]
-        })
-        .args(if args.offline_jwt {
-            &["--jwt-issuer", OIDC_ISSUER][..]
-        } else {
-            &[]
-        })
-        .args(&args.meshca_args)
-        .env("MESHCA_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .with_context(|| format!("starting {}", meshca.display()))?;
-    let child = KillOnDrop(child);
-    let pid = child.0.id();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while healthz(monitoring, Duration::from_secs(2)).is_err() {
-        anyhow::ensure!(
-            Instant::now() < deadline,
-            "meshca did not start: {}",
-            std::fs::read_to_string(dir.path().join("meshca.log")).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    let meshca = server_process::meshca_path(args.meshca.as_ref())?;
+    let mut flags: Vec<String> = Vec::new();
+    if args.node_agent {
+        flags.extend(["--trusted-node-agent".into(), NODE_AGENT.into()]);
     }
-    // The bundle file is written by a task of its own, maybe just after
-    // the health endpoint answers (a slow start, e.g. under valgrind).
-    let root_path = dir.path().join("data/root-cert.pem");
-    let root_pem = loop {
-        match std::fs::read_to_string(&root_path) {
-            Ok(pem) if !pem.is_empty() => break pem,
-            result => {
-                if Instant::now() >= deadline {
-                    result.with_context(|| format!("reading {}", root_path.display()))?;
-                    anyhow::bail!("{} stayed empty", root_path.display());
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    };
+    if args.offline_jwt {
+        flags.extend(["--jwt-issuer".into(), OIDC_ISSUER.into()]);
+    }
+    flags.extend(args.meshca_args.iter().cloned());
+    let server = Meshca::start(&meshca, args.api_latency, &flags).await?;
+    let (kube, grpc, monitoring, pid) =
+        (&server.kube, server.grpc, server.monitoring, server.pid());
+    let root_pem = server.root_pem.clone();
 
     eprintln!("meshca-bench: preparing {} identities…", args.identities);
     let mut tokens = Vec::with_capacity(args.identities);
@@ -265,7 +175,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
             anyhow::ensure!(
                 Instant::now() < deadline,
                 "the node agent's first request kept failing ({code}): {}",
-                std::fs::read_to_string(dir.path().join("meshca.log")).unwrap_or_default()
+                server.log()
             );
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

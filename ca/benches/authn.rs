@@ -1,7 +1,8 @@
 //! Each authenticator on its hot path: an offline-validated JWT (ES256,
 //! and the same token again from the cache of verified tokens), a client
-//! SVID chain, and TokenReview (cached, and a real review over
-//! HTTPS against the fake API server of the end-to-end tests).
+//! SVID chain, and TokenReview (cached, a real review over HTTPS against
+//! the fake API server of the end-to-end tests, and junk refused before
+//! any API call).
 //! Run: `cargo bench -p meshca-ca --bench authn`.
 
 #![allow(missing_docs, clippy::unwrap_used)]
@@ -114,17 +115,19 @@ fn authn(c: &mut Criterion) {
         .unwrap();
         (fake, client)
     });
-    fake.add_token("cached", FakeUser::service_account("default", "web"));
+    let reviewed = fake.add_review_token("cached", FakeUser::service_account("default", "web"));
     let config = |cache_ttl| TokenReviewConfig {
         audiences: vec!["istio-ca".into()],
         trust_domain: td.clone(),
         cache_ttl,
+        refusal_cache_ttl: Duration::ZERO,
         timeout: Duration::from_secs(5),
         max_in_flight: 64,
+        max_waiting: 16_384,
     };
     let cached = TokenReviewAuthenticator::new(client.clone(), config(Duration::from_secs(600)));
     let bearer = Credentials {
-        bearer: Some("cached".into()),
+        bearer: Some(reviewed),
         peer_chain: None,
     };
     c.bench_function("authn/token_review_cached", |b| {
@@ -142,6 +145,19 @@ fn authn(c: &mut Criterion) {
                 .block_on(uncached.authenticate(black_box(&bearer)))
                 .unwrap()
                 .unwrap()
+        })
+    });
+
+    // Junk that is not worth a review: refused before any API call.
+    let junk = Credentials {
+        bearer: Some("not-a-jwt-but-long-enough-to-be-hashed".into()),
+        peer_chain: None,
+    };
+    c.bench_function("authn/token_review_junk_refused_locally", |b| {
+        b.iter(|| {
+            runtime
+                .block_on(uncached.authenticate(black_box(&junk)))
+                .unwrap_err()
         })
     });
     drop(fake);

@@ -175,12 +175,30 @@ impl Authority {
         requested_ttl_secs: i64,
         now: OffsetDateTime,
     ) -> Result<IssuedChain, SignError> {
+        self.sign_workload_within(subject, identity, requested_ttl_secs, None, now)
+    }
+
+    /// [`Authority::sign_workload`], with the whole lifetime (notAfter −
+    /// notBefore, backdating included) at most `max_lifetime` when given:
+    /// a renewal by client certificate gets no longer a lifetime than the
+    /// certificate it presented.
+    pub fn sign_workload_within(
+        &self,
+        subject: &SubjectKey,
+        identity: &SpiffeId,
+        requested_ttl_secs: i64,
+        max_lifetime: Option<Duration>,
+        now: OffsetDateTime,
+    ) -> Result<IssuedChain, SignError> {
         let ttl = self.workload_ttl(requested_ttl_secs)?;
         let state = self.state.load();
         let ca = &state.material.signing;
         let ca_validity = check_ca_validity(ca, now, self.expiry_margin)?;
-        let validity =
+        let mut validity =
             Validity::backdated(now, to_time_duration(ttl)).capped_at(ca_validity.not_after);
+        if let Some(max) = max_lifetime {
+            validity = validity.with_lifetime_at_most(to_time_duration(max));
+        }
         let issued = ca.issue_workload(subject, identity, validity)?;
         let mut chain_pem = Vec::with_capacity(1 + state.tail_pem.len());
         chain_pem.push(issued.to_pem());
@@ -308,6 +326,40 @@ mod tests {
             a.sign_workload(&subject(), &id(), max + 1, now),
             Err(SignError::TtlTooLong { .. })
         ));
+    }
+
+    #[test]
+    fn a_lifetime_limit_bounds_the_whole_window_and_short_ttls_are_backdated_less() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = authority(dir.path());
+        let now = OffsetDateTime::now_utc();
+        let now_s = now.unix_timestamp();
+        let lifetime = |pem: &str| {
+            let der = meshca_certs::bundle::parse_certs_pem(pem).unwrap();
+            let s = meshca_certs::inspect::CertSummary::from_der(&der[0]).unwrap();
+            (s.not_after - s.not_before).whole_seconds()
+        };
+        // 90 days asked, a 1 h + 2 min certificate presented: 1 h + 2 min.
+        let issued = a
+            .sign_workload_within(
+                &subject(),
+                &id(),
+                90 * 86_400,
+                Some(Duration::from_secs(3720)),
+                now,
+            )
+            .unwrap();
+        assert_eq!(lifetime(&issued.chain_pem[0]), 3720);
+        assert_eq!(parse_not_after(&issued.chain_pem[0]), now_s + 3600);
+        // Above --max-workload-cert-ttl is refused whatever the limit.
+        assert!(matches!(
+            a.sign_workload_within(&subject(), &id(), 91 * 86_400, Some(Duration::MAX), now),
+            Err(SignError::TtlTooLong { .. })
+        ));
+        // A 60 s certificate is backdated 6 s, so its half-life (where
+        // ztunnel renews) is 27 s after issuance.
+        let issued = a.sign_workload(&subject(), &id(), 60, now).unwrap();
+        assert_eq!(lifetime(&issued.chain_pem[0]), 66);
     }
 
     #[test]

@@ -98,6 +98,11 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_TOKEN_REVIEW_CACHE_TTL", default_value = "30s", value_parser = parse_duration)]
     pub token_review_cache_ttl: Duration,
 
+    /// How long a token the Kubernetes API refused is refused again without
+    /// asking (never past the token's expiry); 0 asks every time.
+    #[arg(long, env = "MESHCA_TOKEN_REVIEW_REFUSAL_CACHE_TTL", default_value = "5s", value_parser = parse_duration)]
+    pub token_review_refusal_cache_ttl: Duration,
+
     /// Timeout of each Kubernetes API call.
     #[arg(long, env = "MESHCA_KUBE_API_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
     pub kube_api_timeout: Duration,
@@ -208,6 +213,40 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_LEADER_LEASE_DURATION", default_value = "15s", value_parser = parse_duration)]
     pub leader_lease_duration: Duration,
 
+    /// Whether a caller may renew with a client certificate this CA issued
+    /// (mTLS, no token). The new certificate is never longer-lived than the
+    /// one presented; `false` requires a service-account token every time.
+    #[arg(long, env = "MESHCA_ALLOW_CERT_RENEWAL", default_value_t = true, action = clap::ArgAction::Set)]
+    pub allow_cert_renewal: bool,
+
+    /// Certificates one identity (per pod, when the caller's token names
+    /// one) may get at once before the rate limit applies; 0 turns the
+    /// per-identity rate limit off.
+    #[arg(long, env = "MESHCA_ISSUANCE_BURST", default_value_t = crate::rate_limit::DEFAULT_BURST)]
+    pub issuance_burst: u32,
+
+    /// After the burst, one more certificate per identity per this
+    /// interval; beyond it RESOURCE_EXHAUSTED with a retry hint.
+    #[arg(long, env = "MESHCA_ISSUANCE_INTERVAL", default_value = "1s", value_parser = parse_positive_duration)]
+    pub issuance_interval: Duration,
+
+    /// Identities the rate limit tracks at once (memory bound; an identity
+    /// beyond it is not limited until others age out).
+    #[arg(long, env = "MESHCA_ISSUANCE_RATE_LIMIT_KEYS", default_value_t = crate::rate_limit::DEFAULT_MAX_KEYS)]
+    pub issuance_rate_limit_keys: usize,
+
+    /// With --trusted-node-agent: when the pod watch has been failing this
+    /// long, the pod index counts as stale and impersonation is refused
+    /// with UNAVAILABLE until the watch recovers.
+    #[arg(long, env = "MESHCA_POD_WATCH_FAILURE_LIMIT", default_value = "30s", value_parser = parse_positive_duration)]
+    pub pod_watch_failure_limit: Duration,
+
+    /// Sign Kubernetes PodCertificateRequests of this signer name (e.g.
+    /// meshca.io/spiffe) and publish its ClusterTrustBundle (leader only).
+    /// Off when not given.
+    #[arg(long, env = "MESHCA_POD_CERTIFICATE_SIGNER")]
+    pub pod_certificate_signer: Option<String>,
+
     /// Log format: text or json.
     #[arg(long, env = "MESHCA_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
@@ -250,6 +289,17 @@ pub enum ConfigError {
     /// A lease duration too short to renew.
     #[error("--leader-lease-duration must be at least 2s")]
     ShortLease,
+    /// A signer name the API would refuse, or one reserved for Kubernetes.
+    #[error("--pod-certificate-signer {name:?}: {reason}")]
+    BadPodCertificateSigner {
+        /// The name given.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// Pod certificates must live at least an hour (the API's minimum).
+    #[error("--pod-certificate-signer needs --max-workload-cert-ttl of at least 1h (pod certificates live at least an hour); it is {0:?}")]
+    PodCertificateTtlTooShort(Duration),
 }
 
 /// Validated configuration of the CA server.
@@ -301,6 +351,12 @@ pub struct Config {
     pub ca_dir_check_interval: Duration,
     /// In-cluster state: Secret, ConfigMaps, Lease, root rotation.
     pub cluster: ClusterConfig,
+    /// Whether renewal by client certificate is allowed.
+    pub allow_cert_renewal: bool,
+    /// The per-identity issuance rate limit.
+    pub rate_limit: crate::rate_limit::RateLimitPolicy,
+    /// How long the pod watch may fail before impersonation is refused.
+    pub pod_watch_failure_limit: Duration,
 }
 
 /// How meshca keeps its state in a cluster (DESIGN §4.1, §7).
@@ -318,6 +374,8 @@ pub struct ClusterConfig {
     pub bundle_excluded_namespaces: Vec<String>,
     /// Leader-election Lease duration.
     pub lease_duration: Duration,
+    /// The PodCertificateRequest signer name served, if any.
+    pub pod_certificate_signer: Option<String>,
 }
 
 /// How meshca reaches the Kubernetes API.
@@ -327,6 +385,8 @@ pub struct KubernetesConfig {
     pub kubeconfig: Option<PathBuf>,
     /// TokenReview positive cache lifetime.
     pub token_review_cache_ttl: Duration,
+    /// How long a refused token is refused again without a TokenReview.
+    pub token_review_refusal_cache_ttl: Duration,
     /// Per-call timeout.
     pub api_timeout: Duration,
     /// Calls in flight.
@@ -376,6 +436,29 @@ impl TryFrom<ServeArgs> for Config {
         if args.leader_lease_duration < Duration::from_secs(2) {
             return Err(ConfigError::ShortLease);
         }
+        let pod_certificate_signer = match args.pod_certificate_signer.map(|s| s.trim().to_string())
+        {
+            None => None,
+            Some(name) if name.is_empty() => None,
+            Some(name) => {
+                let refuse = |reason: String| ConfigError::BadPodCertificateSigner {
+                    name: name.clone(),
+                    reason,
+                };
+                meshca_certs::pod_certificate::validate_signer_name(&name).map_err(refuse)?;
+                if meshca_certs::pod_certificate::is_kubernetes_signer(&name) {
+                    return Err(refuse(
+                        "names under kubernetes.io are reserved for Kubernetes; use a domain of your own, e.g. meshca.io/spiffe".into(),
+                    ));
+                }
+                if args.max_workload_cert_ttl < Duration::from_secs(3600) {
+                    return Err(ConfigError::PodCertificateTtlTooShort(
+                        args.max_workload_cert_ttl,
+                    ));
+                }
+                Some(name)
+            }
+        };
         let mut server_dns: Vec<String> =
             DEFAULT_SERVER_DNS.iter().map(|s| s.to_string()).collect();
         for name in args.server_dns {
@@ -410,6 +493,13 @@ impl TryFrom<ServeArgs> for Config {
             }
         }
         Ok(Self {
+            allow_cert_renewal: args.allow_cert_renewal,
+            rate_limit: crate::rate_limit::RateLimitPolicy {
+                burst: args.issuance_burst,
+                interval: args.issuance_interval,
+                max_keys: args.issuance_rate_limit_keys.max(1),
+            },
+            pod_watch_failure_limit: args.pod_watch_failure_limit,
             trusted_node_agents,
             listen: args.listen,
             monitoring_listen: args.monitoring_listen,
@@ -432,6 +522,7 @@ impl TryFrom<ServeArgs> for Config {
             kubernetes: KubernetesConfig {
                 kubeconfig: args.kubeconfig,
                 token_review_cache_ttl: args.token_review_cache_ttl,
+                token_review_refusal_cache_ttl: args.token_review_refusal_cache_ttl,
                 api_timeout: args.kube_api_timeout,
                 api_max_in_flight: args.kube_api_max_in_flight.max(1),
             },
@@ -461,6 +552,7 @@ impl TryFrom<ServeArgs> for Config {
                     .filter(|n| !n.is_empty())
                     .collect(),
                 lease_duration: args.leader_lease_duration,
+                pod_certificate_signer,
             },
         })
     }
@@ -514,6 +606,10 @@ mod tests {
         assert_eq!(c.monitoring_listen.to_string(), DEFAULT_MONITORING_LISTEN);
         assert_eq!(c.ttl, TtlPolicy::default());
         assert_eq!(c.token_audiences, vec!["istio-ca"]);
+        assert_eq!(
+            c.kubernetes.token_review_refusal_cache_ttl,
+            Duration::from_secs(5)
+        );
         assert_eq!(c.trust_domain.as_str(), "cluster.local");
         assert!(c
             .server_dns
@@ -521,6 +617,9 @@ mod tests {
         assert!(c.server_dns.contains(&"localhost".to_string()));
         assert_eq!(c.max_connection_age, Some(Duration::from_secs(30 * 60)));
         assert_eq!(c.request_timeout, Duration::from_secs(30));
+        assert!(c.allow_cert_renewal);
+        assert_eq!(c.rate_limit, crate::rate_limit::RateLimitPolicy::default());
+        assert_eq!(c.pod_watch_failure_limit, Duration::from_secs(30));
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
     }
 
@@ -530,6 +629,25 @@ mod tests {
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(25 * 3600));
         let c = parse(&["--workload-cert-ttl", "48h", "--root-rotation-grace", "2h"]).unwrap();
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(2 * 3600));
+    }
+
+    #[test]
+    fn cert_renewal_and_rate_limit_flags() {
+        let c = parse(&[
+            "--allow-cert-renewal=false",
+            "--issuance-burst",
+            "3",
+            "--issuance-interval",
+            "1m",
+            "--pod-watch-failure-limit",
+            "10s",
+        ])
+        .unwrap();
+        assert!(!c.allow_cert_renewal);
+        assert_eq!(c.rate_limit.burst, 3);
+        assert_eq!(c.rate_limit.interval, Duration::from_secs(60));
+        assert_eq!(c.pod_watch_failure_limit, Duration::from_secs(10));
+        assert!(parse(&["--issuance-interval", "0s"]).is_err());
     }
 
     #[test]

@@ -8,13 +8,16 @@
 //! Modules, in request order:
 //! `transport` (the gRPC port: accept loop, TLS, HTTP/2, event loops) →
 //! `service` (the gRPC handler: admission, then each step below) →
-//! [`authn`] (who is calling) → `authz` (which identity it gets) →
+//! [`authn`] (who is calling) → `admission` (a signing slot, or a fast
+//! refusal) → `authz` (which identity it gets) →
 //! [`authority`] (signing, lifetimes) → [`store`] (where the CA key
 //! material comes from).
 //!
 //! Around the request path: [`config`] parses the command line;
 //! `server_identity` issues and renews the server's own TLS certificate;
-//! `metrics` holds Istio's metrics; `reload` takes a changed `--ca-dir`
+//! `metrics` holds Istio's metrics; `rate_limited_log` keeps refusals
+//! from flooding the log; [`rate_limit`] bounds how often one
+//! identity gets a certificate; `reload` takes a changed `--ca-dir`
 //! into use; [`cluster`] keeps the root in a Secret, the bundle in every
 //! namespace, elects a leader and rotates the root; [`server`] starts it
 //! all, in named steps, and drains it on shutdown.
@@ -39,13 +42,18 @@
 //! # }
 //! ```
 
+pub mod admission;
 pub mod authn;
 pub mod authority;
 pub(crate) mod authz;
 pub mod cluster;
 pub mod config;
 pub(crate) mod metrics;
+pub mod rate_limit;
+pub(crate) mod rate_limited_log;
 pub(crate) mod reload;
+#[cfg(test)]
+mod renewal_pace_tests;
 pub mod server;
 pub(crate) mod server_identity;
 pub(crate) mod service;

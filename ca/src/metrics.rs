@@ -105,6 +105,23 @@ pub(crate) struct Metrics {
     pub(crate) tls_handshake_failures: IstioCounter,
     /// CreateCertificate requests waiting for a slot.
     pub(crate) requests_waiting: Gauge<i64>,
+    /// Requests refused by the per-identity issuance rate limit.
+    pub(crate) issuance_throttled: IstioCounter,
+    /// PodCertificateRequests answered, by result and reason.
+    pub(crate) pod_certificate_requests: Family<PodCertificateLabels, IstioCounter>,
+    /// PodCertificateRequests queued or in progress.
+    pub(crate) pod_certificate_requests_waiting: Gauge<i64>,
+    /// ClusterTrustBundles created or updated.
+    pub(crate) cluster_trust_bundle_writes: IstioCounter,
+}
+
+/// Labels of `meshca_pod_certificate_request_count`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct PodCertificateLabels {
+    /// `Issued`, `Denied`, `Failed`, or `GaveUp` (left for later).
+    pub(crate) result: String,
+    /// The condition's reason.
+    pub(crate) reason: String,
 }
 
 /// Label of `meshca_root_rotation_phase`.
@@ -140,6 +157,10 @@ impl Default for Metrics {
             grpc_connections: Default::default(),
             tls_handshake_failures: Default::default(),
             requests_waiting: Default::default(),
+            issuance_throttled: Default::default(),
+            pod_certificate_requests: Default::default(),
+            pod_certificate_requests_waiting: Default::default(),
+            cluster_trust_bundle_writes: Default::default(),
         }
     }
 }
@@ -263,6 +284,26 @@ impl Metrics {
             "CreateCertificate requests waiting for a slot (--max-concurrent-requests); the queue is as long as what the CA answered in the last second, past it requests get RESOURCE_EXHAUSTED",
             self.requests_waiting.clone(),
         );
+        r.register(
+            "meshca_issuance_throttled_count",
+            "CreateCertificate requests refused with RESOURCE_EXHAUSTED by the per-identity issuance rate limit (--issuance-burst, --issuance-interval): a client renewing in a loop",
+            self.issuance_throttled.clone(),
+        );
+        r.register(
+            "meshca_pod_certificate_request_count",
+            "PodCertificateRequests answered (--pod-certificate-signer), by result (Issued, Denied, Failed; GaveUp: left for a later listing after repeated errors) and reason",
+            self.pod_certificate_requests.clone(),
+        );
+        r.register(
+            "meshca_pod_certificate_requests_waiting",
+            "PodCertificateRequests read from the watch and not yet answered (queued or in progress)",
+            self.pod_certificate_requests_waiting.clone(),
+        );
+        r.register(
+            "meshca_cluster_trust_bundle_write_count",
+            "ClusterTrustBundles of the pod-certificate signer created or updated",
+            self.cluster_trust_bundle_writes.clone(),
+        );
         r
     }
 
@@ -285,6 +326,21 @@ impl Metrics {
                 error: kind.to_string(),
             })
             .inc();
+    }
+
+    /// Counts a PodCertificateRequest answered with `result` for `reason`.
+    pub(crate) fn pod_certificate_answered(&self, result: &str, reason: &str) {
+        self.pod_certificate_requests
+            .get_or_create(&PodCertificateLabels {
+                result: result.to_string(),
+                reason: reason.to_string(),
+            })
+            .inc();
+    }
+
+    /// Counts a PodCertificateRequest left unanswered after repeated errors.
+    pub(crate) fn pod_certificate_error(&self, reason: &str) {
+        self.pod_certificate_answered("GaveUp", reason);
     }
 
     /// Sets the expiry gauges from the root's and the chain's notAfter.

@@ -115,7 +115,7 @@ async fn discovered_jwt_authenticator(
     client: kube::Client,
     background: &mut tokio::task::JoinSet<()>,
 ) -> Result<Arc<JwtAuthenticator>, ServeError> {
-    let fetcher = Arc::new(KubernetesJwks::new(client));
+    let fetcher = Arc::new(KubernetesJwks::new(client).with_timeout(config.kubernetes.api_timeout));
     let discovery = fetcher.discover().await.map_err(ServeError::Kubernetes)?;
     if discovery.issuer != issuer {
         return Err(ServeError::Kubernetes(format!(
@@ -133,6 +133,7 @@ async fn discovered_jwt_authenticator(
     )
     .map_err(|e| ServeError::Kubernetes(format!("the Kubernetes API's JWKS: {e}")))?
     .with_refresher(fetcher)
+    .with_fetch_timeout(config.kubernetes.api_timeout * 2)
     .with_cache_ttl(config.jwt_cache_ttl)
     .counting_cache_hits(cache_hits);
     let authn = Arc::new(authn);
@@ -162,10 +163,13 @@ async fn build_authenticators(
     kube: Option<kube::Client>,
     background: &mut tokio::task::JoinSet<()>,
 ) -> Result<AuthenticatorChain, ServeError> {
-    let mut chain = AuthenticatorChain::new().with(Arc::new(ClientCertAuthenticator::new(
-        authority.clone(),
-        config.trust_domain.clone(),
-    )));
+    let mut chain = AuthenticatorChain::new();
+    if config.allow_cert_renewal {
+        chain = chain.with(Arc::new(ClientCertAuthenticator::new(
+            authority.clone(),
+            config.trust_domain.clone(),
+        )));
+    }
     // The local issuer is the embedded mode's: off when a cluster is configured.
     if kube.is_none() {
         let local = store::load_or_create_token_issuer(&config.data_dir)?;
@@ -224,8 +228,12 @@ async fn build_authenticators(
                     audiences: config.token_audiences.clone(),
                     trust_domain: config.trust_domain.clone(),
                     cache_ttl: config.kubernetes.token_review_cache_ttl,
+                    refusal_cache_ttl: config.kubernetes.token_review_refusal_cache_ttl,
                     timeout: config.kubernetes.api_timeout,
                     max_in_flight: config.kubernetes.api_max_in_flight,
+                    // As many as could wait for a signing slot.
+                    max_waiting: config.max_concurrent_requests.max(1)
+                        * crate::admission::QUEUE_PER_SLOT_MAX,
                 },
             )
             .counting_cache_hits(metrics.token_cache_hits.clone()),
@@ -438,6 +446,21 @@ fn start_cluster_tasks(
     );
     let excluded = config.cluster.bundle_excluded_namespaces.clone();
     let trust_domain = config.trust_domain.clone();
+    if let Some(signer_name) = config.cluster.pod_certificate_signer.clone() {
+        background.spawn(leader::while_leader(
+            leader_rx.clone(),
+            cluster::pod_certificates::leader_work(
+                client.clone(),
+                authority.clone(),
+                metrics.clone(),
+                cluster::pod_certificates::PodSignerConfig {
+                    signer_name,
+                    trust_domain: trust_domain.clone(),
+                    max_ttl: config.ttl.max,
+                },
+            ),
+        ));
+    }
     background.spawn(leader::while_leader(leader_rx, move || {
         let publish = bundle_publisher::publish_bundles(
             client.clone(),
@@ -552,7 +575,9 @@ fn build_authorizer(
                 .into(),
         ));
     };
-    let pods = Arc::new(PodIndex::default());
+    let pods = Arc::new(PodIndex::with_max_watch_failure(
+        config.pod_watch_failure_limit,
+    ));
     background.spawn(watch_pods(client, pods.clone()));
     tracing::info!(agents = ?config.trusted_node_agents, "node-agent impersonation enabled");
     Ok(Authorizer::with_impersonation(Arc::new(
@@ -767,6 +792,7 @@ pub async fn run(
         config.cluster_id.clone(),
         config.max_concurrent_requests,
     )
+    .with_rate_limit(config.rate_limit)
     .with_spare_loops(loops.spare());
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter

@@ -1,39 +1,48 @@
 //! The gRPC service `istio.v1.auth.IstioCertificateService`:
-//! authenticate, authorize, verify the CSR, sign, answer with the chain.
+//! authenticate, take a signing slot, verify the CSR, authorize, sign,
+//! answer with the chain.
+//!
+//! Authentication comes before the slot: a caller that cannot
+//! authenticate is refused without taking a slot or a place in the queue
+//! ([`Admission`]), so junk does not compete with real renewals (the
+//! TokenReview calls it may cost have bounds of their own). Refusals are
+//! counted exactly but logged at most once per
+//! [`crate::rate_limited_log::DEFAULT_LOG_INTERVAL`]
+//! per kind, each line saying how many it stands for.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Instant;
 
-use meshca_certs::VerifiedCsr;
+use meshca_certs::{SpiffeId, VerifiedCsr};
 use meshca_proto::istio::v1::auth::istio_certificate_service_server::IstioCertificateService;
 use meshca_proto::{IstioCertificateRequest, IstioCertificateResponse, IMPERSONATED_IDENTITY_KEY};
-use prometheus_client::metrics::gauge::Gauge;
 use time::OffsetDateTime;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::metadata::MetadataMap;
 use tonic::{Request, Response, Status};
 
-use crate::authn::{AuthenticatorChain, AuthnError, CallerKind, Credentials};
+use crate::admission::Admission;
+use crate::authn::{AuthenticatorChain, AuthnError, Caller, CallerKind, Credentials};
 use crate::authority::{Authority, SignError};
 use crate::authz::Authorizer;
 use crate::metrics::Metrics;
+use crate::rate_limit::{IssuanceRateLimit, RateLimitPolicy, Throttled};
+use crate::rate_limited_log::RateLimitedLog;
 use crate::transport::SpareLoops;
 
+/// Response metadata telling a gRPC client how long to wait before it
+/// retries (gRPC's retry-pushback, in milliseconds).
+pub(crate) const RETRY_PUSHBACK_HEADER: &str = "grpc-retry-pushback-ms";
 /// Header naming the cluster a request is for (empty: this one).
 pub(crate) const CLUSTER_ID_HEADER: &str = "clusterid";
-/// How long a request waits for a signing slot before `RESOURCE_EXHAUSTED`.
-pub(crate) const QUEUE_WAIT: Duration = Duration::from_secs(2);
-/// Requests that may wait for a slot, per slot, whatever the CA's pace;
-/// beyond the queue ([`Admission`]) a request is refused at once with
-/// `RESOURCE_EXHAUSTED`, so a burst (a mass restart) gets fast answers to
-/// back off on instead of a pile of timeouts.
-pub(crate) const QUEUE_PER_SLOT: usize = 8;
-/// The queue never holds more than this many requests per slot, however
-/// fast the CA is (each waiting request holds its CSR and token).
-pub(crate) const QUEUE_PER_SLOT_MAX: usize = 64;
-/// Shortest time over which the pace of finished requests is measured.
-const PACE_WINDOW: Duration = Duration::from_millis(20);
+
+/// One [`RateLimitedLog`] per kind of refusal.
+#[derive(Debug, Default)]
+struct RefusalLogs {
+    cluster: RateLimitedLog,
+    authentication: RateLimitedLog,
+    csr: RateLimitedLog,
+    authorization: RateLimitedLog,
+}
 
 /// The CA service.
 #[derive(Clone)]
@@ -44,7 +53,9 @@ pub(crate) struct CaService {
     metrics: Metrics,
     cluster_id: String,
     admission: Arc<Admission>,
+    refusal_logs: Arc<RefusalLogs>,
     spare_loops: Option<SpareLoops>,
+    rate_limit: Arc<IssuanceRateLimit>,
 }
 
 impl std::fmt::Debug for CaService {
@@ -74,8 +85,17 @@ impl CaService {
             metrics,
             cluster_id,
             admission: Arc::new(admission),
+            refusal_logs: Arc::default(),
             spare_loops: None,
+            rate_limit: Arc::new(IssuanceRateLimit::new(RateLimitPolicy::default())),
         }
+    }
+
+    /// Limits how often one identity gets a certificate (default:
+    /// [`RateLimitPolicy::default`]).
+    pub(crate) fn with_rate_limit(mut self, policy: RateLimitPolicy) -> Self {
+        self.rate_limit = Arc::new(IssuanceRateLimit::new(policy));
+        self
     }
 
     /// Served from [`crate::event_loops`]: a request whose loop is backed
@@ -90,25 +110,25 @@ impl CaService {
         request: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
         let started = Instant::now();
-        let overloaded = || {
+        let logs = &self.refusal_logs;
+        let overloaded = |what: &str| {
             self.metrics.sign_error("overloaded");
-            Status::resource_exhausted(
-                "the CA is overloaded: too many certificate requests in flight; retry with backoff",
-            )
-        };
-        let Some(_slot) = self.admission.admit().await else {
-            return Err(overloaded());
+            Status::resource_exhausted(format!("the CA is overloaded: {what}; retry with backoff"))
         };
 
+        // Who is calling, before anything costs a slot.
         let metadata = request.metadata();
         if let Some(cluster) = metadata.get(CLUSTER_ID_HEADER) {
             let cluster = cluster.to_str().unwrap_or("<non-ascii>");
             if !cluster.is_empty() && cluster != self.cluster_id {
                 self.metrics.authentication_failure_count.inc();
+                let cluster = cluster.chars().take(128).collect::<String>();
+                if let Some(unlogged) = logs.cluster.record() {
+                    tracing::info!(requested = %cluster, served = %self.cluster_id, unlogged, "request for another cluster refused");
+                }
+                // The caller is not told which cluster this CA serves.
                 return Err(Status::unauthenticated(format!(
-                    "unknown cluster {:?}: this CA serves cluster {:?}",
-                    cluster.chars().take(128).collect::<String>(),
-                    self.cluster_id
+                    "unknown cluster {cluster:?}: this CA does not serve it"
                 )));
             }
         }
@@ -118,9 +138,13 @@ impl CaService {
         };
         let caller = match self.authn.authenticate(&credentials).await {
             Ok(caller) => caller,
+            Err(AuthnError::Overloaded(what)) => return Err(overloaded(&what)),
             Err(e) => {
                 self.metrics.authentication_failure_count.inc();
-                tracing::info!(error = %e, "authentication failed");
+                tracing::debug!(error = %e, "authentication failed");
+                if let Some(unlogged) = logs.authentication.record() {
+                    tracing::info!(error = %e, unlogged, "authentication failed");
+                }
                 return Err(match e {
                     AuthnError::Unavailable(_) => Status::unavailable(e.to_string()),
                     _ => Status::unauthenticated(e.to_string()),
@@ -128,10 +152,15 @@ impl CaService {
             }
         };
 
+        let Some(_slot) = self.admission.admit().await else {
+            return Err(overloaded("too many certificate requests in flight"));
+        };
         let request = request.into_inner();
         let csr = VerifiedCsr::from_pem(&request.csr).map_err(|e| {
             self.metrics.csr_parsing_err_count.inc();
-            tracing::info!(caller = %caller.identity, error = %e, "CSR refused");
+            if let Some(unlogged) = logs.csr.record() {
+                tracing::info!(caller = %caller.identity, error = %e, unlogged, "CSR refused");
+            }
             Status::invalid_argument(e.to_string())
         })?;
 
@@ -149,19 +178,28 @@ impl CaService {
             .await
             .map_err(|e| {
                 self.metrics.id_extraction_err_count.inc();
-                tracing::info!(caller = %caller.identity, error = %e, "request not authorized");
+                if let Some(unlogged) = logs.authorization.record() {
+                    tracing::info!(caller = %caller.identity, error = %e, unlogged, "request not authorized");
+                }
                 match e {
                     crate::authz::AuthzError::Unavailable(_) => Status::unavailable(e.to_string()),
                     _ => Status::permission_denied(e.to_string()),
                 }
             })?;
 
+        self.check_rate(&caller, &identity)?;
+        // A renewal by client certificate never extends the credential.
+        let max_lifetime = match &caller.kind {
+            CallerKind::ClientCertificate { lifetime, .. } => Some(*lifetime),
+            CallerKind::Token { .. } => None,
+        };
         let issued = self
             .authority
-            .sign_workload(
+            .sign_workload_within(
                 csr.subject_key(),
                 &identity,
                 request.validity_duration,
+                max_lifetime,
                 OffsetDateTime::now_utc(),
             )
             .map_err(|e| {
@@ -202,6 +240,42 @@ impl CaService {
     }
 }
 
+impl CaService {
+    /// The per-identity rate limit: keyed by the identity issued and the
+    /// pod that asks (when its token names one), so each sidecar and each
+    /// node agent has its own budget per identity.
+    fn check_rate(&self, caller: &Caller, identity: &SpiffeId) -> Result<(), Status> {
+        let key = match caller.pod_name.as_deref() {
+            Some(pod) => format!("{identity} {pod}"),
+            None => identity.to_string(),
+        };
+        let Err(Throttled { retry_after }) =
+            self.rate_limit.check(&key, tokio::time::Instant::now())
+        else {
+            return Ok(());
+        };
+        self.metrics.issuance_throttled.inc();
+        self.metrics.sign_error("rate_limited");
+        let policy = self.rate_limit.policy();
+        let retry_ms = retry_after.as_millis().max(1);
+        tracing::debug!(caller = %caller.identity, identity = %identity, retry_ms = %retry_ms, "issuance rate limit");
+        let mut metadata = MetadataMap::new();
+        if let Ok(value) = retry_ms.to_string().parse() {
+            metadata.insert(RETRY_PUSHBACK_HEADER, value);
+        }
+        Err(Status::with_metadata(
+            tonic::Code::ResourceExhausted,
+            format!(
+                "too many certificates for {identity}: at most {} at once and one per {:?} after that; retry in {:.1}s",
+                policy.burst,
+                policy.interval,
+                retry_after.as_secs_f64()
+            ),
+            metadata,
+        ))
+    }
+}
+
 #[tonic::async_trait]
 impl IstioCertificateService for CaService {
     async fn create_certificate(
@@ -227,138 +301,6 @@ impl IstioCertificateService for CaService {
     }
 }
 
-/// Which requests are served now, which wait, which are refused.
-///
-/// At most `slots` requests are handled at once. More wait for a slot, at
-/// most [`QUEUE_WAIT`] each, in a queue whose length follows the CA's
-/// measured pace: as many as it finishes in half of [`QUEUE_WAIT`], never
-/// fewer than [`QUEUE_PER_SLOT`] per slot, never more than
-/// [`QUEUE_PER_SLOT_MAX`]. A CA that answers 12,000 requests a second
-/// (TokenReview with 64 API calls of 5 ms in flight) thus takes a burst of
-/// 10,000 at once instead of refusing three quarters of it, while one whose
-/// API answers slowly keeps a short queue and refuses the rest at once,
-/// with nothing left to time out.
-#[derive(Debug)]
-pub(crate) struct Admission {
-    limiter: Arc<Semaphore>,
-    /// Requests waiting for a slot (exported as `meshca_requests_waiting`).
-    waiting: Gauge<i64>,
-    min_waiting: usize,
-    max_waiting: usize,
-    finished: AtomicU64,
-    pace: Mutex<PaceWindow>,
-    epoch: tokio::time::Instant,
-}
-
-/// The pace measured last: finished requests per second since `at`.
-#[derive(Debug, Default)]
-struct PaceWindow {
-    at: Duration,
-    finished: u64,
-    per_second: f64,
-}
-
-/// A request's slot: given back, and counted as finished, when dropped.
-#[derive(Debug)]
-pub(crate) struct Slot<'a> {
-    _permit: OwnedSemaphorePermit,
-    admission: &'a Admission,
-}
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        self.admission.finished.fetch_add(1, Ordering::Relaxed);
-    }
-}
-
-/// A request's place in the queue, given up when dropped.
-struct InQueue<'a> {
-    waiting: &'a Gauge<i64>,
-    /// Requests that were waiting when this one came.
-    ahead: usize,
-}
-
-impl<'a> InQueue<'a> {
-    fn enter(waiting: &'a Gauge<i64>) -> Self {
-        let ahead = usize::try_from(waiting.inc()).unwrap_or(0);
-        Self { waiting, ahead }
-    }
-}
-
-impl Drop for InQueue<'_> {
-    fn drop(&mut self) {
-        self.waiting.dec();
-    }
-}
-
-impl Admission {
-    /// `slots` requests at once (at least one); `waiting` follows the
-    /// number of requests in the queue.
-    pub(crate) fn new(slots: usize, waiting: Gauge<i64>) -> Self {
-        let slots = slots.max(1);
-        Self {
-            limiter: Arc::new(Semaphore::new(slots)),
-            waiting,
-            min_waiting: slots * QUEUE_PER_SLOT,
-            max_waiting: slots * QUEUE_PER_SLOT_MAX,
-            finished: AtomicU64::new(0),
-            pace: Mutex::new(PaceWindow::default()),
-            epoch: tokio::time::Instant::now(),
-        }
-    }
-
-    /// A slot now, or after waiting in the queue; `None`: refused (the
-    /// queue is full, or no slot came within [`QUEUE_WAIT`]).
-    pub(crate) async fn admit(&self) -> Option<Slot<'_>> {
-        let permit = match self.limiter.clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(_) => {
-                // Counted out when this future ends, however it ends: a
-                // request cancelled while it waits (its client gone, its
-                // timeout) must not keep a place in the queue.
-                let in_queue = InQueue::enter(&self.waiting);
-                if in_queue.ahead >= self.min_waiting && in_queue.ahead >= self.queue_length() {
-                    return None;
-                }
-                let acquired =
-                    tokio::time::timeout(QUEUE_WAIT, self.limiter.clone().acquire_owned()).await;
-                drop(in_queue);
-                acquired.ok()?.ok()?
-            }
-        };
-        Some(Slot {
-            _permit: permit,
-            admission: self,
-        })
-    }
-
-    /// How many may wait now: what the CA finishes in half of
-    /// [`QUEUE_WAIT`] at its last measured pace, within the bounds.
-    /// Only called when the floor is reached, i.e. in a burst.
-    pub(crate) fn queue_length(&self) -> usize {
-        let pace = self.pace_per_second();
-        let answerable = (pace * QUEUE_WAIT.as_secs_f64() / 2.0) as usize;
-        answerable.clamp(self.min_waiting, self.max_waiting)
-    }
-
-    /// Finished requests per second, over the time since the previous
-    /// measurement (at least [`PACE_WINDOW`]); after a quiet spell the
-    /// window is long and the pace low, so the queue starts at its floor.
-    fn pace_per_second(&self) -> f64 {
-        let now = self.epoch.elapsed();
-        let finished = self.finished.load(Ordering::Relaxed);
-        let mut window = self.pace.lock().unwrap_or_else(|e| e.into_inner());
-        let span = now.saturating_sub(window.at);
-        if span >= PACE_WINDOW {
-            window.per_second =
-                finished.saturating_sub(window.finished) as f64 / span.as_secs_f64();
-            window.at = now;
-            window.finished = finished;
-        }
-        window.per_second
-    }
-}
-
 /// The first `authorization` value of the form `Bearer <token>`.
 pub(crate) fn bearer_token(metadata: &MetadataMap) -> Option<String> {
     metadata.get_all("authorization").iter().find_map(|value| {
@@ -375,70 +317,71 @@ pub(crate) fn bearer_token(metadata: &MetadataMap) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use meshca_certs::TrustDomain;
+    use std::time::Duration;
 
-    #[tokio::test(start_paused = true)]
-    async fn the_queue_follows_the_pace_of_finished_requests() {
-        let waiting = Gauge::default();
-        let admission = Admission::new(4, waiting.clone());
-        // Idle: the floor, 8 per slot.
-        assert_eq!(admission.queue_length(), 32);
+    /// A service with one signing slot and no authenticator (every
+    /// credential is refused).
+    fn one_slot_service(dir: &std::path::Path) -> CaService {
+        let material = crate::store::load_or_create_data_dir(
+            dir,
+            &TrustDomain::default(),
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap();
+        CaService::new(
+            Arc::new(Authority::new(material, Default::default())),
+            AuthenticatorChain::new(),
+            Authorizer::own_identity_only(),
+            Metrics::default(),
+            "Kubernetes".into(),
+            1,
+        )
+    }
 
-        // 4 slots held, 32 waiting: the next is refused at once.
-        let held: Vec<_> = futures::future::join_all((0..4).map(|_| admission.admit()))
-            .await
-            .into_iter()
-            .map(Option::unwrap)
-            .collect();
-        let mut waiters: Vec<_> = (0..32).map(|_| Box::pin(admission.admit())).collect();
-        for w in &mut waiters {
-            assert!(futures::poll!(w.as_mut()).is_pending());
+    fn request(token: &str, cluster: Option<&str>) -> Request<IstioCertificateRequest> {
+        let mut request = Request::new(IstioCertificateRequest::default());
+        request
+            .metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        if let Some(cluster) = cluster {
+            request
+                .metadata_mut()
+                .insert(CLUSTER_ID_HEADER, cluster.parse().unwrap());
         }
-        assert_eq!(waiting.get(), 32);
-        assert!(admission.admit().await.is_none(), "a full queue refuses");
-        assert_eq!(waiting.get(), 32);
-        // Waiters cancelled (their clients gone) leave the queue.
-        drop(waiters);
-        assert_eq!(waiting.get(), 0);
-        drop(held);
-
-        // 1,000 finished in 100 ms: 10,000/s, so 10,000 may wait (1 s of
-        // work), capped at 64 per slot = 256.
-        tokio::time::advance(Duration::from_millis(100)).await;
-        admission.pace_per_second();
-        for _ in 0..1000 {
-            drop(admission.admit().await.unwrap());
-        }
-        tokio::time::advance(Duration::from_millis(100)).await;
-        assert_eq!(admission.queue_length(), 256);
-
-        // A quiet second: the pace falls back, and so does the queue.
-        tokio::time::advance(Duration::from_secs(1)).await;
-        assert_eq!(admission.queue_length(), 32);
-
-        // Between the bounds the queue is the pace times 1 s: 500 finished
-        // in 100 ms with 100 slots (floor 800, cap 6,400) let 5,000 wait.
-        let wide = Admission::new(100, Gauge::default());
-        assert_eq!(wide.queue_length(), 800);
-        for _ in 0..500 {
-            drop(wide.admit().await.unwrap());
-        }
-        tokio::time::advance(Duration::from_millis(100)).await;
-        assert_eq!(wide.queue_length(), 5000);
+        request
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_waiting_request_gets_the_next_free_slot_or_is_refused_after_the_wait() {
-        let admission = Admission::new(1, Gauge::default());
-        let first = admission.admit().await.unwrap();
-        let mut second = Box::pin(admission.admit());
-        assert!(futures::poll!(second.as_mut()).is_pending());
-        drop(first);
-        let second = second.await.expect("the freed slot");
+    async fn unauthenticated_requests_take_no_slot_and_no_place_in_the_queue() {
+        let dir = tempfile::tempdir().unwrap();
+        let service = one_slot_service(dir.path());
+        // A real renewal holds the only slot.
+        let _held = service.admission.admit().await.unwrap();
         let started = tokio::time::Instant::now();
-        assert!(admission.admit().await.is_none(), "no slot within the wait");
-        assert_eq!(started.elapsed(), QUEUE_WAIT);
-        drop(second);
-        assert!(admission.admit().await.is_some());
+        for _ in 0..1_000 {
+            let status = service
+                .create_certificate(request("junk", None))
+                .await
+                .unwrap_err();
+            assert_eq!(status.code(), tonic::Code::Unauthenticated, "{status:?}");
+        }
+        assert_eq!(started.elapsed(), Duration::ZERO, "refused without waiting");
+        assert_eq!(service.metrics.requests_waiting.get(), 0);
+        assert_eq!(service.metrics.authentication_failure_count.get(), 1_000);
+    }
+
+    #[tokio::test]
+    async fn a_wrong_cluster_is_refused_without_naming_ours() {
+        let dir = tempfile::tempdir().unwrap();
+        let service = one_slot_service(dir.path());
+        let status = service
+            .create_certificate(request("junk", Some("other")))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), tonic::Code::Unauthenticated);
+        assert!(status.message().contains("\"other\""), "{status:?}");
+        assert!(!status.message().contains("Kubernetes"), "{status:?}");
     }
 
     #[test]

@@ -48,15 +48,20 @@ fn of_kind<T: serde::de::DeserializeOwned>(docs: &[serde_json::Value], kind: &st
         .collect()
 }
 
-/// (group, resource, verbs) granted by a set of rules.
-fn grants(rules: &[PolicyRule]) -> BTreeSet<(String, String, Vec<String>)> {
+/// One grant: (group, resource, verbs, resource names).
+type Grant = (String, String, Vec<String>, Vec<String>);
+
+/// The grants of a set of rules.
+fn grants(rules: &[PolicyRule]) -> BTreeSet<Grant> {
     let mut out = BTreeSet::new();
     for rule in rules {
         for group in rule.api_groups.clone().unwrap_or_default() {
             for resource in rule.resources.clone().unwrap_or_default() {
                 let mut verbs = rule.verbs.clone();
                 verbs.sort();
-                out.insert((group.clone(), resource, verbs));
+                let mut names = rule.resource_names.clone().unwrap_or_default();
+                names.sort();
+                out.insert((group.clone(), resource, verbs, names));
             }
         }
     }
@@ -69,14 +74,22 @@ fn check(docs: &[serde_json::Value]) {
     let roles: Vec<Role> = of_kind(docs, "Role");
     assert_eq!(cluster_roles.len(), 1);
     assert_eq!(roles.len(), 1);
-    let expected = |own: bool| -> BTreeSet<(String, String, Vec<String>)> {
+    let expected = |own: bool| -> BTreeSet<Grant> {
         RBAC_RULES
             .iter()
             .filter(|r| r.own_namespace_only == own)
             .map(|r| {
                 let mut verbs: Vec<String> = r.verbs.iter().map(|v| v.to_string()).collect();
                 verbs.sort();
-                (r.api_group.to_string(), r.resource.to_string(), verbs)
+                let mut names: Vec<String> =
+                    r.resource_names.iter().map(|v| v.to_string()).collect();
+                names.sort();
+                (
+                    r.api_group.to_string(),
+                    r.resource.to_string(),
+                    verbs,
+                    names,
+                )
             })
             .collect()
     };
@@ -174,6 +187,63 @@ fn meshca_flag_envs() -> BTreeSet<String> {
 }
 
 #[test]
+fn the_pod_certificate_example_and_overlay_name_the_signer_the_rbac_grants() {
+    use k8s_openapi::api::core::v1::Pod;
+    use meshca_ca::cluster::{EXAMPLE_POD_CERTIFICATE_SIGNER, TRUST_DOMAIN_LABEL};
+    let text =
+        std::fs::read_to_string(deploy_dir().join("../examples/pod-certificate.yaml")).unwrap();
+    let pods: Vec<Pod> = of_kind(&documents(&text), "Pod");
+    let sources: Vec<_> = pods[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .volumes
+        .iter()
+        .flatten()
+        .filter_map(|v| v.projected.as_ref())
+        .flat_map(|p| p.sources.clone().unwrap_or_default())
+        .collect();
+    let certificate = sources
+        .iter()
+        .find_map(|s| s.pod_certificate.as_ref())
+        .expect("a podCertificate source");
+    assert_eq!(certificate.signer_name, EXAMPLE_POD_CERTIFICATE_SIGNER);
+    assert!(
+        ["ECDSAP256", "ECDSAP384", "RSA3072", "RSA4096", "ED25519"]
+            .contains(&certificate.key_type.as_str()),
+        "a key type meshca signs"
+    );
+    let trust = sources
+        .iter()
+        .find_map(|s| s.cluster_trust_bundle.as_ref())
+        .expect("a clusterTrustBundle source");
+    assert_eq!(
+        trust.signer_name.as_deref(),
+        Some(EXAMPLE_POD_CERTIFICATE_SIGNER)
+    );
+    let labels = trust
+        .label_selector
+        .as_ref()
+        .and_then(|s| s.match_labels.clone())
+        .unwrap_or_default();
+    assert!(labels.contains_key(TRUST_DOMAIN_LABEL));
+
+    // The overlay turns the signer on with the same name.
+    let overlay = deploy_dir().join("overlays/pod-certificates");
+    let patch = documents(&std::fs::read_to_string(overlay.join("signer.yaml")).unwrap());
+    let env = patch[0]["spec"]["template"]["spec"]["containers"][0]["env"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let signer = env
+        .iter()
+        .find(|e| e["name"] == "MESHCA_POD_CERTIFICATE_SIGNER")
+        .expect("the overlay sets the signer");
+    assert_eq!(signer["value"], EXAMPLE_POD_CERTIFICATE_SIGNER);
+    assert!(meshca_flag_envs().contains("MESHCA_POD_CERTIFICATE_SIGNER"));
+}
+
+#[test]
 fn base_manifests_match_the_schema_and_the_code() {
     check(&base_documents());
 }
@@ -190,7 +260,7 @@ fn rendered_overlays_match_when_kubectl_is_available() {
     if !version.status.success() {
         return;
     }
-    for overlay in ["self-signed", "plugged-in"] {
+    for overlay in ["self-signed", "plugged-in", "pod-certificates"] {
         let out = std::process::Command::new("kubectl")
             .arg("kustomize")
             .arg(deploy_dir().join("overlays").join(overlay))

@@ -13,6 +13,8 @@
 //! - [`answer`]: the shape of a CA answer's chain, `[leaf, intermediates…, roots]`;
 //! - [`cadir`]: CA directories (Istio's `cacerts` layout and others), loaded and checked;
 //! - [`inspect`]: what a certificate says;
+//! - [`pod_certificate`]: Kubernetes pod certificates: signer names, the
+//!   pod's key and its proof of possession, as kube-apiserver checks them;
 //! - [`token`]: Kubernetes-style service-account tokens and the local issuer.
 //!
 //! ```
@@ -32,6 +34,7 @@ pub mod csr;
 mod der;
 pub mod inspect;
 pub mod keys;
+pub mod pod_certificate;
 pub mod profile;
 pub mod spiffe;
 pub mod token;

@@ -24,9 +24,16 @@ use crate::der::{self, oid, tag};
 use crate::keys::{KeyKind, PrivateKey};
 use crate::spiffe::SpiffeId;
 
-/// How far back notBefore is set, for clock skew between CA and peers
-/// (Istio uses the same two minutes).
+/// How far back notBefore is set at most, for clock skew between CA and
+/// peers (Istio uses the same two minutes).
 pub const CLOCK_SKEW_BACKDATE: Duration = Duration::minutes(2);
+
+/// Short lifetimes are backdated by at most this fraction of the lifetime
+/// (1/`BACKDATE_DIVISOR`), so the certificate's half-life, where clients
+/// such as ztunnel renew (notBefore + lifetime / 2), falls after it is
+/// issued: a 60 s certificate is backdated 6 s and is due again 27 s after
+/// issuance, not at once.
+pub const BACKDATE_DIVISOR: i32 = 10;
 
 /// Errors from building or signing certificates.
 #[derive(Debug, thiserror::Error)]
@@ -75,13 +82,35 @@ pub struct Validity {
 }
 
 impl Validity {
-    /// A window from `now - CLOCK_SKEW_BACKDATE` to `now + ttl`, truncated to
+    /// A window from `now - backdate(ttl)` to `now + ttl`, truncated to
     /// whole seconds (X.509 times have no fractions).
     pub fn backdated(now: OffsetDateTime, ttl: Duration) -> Self {
         let now = truncate_to_seconds(now);
         Self {
-            not_before: now - CLOCK_SKEW_BACKDATE,
+            not_before: now - Self::backdate(ttl),
             not_after: now + ttl,
+        }
+    }
+
+    /// How far before issuance notBefore is set for a lifetime of `ttl`:
+    /// [`CLOCK_SKEW_BACKDATE`], or a tenth of `ttl` when that is shorter
+    /// (whole seconds, never negative).
+    pub fn backdate(ttl: Duration) -> Duration {
+        let proportional = Duration::seconds((ttl / BACKDATE_DIVISOR).whole_seconds().max(0));
+        proportional.min(CLOCK_SKEW_BACKDATE)
+    }
+
+    /// The window's length, notAfter − notBefore.
+    pub fn lifetime(&self) -> Duration {
+        self.not_after - self.not_before
+    }
+
+    /// The same window, notAfter moved earlier if needed so the whole
+    /// lifetime is at most `max` (notBefore stays).
+    pub fn with_lifetime_at_most(self, max: Duration) -> Self {
+        Self {
+            not_before: self.not_before,
+            not_after: self.not_after.min(self.not_before + max),
         }
     }
 
@@ -651,6 +680,25 @@ mod tests {
 
     fn id() -> SpiffeId {
         SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web").unwrap()
+    }
+
+    #[test]
+    fn short_lifetimes_are_backdated_in_proportion() {
+        let t = now();
+        for (ttl_secs, backdate_secs) in [(86_400, 120), (1_200, 120), (600, 60), (60, 6), (5, 0)] {
+            let v = Validity::backdated(t, Duration::seconds(ttl_secs));
+            assert_eq!(
+                (v.not_after - v.not_before).whole_seconds(),
+                ttl_secs + backdate_secs,
+                "ttl {ttl_secs}s"
+            );
+            // Half-life (where ztunnel renews) is after issuance.
+            let half_life = v.not_before + v.lifetime() / 2;
+            assert!(half_life > t, "ttl {ttl_secs}s: due at issuance");
+        }
+        let capped =
+            Validity::backdated(t, Duration::hours(1)).with_lifetime_at_most(Duration::minutes(30));
+        assert_eq!(capped.lifetime(), Duration::minutes(30));
     }
 
     #[test]

@@ -6,7 +6,9 @@
 //! (409 AlreadyExists), update with optimistic concurrency (409 Conflict on
 //! a stale resourceVersion), merge patch, delete, field selectors. It counts
 //! calls, can answer slowly, can hold creates to force a race, and can be
-//! stopped and restarted on the same port.
+//! stopped and restarted on the same port. `PodCertificateRequest`s (with
+//! their `status` subresource) and `ClusterTrustBundle`s are checked as
+//! kube-apiserver checks them (see `fake_certificates`).
 
 use std::collections::HashMap;
 use std::convert::Infallible;
@@ -66,6 +68,18 @@ const RESOURCES: &[(&str, &str, &str, bool)] = &[
     ("configmaps", "ConfigMap", "v1", true),
     ("namespaces", "Namespace", "v1", false),
     ("leases", "Lease", "coordination.k8s.io/v1", true),
+    (
+        "podcertificaterequests",
+        "PodCertificateRequest",
+        "certificates.k8s.io/v1beta1",
+        true,
+    ),
+    (
+        "clustertrustbundles",
+        "ClusterTrustBundle",
+        "certificates.k8s.io/v1beta1",
+        false,
+    ),
 ];
 
 type ObjectKey = (String, String, String);
@@ -179,6 +193,31 @@ fn watch_line(kind: &str, object: &serde_json::Value) -> Bytes {
 
 /// The issuer of the fake cluster's service-account tokens.
 pub const OIDC_ISSUER: &str = "https://kubernetes.default.svc.cluster.local";
+/// The issuer of [`FakeKube::add_review_token`]'s tokens (no keys anywhere).
+pub const REVIEW_ONLY_ISSUER: &str = "https://review-only.fake-kube.invalid";
+
+/// A JWT-shaped token with the header and claims a real service-account
+/// token has (`aud`, an `exp` an hour away, `label` as its `jti`), but an
+/// issuer no offline key checks and no valid signature: only a TokenReview
+/// of a fake that knows it ([`FakeKube::add_review_token`]) vouches for it.
+pub fn review_only_token(label: &str, audiences: &[String]) -> String {
+    use base64::Engine;
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let exp = OffsetDateTime::now_utc().unix_timestamp() + 3600;
+    let claims = serde_json::json!({
+        "iss": REVIEW_ONLY_ISSUER,
+        "sub": "system:serviceaccount:unknown:unknown",
+        "aud": audiences,
+        "exp": exp,
+        "jti": label,
+    });
+    format!(
+        "{}.{}.{}",
+        b64.encode(r#"{"alg":"RS256","kid":"fake-review-only"}"#),
+        b64.encode(claims.to_string()),
+        b64.encode(format!("not-a-signature-{label}"))
+    )
+}
 
 #[derive(Default)]
 struct Shared {
@@ -310,6 +349,16 @@ impl FakeKube {
         }
     }
 
+    /// Registers `user` under a new JWT-shaped token
+    /// ([`review_only_token`], `aud` from `user.audiences`) and returns it.
+    /// meshca sends nothing that is not JWT-shaped to TokenReview; use
+    /// [`FakeKube::add_token`] for raw strings.
+    pub fn add_review_token(&self, label: &str, user: FakeUser) -> String {
+        let token = review_only_token(label, &user.audiences);
+        self.add_token(&token, user);
+        token
+    }
+
     /// Adds (or replaces) a running pod; watchers see the event.
     pub fn add_pod(
         &self,
@@ -343,6 +392,22 @@ impl FakeKube {
             "ADDED"
         };
         objects.event(plural, kind, object)
+    }
+
+    /// Creates an object as a client of the API would: the API's
+    /// validation and defaults apply, an existing name is refused. Returns
+    /// the stored object, or the error message (as the API's 422/409).
+    pub fn create_object(
+        &self,
+        plural: &str,
+        mut object: serde_json::Value,
+    ) -> Result<serde_json::Value, String> {
+        validate_create(plural, &mut object)?;
+        let mut objects = self.shared.objects.lock().expect("objects");
+        if objects.items.contains_key(&key_of(plural, &object)) {
+            return Err("AlreadyExists".into());
+        }
+        Ok(objects.event(plural, "ADDED", object))
     }
 
     /// The stored object, if any (`namespace` empty for cluster-scoped kinds).
@@ -393,6 +458,13 @@ impl FakeKube {
             .get(&(plural.to_string(), verb.to_string()))
             .copied()
             .unwrap_or(0)
+    }
+
+    /// Every call counted so far: ((plural, verb), count), `plural/status`
+    /// for the status subresource.
+    pub fn call_counts(&self) -> Vec<((String, String), usize)> {
+        let objects = self.shared.objects.lock().expect("objects");
+        objects.calls.iter().map(|(k, v)| (k.clone(), *v)).collect()
     }
 
     /// Holds creates of `plural` until `count` of them are waiting, then
@@ -579,6 +651,8 @@ struct Target {
     plural: String,
     namespace: Option<String>,
     name: Option<String>,
+    /// `status` for the status subresource.
+    subresource: Option<String>,
 }
 
 fn parse_resource_path(path: &str) -> Option<Target> {
@@ -588,12 +662,17 @@ fn parse_resource_path(path: &str) -> Option<Target> {
         ["apis", _group, _version, rest @ ..] => rest,
         _ => return None,
     };
-    let (plural, namespace, name) = match rest {
-        ["namespaces"] => ("namespaces", None, None),
-        ["namespaces", ns] => ("namespaces", None, Some(*ns)),
-        ["namespaces", ns, plural] => (*plural, Some(*ns), None),
-        ["namespaces", ns, plural, name] => (*plural, Some(*ns), Some(*name)),
-        [plural] => (*plural, None, None),
+    let (plural, namespace, name, subresource) = match rest {
+        ["namespaces"] => ("namespaces", None, None, None),
+        ["namespaces", ns] => ("namespaces", None, Some(*ns), None),
+        ["namespaces", ns, plural] => (*plural, Some(*ns), None, None),
+        ["namespaces", ns, plural, name] => (*plural, Some(*ns), Some(*name), None),
+        ["namespaces", ns, plural, name, "status"] => {
+            (*plural, Some(*ns), Some(*name), Some("status"))
+        }
+        [plural] => (*plural, None, None, None),
+        [plural, name] => (*plural, None, Some(*name), None),
+        [plural, name, "status"] => (*plural, None, Some(*name), Some("status")),
         _ => return None,
     };
     let known = RESOURCES.iter().find(|r| r.0 == plural)?;
@@ -605,10 +684,14 @@ fn parse_resource_path(path: &str) -> Option<Target> {
     if !api_version_ok {
         return None;
     }
+    if subresource.is_some() && plural != "podcertificaterequests" {
+        return None;
+    }
     Some(Target {
         plural: plural.to_string(),
         namespace: namespace.map(String::from),
         name: name.map(String::from),
+        subresource: subresource.map(String::from),
     })
 }
 
@@ -760,6 +843,9 @@ async fn resource(
             }
             object["kind"] = serde_json::json!(kind);
             object["apiVersion"] = serde_json::json!(api_version);
+            if let Err(message) = validate_create(&target.plural, &mut object) {
+                return invalid(kind, &object, &message);
+            }
             let name = object["metadata"]["name"]
                 .as_str()
                 .unwrap_or_default()
@@ -775,7 +861,12 @@ async fn resource(
             json_response(StatusCode::CREATED, stored)
         }
         ("PUT", Some(name)) => {
-            objects.count(&target.plural, "update");
+            let status_only = target.subresource.as_deref() == Some("status");
+            if status_only {
+                objects.count(&format!("{}/status", target.plural), "update");
+            } else {
+                objects.count(&target.plural, "update");
+            }
             let Some(mut object) = parse_body() else {
                 return status_error(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
             };
@@ -800,6 +891,11 @@ async fn resource(
             }
             object["kind"] = serde_json::json!(kind);
             object["apiVersion"] = serde_json::json!(api_version);
+            if let Err(message) =
+                validate_update(&target.plural, status_only, &mut object, &current)
+            {
+                return invalid(kind, &object, &message);
+            }
             let stored = objects.event(&target.plural, "MODIFIED", object);
             json_response(StatusCode::OK, stored)
         }
@@ -829,6 +925,63 @@ async fn resource(
             "the server does not allow this method on the requested resource",
         ),
     }
+}
+
+/// kube-apiserver's creation-time checks (and defaults) of the kinds it
+/// validates here.
+fn validate_create(plural: &str, object: &mut serde_json::Value) -> Result<(), String> {
+    match plural {
+        "podcertificaterequests" => {
+            crate::fake_certificates::create_pod_certificate_request(object)
+        }
+        "clustertrustbundles" => crate::fake_certificates::cluster_trust_bundle(object, None),
+        _ => Ok(()),
+    }
+}
+
+/// kube-apiserver's update rules: a PodCertificateRequest's spec never
+/// changes and its status only through the `status` subresource (each
+/// takes the other part from the stored object, as the API's strategies
+/// do); the status is validated; a ClusterTrustBundle is validated.
+fn validate_update(
+    plural: &str,
+    status_only: bool,
+    object: &mut serde_json::Value,
+    current: &serde_json::Value,
+) -> Result<(), String> {
+    match plural {
+        "podcertificaterequests" if status_only => {
+            let status = object["status"].clone();
+            *object = current.clone();
+            object["status"] = status;
+            crate::fake_certificates::pod_certificate_request_status(
+                object,
+                current,
+                OffsetDateTime::now_utc(),
+            )
+        }
+        "podcertificaterequests" => {
+            if object["spec"] != current["spec"] {
+                return Err("spec: Invalid value: field is immutable".into());
+            }
+            object["status"] = current["status"].clone();
+            Ok(())
+        }
+        "clustertrustbundles" => {
+            crate::fake_certificates::cluster_trust_bundle(object, Some(current))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// 422 Invalid, as kube-apiserver answers a validation failure.
+fn invalid(kind: &str, object: &serde_json::Value, message: &str) -> Response<Body> {
+    let name = object["metadata"]["name"].as_str().unwrap_or_default();
+    status_error(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "Invalid",
+        &format!("{kind} \"{name}\" is invalid: {message}"),
+    )
 }
 
 /// RFC 7386 JSON merge patch.

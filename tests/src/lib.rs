@@ -3,6 +3,7 @@
 //! weak) and tokens.
 
 pub mod fake_ca;
+pub mod fake_certificates;
 pub mod fake_kube;
 
 use std::net::{SocketAddr, TcpListener};

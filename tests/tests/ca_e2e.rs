@@ -353,6 +353,78 @@ async fn mtls_renewal_works_without_a_token() {
     assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
 }
 
+/// notAfter − notBefore of the leaf of `chain`, in seconds.
+fn lifetime_secs(chain: &[String]) -> i64 {
+    let leaf = CertSummary::from_der(&ders(chain)[0]).unwrap();
+    (leaf.not_after - leaf.not_before).whole_seconds()
+}
+
+#[tokio::test]
+async fn renewal_by_certificate_never_extends_the_credential_and_can_be_turned_off() {
+    let (_dir, server) = server();
+    let mut client = server.client().await;
+    let (key, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    let first = client
+        .create_certificate(with_token(request, &server.token("default", "web")))
+        .await
+        .unwrap()
+        .into_inner();
+    // One hour, backdated two minutes.
+    assert_eq!(lifetime_secs(&first.cert_chain), 3720);
+
+    // A stolen 1 h SVID asks for 90 days, then for the default 24 h: it
+    // gets no more than its own lifetime, each time.
+    let mut identity = (first.cert_chain.concat(), key.to_pkcs8_pem());
+    for asked in [90 * 24 * 3600, 0] {
+        let mut mtls = server.client_with_identity(Some(identity.clone())).await;
+        let (key, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, asked);
+        let renewed = mtls
+            .create_certificate(tonic::Request::new(request))
+            .await
+            .expect("renewal with the client certificate")
+            .into_inner();
+        assert_eq!(lifetime_secs(&renewed.cert_chain), 3720, "asked {asked}s");
+        identity = (renewed.cert_chain.concat(), key.to_pkcs8_pem());
+    }
+
+    // The cluster ID is checked for certificate callers too.
+    let mut mtls = server.client_with_identity(Some(identity.clone())).await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 600);
+    let mut request = tonic::Request::new(request);
+    request
+        .metadata_mut()
+        .insert("clusterid", "another-cluster".parse().unwrap());
+    let status = mtls
+        .create_certificate(request)
+        .await
+        .expect_err("clusterid");
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+
+    // --allow-cert-renewal=false: a certificate alone is refused, a token
+    // still works (with the certificate presented too).
+    let (_dir2, strict) = server_with(&["--allow-cert-renewal=false"]);
+    let mut plain = strict.client().await;
+    let (key, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    let issued = plain
+        .create_certificate(with_token(request, &strict.token("default", "web")))
+        .await
+        .unwrap()
+        .into_inner();
+    let mut mtls = strict
+        .client_with_identity(Some((issued.cert_chain.concat(), key.to_pkcs8_pem())))
+        .await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    let status = mtls
+        .create_certificate(tonic::Request::new(request))
+        .await
+        .expect_err("certificate renewal is off");
+    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    mtls.create_certificate(with_token(request, &strict.token("default", "web")))
+        .await
+        .expect("a token works with the certificate presented");
+}
+
 #[tokio::test]
 async fn a_restart_keeps_the_root_and_the_issuer() {
     let dir = tempfile::tempdir().unwrap();

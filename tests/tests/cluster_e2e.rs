@@ -91,7 +91,7 @@ fn verify_against(chain_pem: &[String], bundle_pem: &str) -> Result<(), String> 
 async fn root_is_kept_in_the_secret_and_reused_across_restarts() {
     let dir = tempfile::tempdir().unwrap();
     let kube = FakeKube::start(dir.path()).await;
-    kube.add_token("good", FakeUser::service_account("default", "web"));
+    let good = kube.add_review_token("good", FakeUser::service_account("default", "web"));
     let data = dir.path().join("data");
     let mut server = start_off_runtime(data.clone(), args(&kube, &[])).await;
 
@@ -108,7 +108,7 @@ async fn root_is_kept_in_the_secret_and_reused_across_restarts() {
     assert!(summary.is_ca && summary.self_signed);
     // The CA signs with that root, and the data dir publishes it too.
     assert_eq!(first_cert(&server.root_pem()), root);
-    let chain = issue(&server, &server.root_pem(), "good").await.unwrap();
+    let chain = issue(&server, &server.root_pem(), &good).await.unwrap();
     assert_eq!(first_cert(chain.last().unwrap()), root);
     assert!(!server.log().contains("PRIVATE KEY"), "no key in the log");
     assert_eq!(server.terminate().map(|s| s.success()), Some(true));
@@ -118,7 +118,7 @@ async fn root_is_kept_in_the_secret_and_reused_across_restarts() {
     let server = start_off_runtime(dir.path().join("data2"), args(&kube, &[])).await;
     assert_eq!(kube.calls("secrets", "create"), creates);
     assert_eq!(first_cert(&server.root_pem()), root);
-    let chain = issue(&server, &server.root_pem(), "good").await.unwrap();
+    let chain = issue(&server, &server.root_pem(), &good).await.unwrap();
     assert_eq!(first_cert(chain.last().unwrap()), root);
 }
 
@@ -152,7 +152,7 @@ async fn a_deleted_secret_is_written_back_with_the_same_root() {
 async fn two_replicas_started_together_agree_on_one_root() {
     let dir = tempfile::tempdir().unwrap();
     let kube = FakeKube::start(dir.path()).await;
-    kube.add_token("good", FakeUser::service_account("default", "web"));
+    let good = kube.add_review_token("good", FakeUser::service_account("default", "web"));
     // Both creates are held until both have been sent: a real race.
     kube.gate_creates("secrets", 2);
     let a = start_off_runtime(dir.path().join("a"), args(&kube, &[]));
@@ -167,7 +167,7 @@ async fn two_replicas_started_together_agree_on_one_root() {
     assert_eq!(first_cert(&a.root_pem()), stored);
     assert_eq!(first_cert(&b.root_pem()), stored);
     for server in [&a, &b] {
-        let chain = issue(server, &server.root_pem(), "good").await.unwrap();
+        let chain = issue(server, &server.root_pem(), &good).await.unwrap();
         assert_eq!(first_cert(chain.last().unwrap()), stored);
     }
     let loser = [&a, &b]
@@ -309,7 +309,7 @@ async fn only_the_leader_publishes_and_another_takes_over() {
 async fn root_rotation_goes_through_every_phase_without_a_failed_verification() {
     let dir = tempfile::tempdir().unwrap();
     let kube = FakeKube::start(dir.path()).await;
-    kube.add_token("good", FakeUser::service_account("default", "web"));
+    let good = kube.add_review_token("good", FakeUser::service_account("default", "web"));
     // Roots live 60 s (backdated 2 min: 180 s in all) and rotate at 70 %
     // of that, ~6 s after they are made; both roots are published 3 s
     // before the switch; leaves live 5 s, so the old root leaves the
@@ -354,7 +354,7 @@ async fn root_rotation_goes_through_every_phase_without_a_failed_verification() 
         // What a client sees: the published bundle, and a certificate.
         if let Some(bundle) = bundle_in(&kube, "default") {
             max_roots = max_roots.max(parse_certs_pem(&bundle).unwrap().len());
-            match issue(&server, &bundle, "good").await {
+            match issue(&server, &bundle, &good).await {
                 Ok(chain) => {
                     if let Err(e) = verify_against(&chain, &bundle) {
                         // The bundle may have moved on between reading it

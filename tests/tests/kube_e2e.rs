@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use meshca_certs::inspect::CertSummary;
 use meshca_certs::KeyAlgorithm;
-use meshca_tests::fake_kube::{FakeKube, FakeUser};
+use meshca_tests::fake_kube::{review_only_token, FakeKube, FakeUser};
 use meshca_tests::*;
 use tonic::Code;
 
@@ -36,8 +36,8 @@ async fn ask(server: &MeshcaServer, token: &str, id: &str) -> Result<Vec<String>
 #[tokio::test]
 async fn token_review_rules() {
     let (_dir, kube, server) = setup(&[]).await;
-    kube.add_token("good", FakeUser::service_account("default", "web"));
-    let chain = ask(&server, "good", WEB)
+    let good = kube.add_review_token("good", FakeUser::service_account("default", "web"));
+    let chain = ask(&server, &good, WEB)
         .await
         .expect("a reviewed service-account token");
     let leaf = CertSummary::from_der(&meshca_certs::bundle::parse_certs_pem(&chain[0]).unwrap()[0])
@@ -48,16 +48,54 @@ async fn token_review_rules() {
         "the audit line names the pod from user.extra"
     );
 
-    let status = ask(&server, "unknown", WEB).await.unwrap_err();
-    assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    // A token the API server does not know: refused, without its words
+    // (they can name the cluster), and remembered: one review for five.
+    let reviews = kube.reviews();
+    let unknown = review_only_token("unknown", &["istio-ca".to_string()]);
+    for _ in 0..5 {
+        let status = ask(&server, &unknown, WEB).await.unwrap_err();
+        assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+        assert!(
+            !status.message().contains("token lookup failed"),
+            "{status:?}"
+        );
+    }
+    assert_eq!(
+        kube.reviews() - reviews,
+        1,
+        "a refused token costs one review"
+    );
 
+    // Not worth a review: not a JWT, another audience, expired.
+    let reviews = kube.reviews();
     let mut other_audience = FakeUser::service_account("default", "web");
     other_audience.audiences = vec!["vault".into()];
-    kube.add_token("wrong-audience", other_audience);
-    let status = ask(&server, "wrong-audience", WEB).await.unwrap_err();
+    let wrong_audience = kube.add_review_token("wrong-audience", other_audience);
+    let status = ask(&server, &wrong_audience, WEB).await.unwrap_err();
     assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    assert!(status.message().contains("audience"), "{status:?}");
+    for junk in ["opaque-junk", "a.b.c", "Zm9v.YmFy.YmF6"] {
+        let status = ask(&server, junk, WEB).await.unwrap_err();
+        assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+        assert!(
+            status.message().contains("not a well-formed JWT"),
+            "{status:?}"
+        );
+    }
+    assert_eq!(
+        kube.reviews(),
+        reviews,
+        "refused without asking the API server"
+    );
 
-    kube.add_token(
+    // A flood of junk is counted, not logged line by line.
+    for _ in 0..200 {
+        ask(&server, "junk", WEB).await.unwrap_err();
+    }
+    let lines = server.log().matches("authentication failed").count();
+    assert!(lines < 20, "{lines} log lines for about 210 refusals");
+
+    let alice = kube.add_review_token(
         "alice",
         FakeUser {
             username: "alice".into(),
@@ -66,7 +104,7 @@ async fn token_review_rules() {
             pod: None,
         },
     );
-    let status = ask(&server, "alice", WEB).await.unwrap_err();
+    let status = ask(&server, &alice, WEB).await.unwrap_err();
     assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
     assert!(
         status.message().contains("system:serviceaccounts"),
@@ -74,7 +112,7 @@ async fn token_review_rules() {
     );
 
     // A service account may not ask for another identity.
-    let status = ask(&server, "good", "spiffe://cluster.local/ns/default/sa/db")
+    let status = ask(&server, &good, "spiffe://cluster.local/ns/default/sa/db")
         .await
         .unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied);
@@ -86,13 +124,13 @@ async fn token_review_rules() {
 #[tokio::test]
 async fn reviews_are_cached_and_shared() {
     let (_dir, kube, server) = setup(&[]).await;
-    kube.add_token("cached", FakeUser::service_account("default", "web"));
+    let cached = kube.add_review_token("cached", FakeUser::service_account("default", "web"));
     let client = server.client().await;
     for _ in 0..100 {
         let mut client = client.clone();
         let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
         client
-            .create_certificate(with_token(request, "cached"))
+            .create_certificate(with_token(request, &cached))
             .await
             .unwrap();
     }
@@ -103,16 +141,17 @@ async fn reviews_are_cached_and_shared() {
     );
 
     // Concurrent first requests with a new token share one review.
-    kube.add_token("shared", FakeUser::service_account("default", "web"));
+    let shared = kube.add_review_token("shared", FakeUser::service_account("default", "web"));
     kube.set_latency(Duration::from_millis(300));
     let before = kube.reviews();
     let mut tasks = Vec::new();
     for _ in 0..20 {
         let mut client = client.clone();
+        let shared = shared.clone();
         tasks.push(tokio::spawn(async move {
             let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
             client
-                .create_certificate(with_token(request, "shared"))
+                .create_certificate(with_token(request, &shared))
                 .await
         }));
     }
@@ -126,11 +165,11 @@ async fn reviews_are_cached_and_shared() {
 async fn api_server_down_is_unavailable_and_recovers() {
     let (_dir, mut kube, server) =
         setup(&["--kube-api-timeout", "2s", "--token-review-cache-ttl", "0s"]).await;
-    kube.add_token("t1", FakeUser::service_account("default", "web"));
-    ask(&server, "t1", WEB).await.expect("API up");
+    let t1 = kube.add_review_token("t1", FakeUser::service_account("default", "web"));
+    ask(&server, &t1, WEB).await.expect("API up");
 
     kube.stop();
-    let status = ask(&server, "t1", WEB).await.unwrap_err();
+    let status = ask(&server, &t1, WEB).await.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(status.message().contains("Kubernetes API"), "{status:?}");
     let (code, _) = http_get(server.monitoring, "/healthz").unwrap();
@@ -139,7 +178,7 @@ async fn api_server_down_is_unavailable_and_recovers() {
     kube.restart().await;
     let mut recovered = false;
     for _ in 0..50 {
-        if ask(&server, "t1", WEB).await.is_ok() {
+        if ask(&server, &t1, WEB).await.is_ok() {
             recovered = true;
             break;
         }
@@ -154,27 +193,27 @@ async fn api_server_down_is_unavailable_and_recovers() {
 #[tokio::test]
 async fn slow_api_server_is_unavailable_after_the_timeout() {
     let (_dir, kube, server) = setup(&["--kube-api-timeout", "1s"]).await;
-    kube.add_token("slow", FakeUser::service_account("default", "web"));
+    let slow = kube.add_review_token("slow", FakeUser::service_account("default", "web"));
     kube.set_latency(Duration::from_secs(3));
     let started = std::time::Instant::now();
-    let status = ask(&server, "slow", WEB).await.unwrap_err();
+    let status = ask(&server, &slow, WEB).await.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(
         started.elapsed() < Duration::from_millis(2900),
         "answered at the timeout, not after the API"
     );
     kube.set_latency(Duration::ZERO);
-    ask(&server, "slow", WEB).await.expect("fast again");
+    ask(&server, &slow, WEB).await.expect("fast again");
 }
 
 #[tokio::test]
 async fn unknown_cluster_id_is_unauthenticated() {
     let (_dir, kube, server) = setup(&[]).await;
-    kube.add_token("good", FakeUser::service_account("default", "web"));
+    let good = kube.add_review_token("good", FakeUser::service_account("default", "web"));
     let mut client = server.client().await;
     for (cluster, ok) in [("", true), ("Kubernetes", true), ("other-cluster", false)] {
         let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
-        let mut request = with_token(request, "good");
+        let mut request = with_token(request, &good);
         request
             .metadata_mut()
             .insert("clusterid", cluster.parse().unwrap());
@@ -184,6 +223,10 @@ async fn unknown_cluster_id_is_unauthenticated() {
             (false, Err(status)) => {
                 assert_eq!(status.code(), Code::Unauthenticated);
                 assert!(status.message().contains("unknown cluster"), "{status:?}");
+                assert!(
+                    !status.message().contains("Kubernetes"),
+                    "the CA's own cluster ID is not told: {status:?}"
+                );
             }
             (ok, other) => panic!("clusterid {cluster:?}: expected ok={ok}, got {other:?}"),
         }
@@ -225,14 +268,14 @@ async fn node_agent_impersonation_rules() {
     );
     kube.add_pod("default", "web-1", "uid-web-1", "web", "node-a");
     kube.add_pod("default", "db-1", "uid-db-1", "db", "node-b");
-    kube.add_token(
+    let ztunnel = kube.add_review_token(
         "ztunnel",
         FakeUser::service_account("istio-system", "ztunnel"),
     );
     let mut gone = FakeUser::service_account("istio-system", "ztunnel");
     gone.pod = Some(("ztunnel-old".into(), "uid-old".into()));
-    kube.add_token("ztunnel-gone", gone);
-    kube.add_token("web", FakeUser::service_account("default", "web"));
+    let ztunnel_gone = kube.add_review_token("ztunnel-gone", gone);
+    let web = kube.add_review_token("web", FakeUser::service_account("default", "web"));
     let kubeconfig = kube.kubeconfig.display().to_string();
     let server = start_off_runtime(
         dir.path().join("data"),
@@ -249,7 +292,7 @@ async fn node_agent_impersonation_rules() {
     // Allowed: web has a pod on ztunnel's node. (Retry while the pod index syncs.)
     let mut chain = None;
     for _ in 0..50 {
-        match impersonate(&server, "ztunnel", WEB).await {
+        match impersonate(&server, &ztunnel, WEB).await {
             Ok(c) => {
                 chain = Some(c);
                 break;
@@ -269,18 +312,18 @@ async fn node_agent_impersonation_rules() {
         "the certificate is for the target"
     );
 
-    let status = impersonate(&server, "ztunnel", DB).await.unwrap_err();
+    let status = impersonate(&server, &ztunnel, DB).await.unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied);
     assert!(status.message().contains("node-a"), "{status:?}");
 
-    let status = impersonate(&server, "web", DB).await.unwrap_err();
+    let status = impersonate(&server, &web, DB).await.unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied);
     assert!(
         status.message().contains("not a trusted node agent"),
         "{status:?}"
     );
 
-    let status = impersonate(&server, "ztunnel-gone", WEB).await.unwrap_err();
+    let status = impersonate(&server, &ztunnel_gone, WEB).await.unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied);
     assert!(status.message().contains("does not exist"), "{status:?}");
 
@@ -288,7 +331,7 @@ async fn node_agent_impersonation_rules() {
     kube.add_pod("default", "db-2", "uid-db-2", "db", "node-a");
     let mut allowed = false;
     for _ in 0..50 {
-        if impersonate(&server, "ztunnel", DB).await.is_ok() {
+        if impersonate(&server, &ztunnel, DB).await.is_ok() {
             allowed = true;
             break;
         }
@@ -298,7 +341,7 @@ async fn node_agent_impersonation_rules() {
     kube.delete_pod("default", "db-2");
     let mut denied = false;
     for _ in 0..50 {
-        if impersonate(&server, "ztunnel", DB).await.is_err() {
+        if impersonate(&server, &ztunnel, DB).await.is_err() {
             denied = true;
             break;
         }
@@ -326,8 +369,8 @@ async fn offline_tokens_with_oidc_discovery_and_key_rotation() {
     assert_eq!(kube.reviews(), 0);
 
     // Tokens of other issuers still go to TokenReview.
-    kube.add_token("opaque", FakeUser::service_account("default", "web"));
-    ask(&server, "opaque", WEB)
+    let opaque = kube.add_review_token("opaque", FakeUser::service_account("default", "web"));
+    ask(&server, &opaque, WEB)
         .await
         .expect("TokenReview for other tokens");
     assert_eq!(kube.reviews(), 1);

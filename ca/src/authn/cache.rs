@@ -1,67 +1,97 @@
-//! [`VerifiedTokenCache`]: positive authentication results reused for a
-//! short time, keyed by the SHA-256 of the token.
+//! [`TokenCache`]: authentication results reused for a short time, keyed
+//! by the SHA-256 of the token.
 //!
-//! Used by the TokenReview authenticator (saves an API round trip) and by
-//! offline JWT validation (saves a signature check: one node agent such as
-//! ztunnel presents the same token for every pod of its node, and agents
-//! retry with the same token after `RESOURCE_EXHAUSTED`). The Kubernetes API
-//! server does the same for its own token authenticators (10 s by default).
+//! - [`VerifiedTokenCache`] keeps successes. Used by the TokenReview
+//!   authenticator (saves an API round trip) and by offline JWT validation
+//!   (saves a signature check: one node agent such as ztunnel presents the
+//!   same token for every pod of its node, and agents retry with the same
+//!   token after `RESOURCE_EXHAUSTED`). The Kubernetes API server does the
+//!   same for its own token authenticators (10 s by default).
+//! - [`RefusedTokenCache`] keeps definite refusals of the TokenReview
+//!   authenticator for a few seconds, so one junk token repeated costs one
+//!   review, not one per request (the API server caches failures too).
 //!
-//! - Only successes are stored; a failure is always decided afresh.
+//! Rules:
 //! - The token itself is never stored, only its hash.
 //! - An entry lives for the configured TTL, never past the token's `exp`.
-//! - The cache is bounded: when full, expired entries are dropped and, if
-//!   it is still full, new results are simply not cached.
+//! - The cache is bounded ([`MAX_CACHED_TOKENS`] by default); a full cache
+//!   evicts in O(1) amortised time (`quick_cache`'s S3-FIFO), never by
+//!   scanning its entries.
+//! - [`TokenCache::clear`] starts a new generation: a result computed
+//!   before the clear (say, with a key a concurrent refresh withdrew) and
+//!   inserted after it is never returned.
 
-use std::collections::HashMap;
-use std::sync::Mutex;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-use super::Caller;
+use tokio::time::Instant;
+
+use super::clock::{system_clock, SharedClock};
+use super::{AuthnError, Caller};
 use crate::metrics::IstioCounter;
 
 /// The SHA-256 of a token: the cache key.
-pub(crate) type TokenHash = [u8; 32];
+pub type TokenHash = [u8; 32];
 
-/// Most entries a cache holds (about 250 bytes each).
-pub(crate) const MAX_CACHED_TOKENS: usize = 50_000;
+/// Most entries a cache holds by default (about 250 bytes each).
+pub const MAX_CACHED_TOKENS: usize = 50_000;
 
-struct CachedCaller {
-    caller: Caller,
+/// Successful authentications.
+pub type VerifiedTokenCache = TokenCache<Caller>;
+
+/// Definite refusals (not "the API server is unreachable").
+pub type RefusedTokenCache = TokenCache<AuthnError>;
+
+#[derive(Clone)]
+struct Entry<V> {
+    value: V,
     until: Instant,
+    generation: u64,
 }
 
-/// Successful authentications, reused for a short time.
-pub(crate) struct VerifiedTokenCache {
+/// Authentication results by token hash, reused for a short time.
+pub struct TokenCache<V> {
     ttl: Duration,
     max_entries: usize,
-    entries: Mutex<HashMap<TokenHash, CachedCaller>>,
+    entries: Option<quick_cache::sync::Cache<TokenHash, Entry<V>>>,
+    generation: AtomicU64,
+    clock: SharedClock,
     hits: IstioCounter,
 }
 
-impl std::fmt::Debug for VerifiedTokenCache {
+impl<V: Clone> std::fmt::Debug for TokenCache<V> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("VerifiedTokenCache")
+        f.debug_struct("TokenCache")
             .field("ttl", &self.ttl)
-            .field("entries", &self.len())
+            .field("max_entries", &self.max_entries)
+            .field("entries", &self.entries.as_ref().map_or(0, |e| e.len()))
             .finish_non_exhaustive()
     }
 }
 
-impl VerifiedTokenCache {
+impl<V: Clone> TokenCache<V> {
     /// A cache keeping results for `ttl` (zero: a cache that keeps nothing).
-    pub(crate) fn new(ttl: Duration) -> Self {
+    pub fn new(ttl: Duration) -> Self {
         Self::with_capacity_limit(ttl, MAX_CACHED_TOKENS)
     }
 
-    /// A cache of at most `max_entries` results.
-    pub(crate) fn with_capacity_limit(ttl: Duration, max_entries: usize) -> Self {
+    /// A cache of at most about `max_entries` results.
+    pub fn with_capacity_limit(ttl: Duration, max_entries: usize) -> Self {
+        let enabled = !ttl.is_zero() && max_entries > 0;
         Self {
             ttl,
             max_entries,
-            entries: Mutex::new(HashMap::new()),
+            entries: enabled.then(|| quick_cache::sync::Cache::new(max_entries)),
+            generation: AtomicU64::new(0),
+            clock: system_clock(),
             hits: IstioCounter::default(),
         }
+    }
+
+    /// Reads the time from `clock` (tests: a clock driven by paused time).
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// Counts every hit on `hits` (e.g. a metric shared by several caches).
@@ -71,101 +101,106 @@ impl VerifiedTokenCache {
     }
 
     /// Hits so far.
-    #[cfg(test)]
-    pub(crate) fn hits(&self) -> u64 {
+    pub fn hits(&self) -> u64 {
         self.hits.get()
     }
 
     /// Whether results are kept at all.
-    pub(crate) fn is_enabled(&self) -> bool {
-        !self.ttl.is_zero() && self.max_entries > 0
+    pub fn is_enabled(&self) -> bool {
+        self.entries.is_some()
     }
 
     /// The cache key of `token`.
-    pub(crate) fn key(token: &str) -> TokenHash {
+    pub fn key(token: &str) -> TokenHash {
         let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
         let mut out = [0u8; 32];
         out.copy_from_slice(digest.as_ref());
         out
     }
 
-    /// The caller cached for `key`, if its entry is still live.
-    pub(crate) fn get(&self, key: &TokenHash) -> Option<Caller> {
-        if !self.is_enabled() {
-            return None;
-        }
-        let mut entries = self.lock();
-        match entries.get(key) {
-            Some(entry) if entry.until > Instant::now() => {
-                self.hits.inc();
-                Some(entry.caller.clone())
-            }
-            Some(_) => {
-                entries.remove(key);
-                None
-            }
-            None => None,
+    /// The value cached for `key`, if its entry is live and of the
+    /// current generation.
+    pub fn get(&self, key: &TokenHash) -> Option<V> {
+        let entries = self.entries.as_ref()?;
+        let entry = entries.get(key)?;
+        if entry.until > self.clock.instant()
+            && entry.generation == self.generation.load(Ordering::SeqCst)
+        {
+            self.hits.inc();
+            Some(entry.value)
+        } else {
+            entries.remove(key);
+            None
         }
     }
 
-    /// Remembers that the token hashed to `key` authenticated as `caller`;
-    /// `expires_at` is the token's `exp` (Unix seconds), if it has one.
-    pub(crate) fn insert(&self, key: TokenHash, caller: Caller, expires_at: Option<u64>) {
-        if !self.is_enabled() {
+    /// The current generation: read it *before* computing a result that
+    /// depends on state [`TokenCache::clear`] invalidates (keys), and
+    /// pass it to [`TokenCache::insert_computed_in`].
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::SeqCst)
+    }
+
+    /// Remembers `value` for the token hashed to `key`; `expires_at` is the
+    /// token's `exp` (Unix seconds), if it has one.
+    pub fn insert(&self, key: TokenHash, value: V, expires_at: Option<u64>) {
+        self.insert_computed_in(key, value, expires_at, self.generation());
+    }
+
+    /// Like [`TokenCache::insert`], for a value computed in `generation`:
+    /// dropped if the cache was cleared since.
+    pub fn insert_computed_in(
+        &self,
+        key: TokenHash,
+        value: V,
+        expires_at: Option<u64>,
+        generation: u64,
+    ) {
+        let Some(entries) = &self.entries else {
             return;
-        }
+        };
         let mut ttl = self.ttl;
         if let Some(exp) = expires_at {
             // To the sub-second: a token is dead from the start of its `exp` second.
-            let now = SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .unwrap_or_default();
-            ttl = ttl.min(Duration::from_secs(exp).saturating_sub(now));
+            ttl = ttl.min(Duration::from_secs(exp).saturating_sub(self.clock.since_epoch()));
         }
-        if ttl.is_zero() {
+        if ttl.is_zero() || generation != self.generation() {
             return;
-        }
-        let now = Instant::now();
-        let mut entries = self.lock();
-        if entries.len() >= self.max_entries && !entries.contains_key(&key) {
-            entries.retain(|_, e| e.until > now);
-            if entries.len() >= self.max_entries {
-                return;
-            }
         }
         entries.insert(
             key,
-            CachedCaller {
-                caller,
-                until: now + ttl,
+            Entry {
+                value,
+                until: self.clock.instant() + ttl,
+                generation,
             },
         );
     }
 
-    /// Forgets everything (e.g. after the signing keys changed).
-    pub(crate) fn clear(&self) {
-        self.lock().clear();
+    /// Forgets everything (e.g. after the signing keys changed), including
+    /// results computed before now and inserted later.
+    pub fn clear(&self) {
+        self.generation.fetch_add(1, Ordering::SeqCst);
+        if let Some(entries) = &self.entries {
+            entries.clear();
+        }
     }
 
     /// Entries held, live or not yet dropped.
-    pub(crate) fn len(&self) -> usize {
-        self.lock().len()
+    pub fn len(&self) -> usize {
+        self.entries.as_ref().map_or(0, |e| e.len())
     }
 
     /// Whether no entry is held.
-    #[cfg(test)]
-    pub(crate) fn is_empty(&self) -> bool {
+    pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<TokenHash, CachedCaller>> {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::authn::clock::{Clock, TokioClock};
     use crate::authn::CallerKind;
     use meshca_certs::{SpiffeId, TrustDomain};
 
@@ -181,18 +216,17 @@ mod tests {
         }
     }
 
-    fn now_unix() -> u64 {
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap()
-            .as_secs()
+    fn paused_cache(ttl: Duration) -> (TokioClock, VerifiedTokenCache) {
+        let clock = TokioClock::new();
+        let cache = VerifiedTokenCache::new(ttl).with_clock(clock.clone().shared());
+        (clock, cache)
     }
 
-    #[test]
-    fn a_stored_result_is_found_by_the_same_token_only() {
-        let cache = VerifiedTokenCache::new(Duration::from_secs(10));
+    #[tokio::test(start_paused = true)]
+    async fn a_stored_result_is_found_by_the_same_token_only() {
+        let (clock, cache) = paused_cache(Duration::from_secs(10));
         let key = VerifiedTokenCache::key("token-a");
-        cache.insert(key, caller("a"), Some(now_unix() + 3600));
+        cache.insert(key, caller("a"), Some(clock.unix_seconds() + 3600));
         let hit = cache.get(&key).expect("cached");
         assert_eq!(cache.hits(), 1);
         assert_eq!(
@@ -203,30 +237,36 @@ mod tests {
         assert!(cache.get(&VerifiedTokenCache::key("token-a ")).is_none());
     }
 
-    #[test]
-    fn an_entry_never_outlives_the_ttl_or_the_token() {
-        let cache = VerifiedTokenCache::new(Duration::from_millis(30));
+    #[tokio::test(start_paused = true)]
+    async fn an_entry_never_outlives_the_ttl_or_the_token() {
+        let (clock, cache) = paused_cache(Duration::from_millis(30));
         let key = VerifiedTokenCache::key("short-ttl");
         cache.insert(key, caller("a"), None);
+        tokio::time::advance(Duration::from_millis(29)).await;
         assert!(cache.get(&key).is_some());
-        std::thread::sleep(Duration::from_millis(60));
+        tokio::time::advance(Duration::from_millis(1)).await;
         assert!(cache.get(&key).is_none(), "past the TTL");
         assert!(cache.is_empty(), "an expired entry is dropped when seen");
 
-        let cache = VerifiedTokenCache::new(Duration::from_secs(3600));
+        let cache =
+            VerifiedTokenCache::new(Duration::from_secs(3600)).with_clock(clock.clone().shared());
         let expired = VerifiedTokenCache::key("expired");
-        cache.insert(expired, caller("a"), Some(now_unix().saturating_sub(1)));
+        let now = clock.unix_seconds();
+        cache.insert(expired, caller("a"), Some(now.saturating_sub(1)));
         assert!(
             cache.get(&expired).is_none(),
             "an expired token is not kept"
         );
-        let ends_now = VerifiedTokenCache::key("ends-now");
-        cache.insert(ends_now, caller("a"), Some(now_unix()));
-        assert!(cache.get(&ends_now).is_none());
+        // A token whose `exp` is 2 s away is kept until then, not for the hour.
+        let soon = VerifiedTokenCache::key("soon");
+        cache.insert(soon, caller("a"), Some(now + 2));
+        assert!(cache.get(&soon).is_some());
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert!(cache.get(&soon).is_none(), "dead at its exp");
     }
 
-    #[test]
-    fn a_zero_ttl_keeps_nothing_and_clear_forgets() {
+    #[tokio::test(start_paused = true)]
+    async fn a_zero_ttl_keeps_nothing_and_clear_forgets() {
         let off = VerifiedTokenCache::new(Duration::ZERO);
         let key = VerifiedTokenCache::key("t");
         off.insert(key, caller("a"), None);
@@ -239,17 +279,32 @@ mod tests {
         assert!(on.get(&key).is_none());
     }
 
-    #[test]
-    fn a_full_cache_drops_expired_entries_and_otherwise_stops_growing() {
-        let cache = VerifiedTokenCache::with_capacity_limit(Duration::from_millis(40), 2);
-        cache.insert(VerifiedTokenCache::key("1"), caller("a"), None);
-        cache.insert(VerifiedTokenCache::key("2"), caller("b"), None);
-        cache.insert(VerifiedTokenCache::key("3"), caller("c"), None);
-        assert_eq!(cache.len(), 2);
-        assert!(cache.get(&VerifiedTokenCache::key("3")).is_none());
-        std::thread::sleep(Duration::from_millis(60));
-        cache.insert(VerifiedTokenCache::key("4"), caller("d"), None);
-        assert_eq!(cache.len(), 1, "the expired ones made room");
-        assert!(cache.get(&VerifiedTokenCache::key("4")).is_some());
+    #[tokio::test(start_paused = true)]
+    async fn a_result_computed_before_a_clear_is_not_kept_after_it() {
+        let (_clock, cache) = paused_cache(Duration::from_secs(10));
+        let key = VerifiedTokenCache::key("verified-with-an-old-key");
+        // A validation starts (reads the generation, then the keys) …
+        let generation = cache.generation();
+        // … a refresh withdraws its key and clears the cache …
+        cache.clear();
+        // … then the validation finishes and inserts its result.
+        cache.insert_computed_in(key, caller("a"), None, generation);
+        assert!(cache.get(&key).is_none());
+        assert!(cache.is_empty(), "not even stored");
+        // Results of the new generation are kept.
+        cache.insert_computed_in(key, caller("a"), None, cache.generation());
+        assert!(cache.get(&key).is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_cache_stays_bounded() {
+        let cache = VerifiedTokenCache::with_capacity_limit(Duration::from_secs(60), 1_000);
+        for i in 0..20_000 {
+            cache.insert(VerifiedTokenCache::key(&i.to_string()), caller("a"), None);
+        }
+        assert!(cache.len() <= 1_000, "{} entries", cache.len());
+        assert!(cache.len() >= 500, "{} entries", cache.len());
+        // Eviction makes room: the newest is kept, not refused.
+        assert!(cache.get(&VerifiedTokenCache::key("19999")).is_some());
     }
 }

@@ -1,4 +1,4 @@
-//! Authentication (DESIGN §4.2): who is calling.
+//! Authentication: who is calling.
 //!
 //! An [`AuthenticatorChain`] asks each [`Authenticator`] in order; the first
 //! that recognises the credential decides (accepts or refuses). Authenticators:
@@ -9,19 +9,24 @@
 //!   or `--jwks` with `--jwt-issuer`).
 //!
 //! - [`TokenReviewAuthenticator`]: a service-account token checked by the
-//!   Kubernetes API server (`TokenReview`), with a short positive cache.
+//!   Kubernetes API server (`TokenReview`), only when it is plausible
+//!   ([`check_plausible`]), with short positive and negative caches.
 //!
+//! Time comes from a [`clock::Clock`] (tests drive it with paused time).
 //! Tokens and keys never appear in errors or logs.
 
-pub(crate) mod cache;
-pub(crate) mod oidc;
+pub mod cache;
+pub mod clock;
+pub mod oidc;
 pub mod token_review;
 
-pub(crate) use cache::VerifiedTokenCache;
+pub use cache::{RefusedTokenCache, VerifiedTokenCache};
+pub use clock::{Clock, SharedClock, SystemClock, TokioClock};
 pub use token_review::{TokenReviewAuthenticator, TokenReviewConfig};
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use base64::Engine;
@@ -59,6 +64,9 @@ pub enum CallerKind {
     ClientCertificate {
         /// Its serial, hex.
         serial: String,
+        /// Its whole lifetime, notAfter − notBefore: a renewal gets no
+        /// longer a one.
+        lifetime: std::time::Duration,
     },
 }
 
@@ -107,9 +115,23 @@ pub enum AuthnError {
     #[error("the client certificate is not accepted: {0}")]
     BadClientCertificate(String),
     /// An external dependency (e.g. the Kubernetes API) is unreachable
-    /// (gRPC `UNAVAILABLE`).
+    /// (gRPC `UNAVAILABLE`). The text is for the caller: it names no host,
+    /// no cluster and no error text of the dependency (those are logged).
     #[error("authentication is unavailable: {0}")]
     Unavailable(String),
+    /// Too many authentications are waiting for the Kubernetes API
+    /// (gRPC `RESOURCE_EXHAUSTED`): retry with backoff.
+    #[error("authentication is overloaded: {0}")]
+    Overloaded(String),
+}
+
+impl AuthnError {
+    /// Whether this is a verdict on the credential itself (the same token
+    /// will be refused again), rather than a dependency being unreachable
+    /// or overloaded.
+    pub fn is_refusal(&self) -> bool {
+        !matches!(self, Self::Unavailable(_) | Self::Overloaded(_))
+    }
 }
 
 /// One way of authenticating callers.
@@ -248,11 +270,104 @@ impl<'a> UnverifiedJwt<'a> {
     }
 }
 
-fn now_unix() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
+/// What a token claims, read without verifying anything: enough to tell
+/// whether it is worth asking the Kubernetes API server about it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct UnverifiedClaims {
+    /// `iss`, if a string.
+    pub issuer: Option<String>,
+    /// `aud` (a string or a list of strings).
+    pub audiences: Vec<String>,
+    /// `exp` in Unix seconds, if present.
+    pub expires_at: Option<u64>,
+}
+
+impl UnverifiedClaims {
+    /// Splits and decodes a compact JWT: three non-empty base64url parts,
+    /// a JSON header naming a signing algorithm (not `none`) and JSON
+    /// claims whose `aud` is a string or a list of strings and whose `exp`
+    /// (if any) is a number. Anything else is [`AuthnError::MalformedToken`].
+    pub fn parse(token: &str) -> Result<Self, AuthnError> {
+        #[derive(serde::Deserialize)]
+        struct Header {
+            alg: String,
+        }
+        #[derive(serde::Deserialize)]
+        struct Claims {
+            #[serde(default)]
+            iss: Option<serde_json::Value>,
+            #[serde(default)]
+            aud: Option<meshca_certs::token::Audiences>,
+            #[serde(default)]
+            exp: Option<serde_json::Number>,
+        }
+        if token.len() > MAX_TOKEN_LEN {
+            return Err(AuthnError::MalformedToken);
+        }
+        let mut parts = token.split('.');
+        let (Some(header), Some(claims), Some(signature), None) =
+            (parts.next(), parts.next(), parts.next(), parts.next())
+        else {
+            return Err(AuthnError::MalformedToken);
+        };
+        if header.is_empty() || claims.is_empty() || signature.is_empty() {
+            return Err(AuthnError::MalformedToken);
+        }
+        let decode = |part: &str| {
+            base64::engine::general_purpose::URL_SAFE_NO_PAD
+                .decode(part.trim_end_matches('='))
+                .map_err(|_| AuthnError::MalformedToken)
+        };
+        decode(signature)?;
+        let header: Header =
+            serde_json::from_slice(&decode(header)?).map_err(|_| AuthnError::MalformedToken)?;
+        if header.alg.is_empty() || header.alg.eq_ignore_ascii_case("none") {
+            return Err(AuthnError::MalformedToken);
+        }
+        let claims: Claims =
+            serde_json::from_slice(&decode(claims)?).map_err(|_| AuthnError::MalformedToken)?;
+        let expires_at = claims.exp.map(|exp| match (exp.as_u64(), exp.as_f64()) {
+            (Some(secs), _) => secs,
+            // A fraction (allowed by the JWT spec): its whole second.
+            (None, Some(secs)) if secs.is_finite() && secs >= 0.0 => secs as u64,
+            _ => 0,
+        });
+        let audiences = match claims.aud {
+            None => Vec::new(),
+            Some(meshca_certs::token::Audiences::One(one)) => vec![one],
+            Some(meshca_certs::token::Audiences::Many(many)) => many,
+        };
+        Ok(Self {
+            issuer: match claims.iss {
+                Some(serde_json::Value::String(iss)) => Some(iss),
+                _ => None,
+            },
+            audiences,
+            expires_at,
+        })
+    }
+}
+
+/// Whether a bearer token is worth a TokenReview: a well-formed JWT
+/// ([`UnverifiedClaims::parse`]), not expired at `now_unix` by its own
+/// `exp`, and naming one of `audiences` in its `aud`. Every token the
+/// Kubernetes API server issues passes; what fails would be refused by it
+/// anyway, so it is refused here without the API call. Nothing is verified.
+pub fn check_plausible(
+    token: &str,
+    audiences: &[String],
+    now_unix: u64,
+) -> Result<UnverifiedClaims, AuthnError> {
+    let claims = UnverifiedClaims::parse(token)?;
+    if let Some(exp) = claims.expires_at {
+        if now_unix >= exp {
+            return Err(AuthnError::Expired(exp));
+        }
+    }
+    if !claims.audiences.iter().any(|a| audiences.contains(a)) {
+        return Err(AuthnError::WrongAudience(audiences.to_vec()));
+    }
+    Ok(claims)
 }
 
 /// Errors loading a JWKS.
@@ -280,10 +395,17 @@ pub struct JwtAuthenticator {
     audiences: Vec<String>,
     trust_domain: TrustDomain,
     refresher: Option<Arc<dyn JwksFetcher>>,
-    last_refresh: std::sync::Mutex<Option<std::time::Instant>>,
+    fetch_timeout: Duration,
+    /// Held by the refresh that is fetching; others wait for it and use
+    /// its keys instead of fetching again (single flight).
+    refreshing: tokio::sync::Mutex<()>,
+    /// Fetches finished, to tell whether one ran while a caller waited.
+    fetches: AtomicU64,
+    last_refresh: std::sync::Mutex<Option<tokio::time::Instant>>,
     /// SHA-256 of the JWKS document the keys came from, when fetched.
     jwks_digest: std::sync::Mutex<Option<[u8; 32]>>,
     cache: VerifiedTokenCache,
+    clock: SharedClock,
 }
 
 /// Where fresh keys of an issuer come from (e.g. the Kubernetes API's
@@ -295,7 +417,11 @@ pub trait JwksFetcher: Send + Sync {
 }
 
 /// Shortest time between two refreshes triggered by unknown key IDs.
-pub const MIN_JWKS_REFRESH_INTERVAL: std::time::Duration = std::time::Duration::from_secs(10);
+pub const MIN_JWKS_REFRESH_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Longest a JWKS fetch (discovery and keys) may take before the refresh
+/// gives up and keeps the old keys.
+pub const DEFAULT_JWKS_FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn parse_jwks(jwks_json: &str) -> Result<Vec<JwtKey>, JwksError> {
     let set: jsonwebtoken::jwk::JwkSet =
@@ -360,10 +486,28 @@ impl JwtAuthenticator {
             audiences,
             trust_domain,
             refresher: None,
+            fetch_timeout: DEFAULT_JWKS_FETCH_TIMEOUT,
+            refreshing: tokio::sync::Mutex::new(()),
+            fetches: AtomicU64::new(0),
             last_refresh: std::sync::Mutex::new(None),
             jwks_digest: std::sync::Mutex::new(Some(VerifiedTokenCache::key(jwks_json))),
-            cache: VerifiedTokenCache::new(std::time::Duration::ZERO),
+            cache: VerifiedTokenCache::new(Duration::ZERO),
+            clock: clock::system_clock(),
         })
+    }
+
+    /// Reads the time from `clock` (token times and the cache).
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.cache = self.cache.with_clock(clock.clone());
+        self.clock = clock;
+        self
+    }
+
+    /// Gives up a key fetch after `timeout` (default
+    /// [`DEFAULT_JWKS_FETCH_TIMEOUT`]), keeping the old keys.
+    pub fn with_fetch_timeout(mut self, timeout: Duration) -> Self {
+        self.fetch_timeout = timeout;
+        self
     }
 
     /// Refreshes keys from `fetcher` when a token names an unknown key ID
@@ -379,8 +523,8 @@ impl JwtAuthenticator {
     /// the signature check when one caller presents one token many times: a
     /// node agent asking for every pod of its node, retries after backoff.
     /// Forgotten whenever the keys are refreshed.
-    pub fn with_cache_ttl(mut self, ttl: std::time::Duration) -> Self {
-        self.cache = VerifiedTokenCache::new(ttl);
+    pub fn with_cache_ttl(mut self, ttl: Duration) -> Self {
+        self.cache = VerifiedTokenCache::new(ttl).with_clock(self.clock.clone());
         self
     }
 
@@ -390,14 +534,28 @@ impl JwtAuthenticator {
         self
     }
 
-    /// Fetches the keys again (keeps the old ones if that fails).
+    /// Fetches the keys again (keeps the old ones if that fails or takes
+    /// longer than the fetch timeout). Single flight: a call made while
+    /// another is fetching waits for it and takes its keys; the number of
+    /// keys held is returned.
     pub async fn refresh(&self) -> Result<usize, String> {
         let Some(fetcher) = &self.refresher else {
             return Ok(self.key_snapshot().len());
         };
-        *self.last_refresh.lock().unwrap_or_else(|e| e.into_inner()) =
-            Some(std::time::Instant::now());
-        let text = fetcher.fetch_jwks().await?;
+        let seen = self.fetches.load(Ordering::SeqCst);
+        let _fetching = self.refreshing.lock().await;
+        if self.fetches.load(Ordering::SeqCst) != seen {
+            return Ok(self.key_snapshot().len());
+        }
+        *self.last_refresh.lock().unwrap_or_else(|e| e.into_inner()) = Some(self.clock.instant());
+        let fetched = tokio::time::timeout(self.fetch_timeout, fetcher.fetch_jwks()).await;
+        self.fetches.fetch_add(1, Ordering::SeqCst);
+        let text = fetched.map_err(|_| {
+            format!(
+                "fetching the issuer's keys took longer than {:?}",
+                self.fetch_timeout
+            )
+        })??;
         let keys = parse_jwks(&text).map_err(|e| e.to_string())?;
         let n = keys.len();
         let digest = VerifiedTokenCache::key(&text);
@@ -481,7 +639,7 @@ impl JwtAuthenticator {
     }
 
     fn caller_from_claims(&self, claims: &ServiceAccountClaims) -> Result<Caller, AuthnError> {
-        let now = now_unix();
+        let now = self.clock.unix_seconds();
         if now >= claims.exp {
             return Err(AuthnError::Expired(claims.exp));
         }
@@ -537,11 +695,12 @@ impl Authenticator for JwtAuthenticator {
             return Ok(None);
         }
         if self.refresher.is_some() && !self.knows_key_of(&jwt.header) {
+            let now = self.clock.instant();
             let due = self
                 .last_refresh
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .is_none_or(|t| t.elapsed() >= MIN_JWKS_REFRESH_INTERVAL);
+                .is_none_or(|t| now.duration_since(t) >= MIN_JWKS_REFRESH_INTERVAL);
             if due {
                 match self.refresh().await {
                     Ok(n) => {
@@ -553,9 +712,13 @@ impl Authenticator for JwtAuthenticator {
                 }
             }
         }
+        // Read before the keys: a refresh that withdraws a key after this
+        // point also moves the generation, and this result is not kept.
+        let generation = self.cache.generation();
         let caller = self.validate_parsed(&jwt)?;
         if let (Some(key), Ok(claims)) = (cache_key, &jwt.claims) {
-            self.cache.insert(key, caller.clone(), Some(claims.exp));
+            self.cache
+                .insert_computed_in(key, caller.clone(), Some(claims.exp), generation);
         }
         Ok(Some(caller))
     }
@@ -565,6 +728,7 @@ impl Authenticator for JwtAuthenticator {
 pub struct ClientCertAuthenticator {
     authority: Arc<Authority>,
     trust_domain: TrustDomain,
+    clock: SharedClock,
 }
 
 impl ClientCertAuthenticator {
@@ -573,7 +737,14 @@ impl ClientCertAuthenticator {
         Self {
             authority,
             trust_domain,
+            clock: clock::system_clock(),
         }
+    }
+
+    /// Reads the time from `clock`.
+    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.clock = clock;
+        self
     }
 
     fn verify(&self, chain: &[CertificateDer<'static>]) -> Result<Caller, AuthnError> {
@@ -581,7 +752,7 @@ impl ClientCertAuthenticator {
         let svid = meshca_certs::verify::verify_svid(
             &ders,
             &self.authority.bundle(),
-            SystemTime::now(),
+            self.clock.now(),
             None,
         )
         .map_err(|e| AuthnError::BadClientCertificate(e.to_string()))?;
@@ -596,6 +767,8 @@ impl ClientCertAuthenticator {
             identity: svid.spiffe_id,
             kind: CallerKind::ClientCertificate {
                 serial: svid.serial_hex,
+                lifetime: std::time::Duration::try_from(svid.not_after - svid.not_before)
+                    .unwrap_or_default(),
             },
             pod_name: None,
             pod_uid: None,
@@ -626,7 +799,7 @@ impl Authenticator for ClientCertAuthenticator {
 mod tests {
     use super::*;
     use meshca_certs::token::{TokenIssuer, TokenRequest};
-    use std::time::Duration;
+    use std::time::SystemTime;
 
     fn issuer_and_authn(audiences: &[&str]) -> (TokenIssuer, JwtAuthenticator) {
         let issuer = TokenIssuer::generate().unwrap();
@@ -720,8 +893,9 @@ mod tests {
         }
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn a_cached_token_is_reused_only_while_its_key_and_expiry_hold() {
+        let clock = TokioClock::new();
         let issuer = TokenIssuer::generate().unwrap();
         let jwks = Arc::new(SwitchableJwks(std::sync::Mutex::new(issuer.jwks_json())));
         let authn = JwtAuthenticator::from_jwks(
@@ -732,10 +906,11 @@ mod tests {
             TrustDomain::default(),
         )
         .unwrap()
+        .with_clock(clock.clone().shared())
         .with_refresher(jwks.clone())
         .with_cache_ttl(Duration::from_secs(3600));
 
-        let good = mint(&issuer, "istio-ca", 600, SystemTime::now());
+        let good = mint(&issuer, "istio-ca", 600, clock.now());
         for _ in 0..2 {
             let caller = authn.authenticate(&creds(good.clone())).await.unwrap();
             assert_eq!(
@@ -775,14 +950,137 @@ mod tests {
         let err = authn.authenticate(&creds(good)).await.unwrap_err();
         assert!(matches!(err, AuthnError::InvalidToken(_)), "{err}");
 
-        // A cached token still dies at its `exp`.
-        // (`exp` is whole seconds: 2 s from now leaves at least 1 s to use it.)
-        let short = mint(&replacement, "istio-ca", 2, SystemTime::now());
+        // A cached token still dies at its `exp` (whole seconds: 2 s from
+        // now leaves at least 1 s to use it; paused time gets there at once).
+        let short = mint(&replacement, "istio-ca", 2, clock.now());
         assert!(authn.authenticate(&creds(short.clone())).await.is_ok());
         assert_eq!(authn.cache.len(), 1);
-        tokio::time::sleep(Duration::from_millis(2100)).await;
+        tokio::time::advance(Duration::from_secs(2)).await;
         let err = authn.authenticate(&creds(short)).await.unwrap_err();
         assert!(matches!(err, AuthnError::Expired(_)), "{err}");
+    }
+
+    /// A JWKS source that counts fetches, answers after `delay`, or never.
+    struct SlowJwks {
+        document: String,
+        delay: Option<Duration>,
+        fetches: AtomicU64,
+    }
+
+    #[async_trait]
+    impl JwksFetcher for SlowJwks {
+        async fn fetch_jwks(&self) -> Result<String, String> {
+            self.fetches.fetch_add(1, Ordering::SeqCst);
+            match self.delay {
+                Some(delay) => tokio::time::sleep(delay).await,
+                None => std::future::pending::<()>().await,
+            }
+            Ok(self.document.clone())
+        }
+    }
+
+    fn refreshing_authn(delay: Option<Duration>) -> (Arc<SlowJwks>, JwtAuthenticator) {
+        let issuer = TokenIssuer::generate().unwrap();
+        let fetcher = Arc::new(SlowJwks {
+            document: TokenIssuer::generate().unwrap().jwks_json(),
+            delay,
+            fetches: AtomicU64::new(0),
+        });
+        let authn = JwtAuthenticator::from_jwks(
+            "oidc",
+            issuer.issuer(),
+            &issuer.jwks_json(),
+            vec!["istio-ca".into()],
+            TrustDomain::default(),
+        )
+        .unwrap()
+        .with_refresher(fetcher.clone());
+        (fetcher, authn)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn concurrent_refreshes_share_one_fetch() {
+        let (fetcher, authn) = refreshing_authn(Some(Duration::from_secs(1)));
+        let results = futures::future::join_all((0..10).map(|_| authn.refresh())).await;
+        for result in results {
+            assert_eq!(result, Ok(1));
+        }
+        assert_eq!(fetcher.fetches.load(Ordering::SeqCst), 1, "single flight");
+        // A later refresh fetches again.
+        authn.refresh().await.unwrap();
+        assert_eq!(fetcher.fetches.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_fetch_times_out_and_keeps_the_old_keys() {
+        let (_fetcher, authn) = refreshing_authn(None);
+        let authn = authn.with_fetch_timeout(Duration::from_secs(3));
+        let started = tokio::time::Instant::now();
+        let err = authn.refresh().await.unwrap_err();
+        assert_eq!(started.elapsed(), Duration::from_secs(3));
+        assert!(err.contains("longer than 3s"), "{err}");
+        assert_eq!(authn.key_snapshot().len(), 1, "the old key stays");
+        // The next refresh is not blocked by the hung one.
+        assert!(authn.refresh().await.is_err());
+    }
+
+    fn jwt(header: &str, claims: &str, signature: &str) -> String {
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        format!(
+            "{}.{}.{}",
+            b64.encode(header),
+            b64.encode(claims),
+            b64.encode(signature)
+        )
+    }
+
+    #[test]
+    fn only_well_formed_unexpired_tokens_for_our_audience_are_plausible() {
+        let audiences = vec!["istio-ca".to_string()];
+        let now = 1_000_000;
+        let header = r#"{"alg":"RS256","kid":"k1"}"#;
+        let ok = |claims: &str| check_plausible(&jwt(header, claims, "sig"), &audiences, now);
+        assert_eq!(
+            ok(
+                r#"{"iss":"https://kubernetes.default.svc","aud":["api","istio-ca"],"exp":1000001}"#
+            ),
+            Ok(UnverifiedClaims {
+                issuer: Some("https://kubernetes.default.svc".into()),
+                audiences: vec!["api".into(), "istio-ca".into()],
+                expires_at: Some(1_000_001),
+            })
+        );
+        assert!(ok(r#"{"aud":"istio-ca"}"#).is_ok(), "one audience, no exp");
+        assert_eq!(
+            ok(r#"{"aud":"istio-ca","exp":1000000}"#),
+            Err(AuthnError::Expired(1_000_000))
+        );
+        assert_eq!(
+            ok(r#"{"aud":"istio-ca","exp":999999.5}"#),
+            Err(AuthnError::Expired(999_999))
+        );
+        for wrong in [r#"{"aud":"vault","exp":2000000}"#, r#"{"exp":2000000}"#] {
+            assert_eq!(ok(wrong), Err(AuthnError::WrongAudience(audiences.clone())));
+        }
+        for malformed in [
+            "not-a-jwt".to_string(),
+            "a.b".to_string(),
+            format!("{}.extra", jwt(header, r#"{"aud":"istio-ca"}"#, "sig")),
+            jwt(header, r#"{"aud":"istio-ca"}"#, ""),
+            jwt(r#"{"alg":"none"}"#, r#"{"aud":"istio-ca"}"#, "sig"),
+            jwt(r#"{"kid":"k1"}"#, r#"{"aud":"istio-ca"}"#, "sig"),
+            jwt(header, "not json", "sig"),
+            jwt(header, r#"{"aud":7}"#, "sig"),
+            jwt(header, r#"{"aud":"istio-ca","exp":"tomorrow"}"#, "sig"),
+            "!!.e30.sig".to_string(),
+            format!("e30.{}.c2ln", "A".repeat(MAX_TOKEN_LEN)),
+        ] {
+            assert_eq!(
+                check_plausible(&malformed, &audiences, now),
+                Err(AuthnError::MalformedToken),
+                "{malformed}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -2,15 +2,21 @@
 //! (`/.well-known/openid-configuration`, then its `jwks_uri`), so
 //! service-account tokens can be checked offline without `--jwks`.
 
+use std::time::Duration;
+
 use async_trait::async_trait;
 
 use super::JwksFetcher;
 
 /// Fetches the API server's JWKS through the Kubernetes client (same TLS
-/// trust and credentials as every other call).
-pub(crate) struct KubernetesJwks {
+/// trust and credentials as every other call). Each GET has a timeout.
+pub struct KubernetesJwks {
     client: kube::Client,
+    timeout: Duration,
 }
+
+/// Timeout of each GET unless [`KubernetesJwks::with_timeout`] sets one.
+pub const DEFAULT_OIDC_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl std::fmt::Debug for KubernetesJwks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -20,31 +26,45 @@ impl std::fmt::Debug for KubernetesJwks {
 
 /// What OIDC discovery says.
 #[derive(Debug, Clone, serde::Deserialize)]
-pub(crate) struct Discovery {
+pub struct Discovery {
     /// The issuer (`iss` of the tokens).
-    pub(crate) issuer: String,
+    pub issuer: String,
     /// Where the keys are.
-    pub(crate) jwks_uri: String,
+    pub jwks_uri: String,
 }
 
 impl KubernetesJwks {
     /// A fetcher using `client`.
-    pub(crate) fn new(client: kube::Client) -> Self {
-        Self { client }
+    pub fn new(client: kube::Client) -> Self {
+        Self {
+            client,
+            timeout: DEFAULT_OIDC_TIMEOUT,
+        }
+    }
+
+    /// Gives up each GET after `timeout`.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
     }
 
     async fn get(&self, path: &str) -> Result<String, String> {
         let request = http::Request::get(path)
             .body(Vec::new())
             .map_err(|e| format!("GET {path}: {e}"))?;
-        self.client
-            .request_text(request)
+        tokio::time::timeout(self.timeout, self.client.request_text(request))
             .await
+            .map_err(|_| {
+                format!(
+                    "GET {path} from the Kubernetes API: no answer within {:?}",
+                    self.timeout
+                )
+            })?
             .map_err(|e| format!("GET {path} from the Kubernetes API: {e}"))
     }
 
     /// Reads `/.well-known/openid-configuration`.
-    pub(crate) async fn discover(&self) -> Result<Discovery, String> {
+    pub async fn discover(&self) -> Result<Discovery, String> {
         let text = self.get("/.well-known/openid-configuration").await?;
         serde_json::from_str(&text).map_err(|e| format!("OIDC discovery document: {e}"))
     }

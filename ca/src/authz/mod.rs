@@ -1,4 +1,4 @@
-//! Authorization (DESIGN §4.3): which identity an authenticated caller may
+//! Authorization: which identity an authenticated caller may
 //! get a certificate for.
 //!
 //! A caller may hold its own identity. Another identity only by

@@ -1,17 +1,25 @@
-//! Node-agent impersonation (DESIGN §4.3): a trusted node agent (such as
+//! Node-agent impersonation: a trusted node agent (such as
 //! ztunnel) may get certificates for the workloads that run on its node.
 //!
 //! [`PodIndex`] is fed by a Kubernetes watch on pods (not a GET per request)
 //! and indexed by namespace/name and by node. [`NodeAgentPolicy`] allows an
 //! impersonation only when every rule holds, and names the rule that failed:
 //! 1. the caller's namespace/service account is a trusted node agent;
-//! 2. the caller's token is bound to a pod (name and UID) that exists;
+//! 2. the caller's token is bound to a pod, by name and UID, and that very
+//!    pod exists (a token without a pod UID is refused, as Istio does);
 //! 3. the target namespace/service account has a pod on that pod's node.
+//!
+//! The index must be current: until its first full list, and while its
+//! watch has been failing for longer than a bound
+//! ([`PodIndex::with_max_watch_failure`]), impersonation is refused with
+//! `UNAVAILABLE` rather than decided on stale pods.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use async_trait::async_trait;
 use futures::StreamExt;
@@ -102,14 +110,73 @@ fn pod_entry(pod: &Pod) -> Option<(NsName, PodInfo)> {
     ))
 }
 
+/// Default time the pod watch may fail before the index counts as stale.
+pub(crate) const DEFAULT_MAX_WATCH_FAILURE: Duration = Duration::from_secs(30);
+
+/// Whether the index may be used for a decision now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Freshness {
+    /// Synced, and the watch is healthy or has been failing only briefly.
+    Current,
+    /// No full list loaded yet.
+    NotSynced,
+    /// The watch has been failing for this long (more than the bound).
+    Stale(Duration),
+}
+
 /// Pods by namespace/name and by node, kept current by a watch.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct PodIndex {
     maps: RwLock<PodMaps>,
     synced: AtomicBool,
+    /// When the watch started failing, if it is failing now.
+    failing_since: Mutex<Option<Instant>>,
+    max_watch_failure: Duration,
+}
+
+impl Default for PodIndex {
+    fn default() -> Self {
+        Self::with_max_watch_failure(DEFAULT_MAX_WATCH_FAILURE)
+    }
 }
 
 impl PodIndex {
+    /// An empty index that counts as stale once its watch has been failing
+    /// for longer than `max_watch_failure`.
+    pub(crate) fn with_max_watch_failure(max_watch_failure: Duration) -> Self {
+        Self {
+            maps: RwLock::default(),
+            synced: AtomicBool::new(false),
+            failing_since: Mutex::new(None),
+            max_watch_failure,
+        }
+    }
+
+    /// Records a failed watch call (the first failure in a row starts the clock).
+    pub(crate) fn watch_failed(&self) {
+        self.failing_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert_with(Instant::now);
+    }
+
+    /// Records a watch event received: the watch works again.
+    pub(crate) fn watch_succeeded(&self) {
+        *self.failing_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
+    }
+
+    /// Whether the index may decide now.
+    pub(crate) fn freshness(&self) -> Freshness {
+        if !self.is_synced() {
+            return Freshness::NotSynced;
+        }
+        let failing_since = *self.failing_since.lock().unwrap_or_else(|e| e.into_inner());
+        match failing_since.map(|t| t.elapsed()) {
+            Some(failing) if failing > self.max_watch_failure => Freshness::Stale(failing),
+            _ => Freshness::Current,
+        }
+    }
+
     /// Adds or updates a pod.
     pub(crate) fn apply(&self, pod: &Pod) {
         if let Some((key, info)) = pod_entry(pod) {
@@ -142,7 +209,8 @@ impl PodIndex {
         self.synced.store(true, Ordering::Release);
     }
 
-    /// Whether a full list has been loaded.
+    /// Whether a full list has been loaded (see [`PodIndex::freshness`]
+    /// for whether it is still current).
     pub(crate) fn is_synced(&self) -> bool {
         self.synced.load(Ordering::Acquire)
     }
@@ -197,6 +265,9 @@ pub(crate) async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
     futures::pin_mut!(stream);
     let mut buffer: Vec<Pod> = Vec::new();
     while let Some(event) = stream.next().await {
+        if event.is_ok() {
+            index.watch_succeeded();
+        }
         match event {
             Ok(Event::Init) => buffer.clear(),
             Ok(Event::InitApply(pod)) => buffer.push(pod),
@@ -208,6 +279,7 @@ pub(crate) async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
             Ok(Event::Apply(pod)) => index.apply(&pod),
             Ok(Event::Delete(pod)) => index.delete(&pod),
             Err(e) => {
+                index.watch_failed();
                 tracing::warn!(error = %e, "watching pods failed; retrying");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
@@ -261,10 +333,20 @@ impl ImpersonationPolicy for NodeAgentPolicy {
         let (target_ns, target_sa) = target
             .kubernetes_workload()
             .map_err(|_| deny("the target is not a Kubernetes workload identity".into()))?;
-        if !self.pods.is_synced() {
-            return Err(AuthzError::Unavailable(
-                "the pod index is not synced with the Kubernetes API yet; retry shortly".into(),
-            ));
+        match self.pods.freshness() {
+            Freshness::Current => {}
+            Freshness::NotSynced => {
+                return Err(AuthzError::Unavailable(
+                    "the pod index is not synced with the Kubernetes API yet; retry shortly"
+                        .into(),
+                ))
+            }
+            Freshness::Stale(failing) => {
+                return Err(AuthzError::Unavailable(format!(
+                    "the pod index is stale: watching pods has failed for {}s; impersonation resumes when the Kubernetes API answers again",
+                    failing.as_secs()
+                )))
+            }
         }
         let pod_name = caller
             .pod_name
@@ -275,13 +357,16 @@ impl ImpersonationPolicy for NodeAgentPolicy {
                 "the caller's pod {caller_ns}/{pod_name} does not exist"
             ))
         })?;
-        if let Some(uid) = caller.pod_uid.as_deref() {
-            if pod.uid != uid {
-                return Err(deny(format!(
-                    "the caller's pod {caller_ns}/{pod_name} has UID {}, not the token's {uid} (it was replaced)",
-                    pod.uid
-                )));
-            }
+        // Istio requires the UID too: a name alone would let a token of a
+        // deleted pod act for a new pod that reuses the name.
+        let uid = caller.pod_uid.as_deref().ok_or_else(|| {
+            deny("the caller's token is not bound to a pod UID (a bound service-account token carries it)".into())
+        })?;
+        if pod.uid != uid {
+            return Err(deny(format!(
+                "the caller's pod {caller_ns}/{pod_name} has UID {}, not the token's {uid} (it was replaced)",
+                pod.uid
+            )));
         }
         let node = pod.node.ok_or_else(|| {
             deny(format!(
@@ -363,6 +448,13 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("not bound to a pod"), "{err}");
+        // A token naming the pod but no UID is refused, as Istio does.
+        let err = p
+            .may_impersonate(&caller(Some("ztunnel-a"), None), &target("web"))
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("not bound to a pod UID"), "{err}");
         let mut web = caller(Some("web-1"), None);
         web.identity = target("web");
         let err = p
@@ -371,6 +463,38 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("not a trusted node agent"), "{err}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_watch_makes_the_index_stale_after_the_bound() {
+        let p = policy();
+        let z = caller(Some("ztunnel-a"), Some("uid-z"));
+        p.pods.watch_failed();
+        tokio::time::advance(Duration::from_secs(29)).await;
+        // A watch that failed briefly (the API restarting) is tolerated.
+        p.pods.watch_failed();
+        assert_eq!(p.pods.freshness(), Freshness::Current);
+        p.may_impersonate(&z, &target("web")).await.unwrap();
+        tokio::time::advance(Duration::from_secs(2)).await;
+        assert_eq!(
+            p.pods.freshness(),
+            Freshness::Stale(Duration::from_secs(31))
+        );
+        let err = p.may_impersonate(&z, &target("web")).await.unwrap_err();
+        assert!(matches!(err, AuthzError::Unavailable(_)), "{err}");
+        assert!(err.to_string().contains("failed for 31s"), "{err}");
+        // The watch answers again: decisions resume.
+        p.pods.watch_succeeded();
+        p.may_impersonate(&z, &target("web")).await.unwrap();
+        // Not synced yet is UNAVAILABLE too.
+        let fresh = NodeAgentPolicy::new(
+            [("istio-system".to_string(), "ztunnel".to_string())],
+            Arc::new(PodIndex::default()),
+        );
+        assert!(matches!(
+            fresh.may_impersonate(&z, &target("web")).await,
+            Err(AuthzError::Unavailable(_))
+        ));
     }
 
     #[test]

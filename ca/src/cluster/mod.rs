@@ -6,14 +6,20 @@
 //!   and its rotation phases.
 //! - [`leader`]: a Lease; only the leader publishes the bundle and rotates.
 //! - [`bundle_publisher`]: the ConfigMap `istio-ca-root-cert` in every namespace.
+//! - [`pod_certificates`]: with `--pod-certificate-signer`, the leader signs
+//!   Kubernetes `PodCertificateRequest`s of that signer, and
+//!   [`cluster_trust_bundle`] publishes the roots as its `ClusterTrustBundle`.
 //!
 //! Every replica follows the Secret ([`follow_root_secret`]) and signs with
 //! what it holds; the leader moves a rotation forward ([`rotate_root`]).
 
 pub(crate) mod bundle_publisher;
+pub(crate) mod cluster_trust_bundle;
 pub(crate) mod leader;
+pub(crate) mod pod_certificates;
 pub(crate) mod root_secret;
 
+pub use cluster_trust_bundle::TRUST_DOMAIN_LABEL;
 pub use root_secret::RootSecretError;
 
 use std::sync::Arc;
@@ -48,7 +54,13 @@ pub struct RbacRule {
     pub verbs: &'static [&'static str],
     /// Only in meshca's namespace.
     pub own_namespace_only: bool,
+    /// Only on these objects (empty: on all).
+    pub resource_names: &'static [&'static str],
 }
+
+/// The signer name the deployment manifests grant `sign` and `attest` on
+/// (the example of `--pod-certificate-signer`).
+pub const EXAMPLE_POD_CERTIFICATE_SIGNER: &str = "meshca.io/spiffe";
 
 /// Every Kubernetes API call meshca makes, as RBAC rules.
 pub const RBAC_RULES: &[RbacRule] = &[
@@ -57,36 +69,72 @@ pub const RBAC_RULES: &[RbacRule] = &[
         resource: "tokenreviews",
         verbs: &["create"],
         own_namespace_only: false,
+        resource_names: &[],
     },
     RbacRule {
         api_group: "",
         resource: "pods",
         verbs: &["get", "list", "watch"],
         own_namespace_only: false,
+        resource_names: &[],
     },
     RbacRule {
         api_group: "",
         resource: "namespaces",
         verbs: &["get", "list", "watch"],
         own_namespace_only: false,
+        resource_names: &[],
     },
     RbacRule {
         api_group: "",
         resource: "configmaps",
         verbs: &["create", "get", "list", "update", "watch"],
         own_namespace_only: false,
+        resource_names: &[],
     },
     RbacRule {
         api_group: "",
         resource: "secrets",
         verbs: &["create", "get", "list", "update", "watch"],
         own_namespace_only: true,
+        resource_names: &[],
     },
     RbacRule {
         api_group: "coordination.k8s.io",
         resource: "leases",
         verbs: &["create", "get", "update"],
         own_namespace_only: true,
+        resource_names: &[],
+    },
+    // With --pod-certificate-signer: PodCertificateRequests of the signer,
+    // answered through their status; the signer's ClusterTrustBundle.
+    RbacRule {
+        api_group: "certificates.k8s.io",
+        resource: "podcertificaterequests",
+        verbs: &["get", "list", "watch"],
+        own_namespace_only: false,
+        resource_names: &[],
+    },
+    RbacRule {
+        api_group: "certificates.k8s.io",
+        resource: "podcertificaterequests/status",
+        verbs: &["update"],
+        own_namespace_only: false,
+        resource_names: &[],
+    },
+    RbacRule {
+        api_group: "certificates.k8s.io",
+        resource: "signers",
+        verbs: &["attest", "sign"],
+        own_namespace_only: false,
+        resource_names: &[EXAMPLE_POD_CERTIFICATE_SIGNER],
+    },
+    RbacRule {
+        api_group: "certificates.k8s.io",
+        resource: "clustertrustbundles",
+        verbs: &["create", "get", "list", "update", "watch"],
+        own_namespace_only: false,
+        resource_names: &[],
     },
 ];
 
@@ -197,7 +245,7 @@ pub(crate) async fn load_or_create_root_secret(
 /// Logs a warning, at start, for each reason a root rotation under
 /// `policy` would break clients (see [`RotationPolicy::unsafe_because`]).
 /// meshca still starts: short settings are how rotation is tried out.
-pub fn warn_if_rotation_unsafe(
+pub(crate) fn warn_if_rotation_unsafe(
     policy: &RotationPolicy,
     default_leaf_ttl: Duration,
     expiry_margin: Duration,

@@ -133,14 +133,14 @@ impl RotationPhase {
 /// What is added to the longest renewal interval of a default-lifetime
 /// certificate to make the announced phase: time for renewals that are
 /// jittered, retried after a failure or held up by a slow bundle ConfigMap.
-pub const ROTATION_GRACE_MARGIN: Duration = Duration::from_secs(3600);
+pub(crate) const ROTATION_GRACE_MARGIN: Duration = Duration::from_secs(3600);
 
 /// The shortest announced phase that a client learning roots only when it
 /// renews survives: half of the default workload lifetime (Istio's agents
 /// and ztunnel renew at half of it) plus [`ROTATION_GRACE_MARGIN`]. Every
 /// such client then renews, and learns the new root, before any leaf
 /// chains to it. The default of `--root-rotation-grace` (13 h for 24 h).
-pub fn safe_rotation_grace(default_leaf_ttl: Duration) -> Duration {
+pub(crate) fn safe_rotation_grace(default_leaf_ttl: Duration) -> Duration {
     default_leaf_ttl / 2 + ROTATION_GRACE_MARGIN
 }
 
@@ -162,7 +162,7 @@ impl RotationPolicy {
     /// per problem (empty: none). `default_leaf_ttl` is what a request
     /// asking for no lifetime gets; `expiry_margin` is how long before its
     /// end a root stops signing.
-    pub fn unsafe_because(
+    pub(crate) fn unsafe_because(
         &self,
         default_leaf_ttl: Duration,
         expiry_margin: Duration,

@@ -1,0 +1,154 @@
+//! meshca as a child process against the fake Kubernetes API of the
+//! end-to-end tests (real HTTPS, real JSON): what the scenarios that start
+//! their own server share.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use meshca_tests::fake_kube::FakeKube;
+
+/// Kills the child when dropped.
+pub(crate) struct KillOnDrop(pub(crate) Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A free local address (bound and released).
+pub(crate) fn free_addr() -> anyhow::Result<SocketAddr> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?)
+}
+
+/// One `GET /healthz`, blocking, bounded by `timeout` per step. Blocking on
+/// a thread of its own, like a kubelet probe from another process: the
+/// answer time is the server's, not this busy load generator's.
+pub(crate) fn healthz(addr: SocketAddr, timeout: Duration) -> Result<(), String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, timeout).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    s.set_write_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n")
+        .map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
+    if buf.starts_with(b"HTTP/1.0 200") || buf.starts_with(b"HTTP/1.1 200") {
+        Ok(())
+    } else {
+        Err("not 200".into())
+    }
+}
+
+/// The meshca binary: `explicit`, or `meshca` next to this program.
+pub(crate) fn meshca_path(explicit: Option<&PathBuf>) -> anyhow::Result<PathBuf> {
+    match explicit {
+        Some(p) => Ok(p.clone()),
+        None => Ok(std::env::current_exe()?
+            .parent()
+            .context("locating meshca")?
+            .join("meshca")),
+    }
+}
+
+/// A running meshca with its fake API server and scratch directory.
+pub(crate) struct Meshca {
+    /// The scratch directory (data dir, log, kubeconfig).
+    pub(crate) dir: tempfile::TempDir,
+    /// The fake Kubernetes API.
+    pub(crate) kube: FakeKube,
+    /// gRPC address.
+    pub(crate) grpc: SocketAddr,
+    /// Monitoring address.
+    pub(crate) monitoring: SocketAddr,
+    /// The root bundle, PEM.
+    pub(crate) root_pem: String,
+    /// The server process.
+    pub(crate) child: KillOnDrop,
+}
+
+impl Meshca {
+    /// Starts the fake API (answering after `api_latency`) and meshca with
+    /// `args` (plus its addresses, data dir and kubeconfig), and waits
+    /// until it is healthy and has written its bundle.
+    pub(crate) async fn start(
+        meshca: &PathBuf,
+        api_latency: Duration,
+        args: &[String],
+    ) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
+        let kube = FakeKube::start(dir.path()).await;
+        kube.set_latency(api_latency);
+        let grpc = free_addr()?;
+        let monitoring = free_addr()?;
+        let log = std::fs::File::create(dir.path().join("meshca.log"))?;
+        let child = Command::new(meshca)
+            .arg("serve")
+            .args([
+                "--listen",
+                &grpc.to_string(),
+                "--monitoring-listen",
+                &monitoring.to_string(),
+            ])
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .arg("--kubeconfig")
+            .arg(&kube.kubeconfig)
+            .args(args)
+            .env("MESHCA_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", meshca.display()))?;
+        let child = KillOnDrop(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while healthz(monitoring, Duration::from_secs(2)).is_err() {
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "meshca did not start: {}",
+                std::fs::read_to_string(dir.path().join("meshca.log")).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // The bundle file is written by a task of its own, maybe just after
+        // the health endpoint answers (a slow start, e.g. under valgrind).
+        let root_path = dir.path().join("data/root-cert.pem");
+        let root_pem = loop {
+            match std::fs::read_to_string(&root_path) {
+                Ok(pem) if !pem.is_empty() => break pem,
+                result => {
+                    if Instant::now() >= deadline {
+                        result.with_context(|| format!("reading {}", root_path.display()))?;
+                        anyhow::bail!("{} stayed empty", root_path.display());
+                    }
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        Ok(Self {
+            dir,
+            kube,
+            grpc,
+            monitoring,
+            root_pem,
+            child,
+        })
+    }
+
+    /// The server's pid.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.0.id()
+    }
+
+    /// The server's log so far.
+    pub(crate) fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("meshca.log")).unwrap_or_default()
+    }
+}

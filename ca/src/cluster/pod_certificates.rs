@@ -1,0 +1,728 @@
+//! meshca as the signer of Kubernetes pod certificates
+//! (`certificates.k8s.io/v1beta1` `PodCertificateRequest`, `--pod-certificate-signer`).
+//!
+//! The kubelet makes a key for a pod, creates a `PodCertificateRequest`
+//! naming a signer, and mounts what the signer writes into the pod's
+//! `podCertificate` volume. The leader watches the requests of its signer
+//! name (a field selector on `spec.signerName`); the watch's first listing
+//! hands a new leader every request still pending, so none is lost across
+//! a leader change. Each pending request is:
+//!
+//! 1. checked: key and proof of possession (either encoding, see
+//!    [`meshca_certs::pod_certificate::read_pod_key`]), key type, no
+//!    `unverifiedUserAnnotations` (meshca knows none), and the pod read
+//!    from the API: it exists with that UID, on that node, with that
+//!    service account;
+//! 2. signed: an X509-SVID for `spiffe://<trust-domain>/ns/<ns>/sa/<sa>`
+//!    (the profile of `CreateCertificate`), living `min(maxExpirationSeconds,
+//!    --max-workload-cert-ttl)` from its backdated notBefore;
+//! 3. written through the `status` subresource in one update carrying the
+//!    request's resourceVersion: chain (leaf, then intermediates),
+//!    notBefore/notAfter equal to the leaf's, `beginRefreshAt` at half the
+//!    lifetime with jitter, condition `Issued`. A denial or failure carries
+//!    only its condition. A conflict (someone else wrote) is read again,
+//!    never overwritten: a request that became Issued, Denied or Failed in
+//!    the meantime is left alone, so each is answered at most once.
+//!
+//! Requests wait in a bounded queue ([`QUEUE_CAPACITY`]); when it is full
+//! the watch is not read further, so a mass restart is taken at the pace
+//! the CA and the API answer, never dropped. At most [`CONCURRENCY`]
+//! requests are in progress at once.
+
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::certificates::v1beta1::{PodCertificateRequest, PodCertificateRequestStatus};
+use k8s_openapi::api::core::v1::Pod;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use kube::api::{Api, PostParams};
+use kube::runtime::watcher::{self, Event};
+use kube::runtime::WatchStreamExt;
+use meshca_certs::pod_certificate::{self, PodKeyError, SUPPORTED_KEY_TYPES};
+use meshca_certs::profile::CLOCK_SKEW_BACKDATE;
+use meshca_certs::{SpiffeId, TrustDomain};
+use time::OffsetDateTime;
+
+use crate::authority::{Authority, SignError};
+use crate::metrics::Metrics;
+
+/// Requests read from the watch and waiting to be signed, at most.
+pub(crate) const QUEUE_CAPACITY: usize = 1024;
+/// Requests checked, signed and written at the same time, at most.
+pub(crate) const CONCURRENCY: usize = 32;
+/// Attempts at one request before it is left for the next leader or the
+/// next listing (API errors, the CA unable to sign).
+const MAX_ATTEMPTS: u32 = 6;
+/// The first wait after a failed attempt; doubled each time.
+const FIRST_RETRY: Duration = Duration::from_millis(500);
+
+/// Condition types of a request that is answered.
+const TERMINAL: [&str; 3] = ["Issued", "Denied", "Failed"];
+
+/// What the signer is configured with.
+#[derive(Debug, Clone)]
+pub(crate) struct PodSignerConfig {
+    /// The `spec.signerName` served (`--pod-certificate-signer`).
+    pub(crate) signer_name: String,
+    /// The trust domain of the identities issued.
+    pub(crate) trust_domain: TrustDomain,
+    /// Longest certificate lifetime (`--max-workload-cert-ttl`).
+    pub(crate) max_ttl: Duration,
+}
+
+/// How a request was answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Outcome {
+    /// Issued, with the leaf's serial.
+    Issued {
+        /// The SPIFFE ID.
+        identity: String,
+        /// The leaf's serial, hex.
+        serial: String,
+    },
+    /// Denied: the request is not acceptable.
+    Denied {
+        /// Condition reason.
+        reason: &'static str,
+        /// Condition message.
+        message: String,
+    },
+    /// Failed: the signer cannot issue it.
+    Failed {
+        /// Condition reason.
+        reason: &'static str,
+        /// Condition message.
+        message: String,
+    },
+}
+
+impl Outcome {
+    fn condition_type(&self) -> &'static str {
+        match self {
+            Outcome::Issued { .. } => "Issued",
+            Outcome::Denied { .. } => "Denied",
+            Outcome::Failed { .. } => "Failed",
+        }
+    }
+
+    fn reason(&self) -> &'static str {
+        match self {
+            Outcome::Issued { .. } => "Issued",
+            Outcome::Denied { reason, .. } | Outcome::Failed { reason, .. } => reason,
+        }
+    }
+}
+
+fn denied(reason: &'static str, message: impl Into<String>) -> Outcome {
+    Outcome::Denied {
+        reason,
+        message: message.into(),
+    }
+}
+
+/// Why one attempt did not end with an answer written; tried again.
+#[derive(Debug, thiserror::Error)]
+enum Transient {
+    #[error("Kubernetes API: {0}")]
+    Api(#[from] kube::Error),
+    #[error("{0}")]
+    CannotSign(String),
+}
+
+/// The leader's pod-certificate work, for
+/// [`while_leader`](super::leader::while_leader): the signer and the
+/// signer's `ClusterTrustBundle`, both until leadership ends.
+pub(crate) fn leader_work(
+    client: kube::Client,
+    authority: Arc<Authority>,
+    metrics: Metrics,
+    config: PodSignerConfig,
+) -> impl FnMut() -> futures::future::BoxFuture<'static, ()> {
+    move || {
+        let sign = sign_pod_certificates(
+            client.clone(),
+            authority.clone(),
+            metrics.clone(),
+            config.clone(),
+        );
+        let publish = super::cluster_trust_bundle::publish_cluster_trust_bundle(
+            client.clone(),
+            authority.clone(),
+            config.signer_name.clone(),
+            config.trust_domain.to_string(),
+            metrics.clone(),
+        );
+        Box::pin(async move {
+            futures::join!(sign, publish);
+        })
+    }
+}
+
+/// Signs the pending requests of `config.signer_name` until dropped
+/// (leader only).
+pub(crate) async fn sign_pod_certificates(
+    client: kube::Client,
+    authority: Arc<Authority>,
+    metrics: Metrics,
+    config: PodSignerConfig,
+) {
+    let requests: Api<PodCertificateRequest> = Api::all(client.clone());
+    let events = watcher::watcher(
+        requests,
+        watcher::Config::default().fields(&format!("spec.signerName={}", config.signer_name)),
+    )
+    .default_backoff();
+    let (queue_tx, queue_rx) = tokio::sync::mpsc::channel::<PodCertificateRequest>(QUEUE_CAPACITY);
+    let queued: Arc<Mutex<HashSet<(String, String)>>> = Arc::default();
+    tracing::info!(signer = %config.signer_name, "signing PodCertificateRequests");
+
+    let read_watch = {
+        let queued = queued.clone();
+        let metrics = metrics.clone();
+        async move {
+            futures::pin_mut!(events);
+            while let Some(event) = events.next().await {
+                let request = match event {
+                    Ok(Event::Apply(r)) | Ok(Event::InitApply(r)) => r,
+                    Ok(_) => continue,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "watching PodCertificateRequests failed; retrying");
+                        continue;
+                    }
+                };
+                if is_answered(&request) {
+                    continue;
+                }
+                let key = object_key(&request);
+                let fresh = queued.lock().map(|mut q| q.insert(key)).unwrap_or(false);
+                if !fresh {
+                    continue;
+                }
+                metrics.pod_certificate_requests_waiting.inc();
+                // Waits while the queue is full: the watch is read no
+                // further until the signer catches up.
+                if queue_tx.send(request).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+
+    let work = tokio_stream::wrappers::ReceiverStream::new(queue_rx).for_each_concurrent(
+        CONCURRENCY,
+        |request| {
+            let (client, authority, metrics, config, queued) = (
+                client.clone(),
+                authority.clone(),
+                metrics.clone(),
+                config.clone(),
+                queued.clone(),
+            );
+            async move {
+                let key = object_key(&request);
+                answer(&client, &authority, &metrics, &config, request).await;
+                if let Ok(mut q) = queued.lock() {
+                    q.remove(&key);
+                }
+                metrics.pod_certificate_requests_waiting.dec();
+            }
+        },
+    );
+    futures::join!(read_watch, work);
+}
+
+fn object_key(request: &PodCertificateRequest) -> (String, String) {
+    (
+        request.metadata.namespace.clone().unwrap_or_default(),
+        request.metadata.name.clone().unwrap_or_default(),
+    )
+}
+
+/// Whether the request carries an Issued, Denied or Failed condition.
+pub(crate) fn is_answered(request: &PodCertificateRequest) -> bool {
+    request
+        .status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|conditions| {
+            conditions
+                .iter()
+                .any(|c| TERMINAL.contains(&c.type_.as_str()))
+        })
+}
+
+/// Answers one request: retries API errors with a doubling wait, re-reads
+/// on a conflict, and stops once the request is answered (by us or anyone).
+async fn answer(
+    client: &kube::Client,
+    authority: &Authority,
+    metrics: &Metrics,
+    config: &PodSignerConfig,
+    mut request: PodCertificateRequest,
+) {
+    let (namespace, name) = object_key(&request);
+    let api: Api<PodCertificateRequest> = Api::namespaced(client.clone(), &namespace);
+    let mut wait = FIRST_RETRY;
+    let mut prepared: Option<(Outcome, PodCertificateRequestStatus)> = None;
+    for attempt in 1..=MAX_ATTEMPTS {
+        if is_answered(&request) {
+            tracing::debug!(namespace = %namespace, request = %name, "already answered; left alone");
+            if let Some((outcome, _)) = &prepared {
+                discarded(
+                    &request,
+                    outcome,
+                    "the request was answered by another writer",
+                );
+            }
+            return;
+        }
+        let now = OffsetDateTime::now_utc();
+        // A status signed in an earlier attempt is written again if it is
+        // still fresh (kube-apiserver wants notBefore within 5 minutes).
+        let reuse = prepared.take().filter(|(_, status)| {
+            status
+                .not_before
+                .as_ref()
+                .is_none_or(|nb| timestamp(nb) + time::Duration::minutes(4) > now)
+        });
+        let (outcome, status) = match reuse {
+            Some(p) => p,
+            None => match decide(client, authority, config, &request, now).await {
+                Ok((outcome, status)) => {
+                    // Audited when decided, before the write: a write that
+                    // lands while this task is cancelled still has its line.
+                    audit(&request, &outcome);
+                    (outcome, status)
+                }
+                Err(e) => {
+                    tracing::warn!(namespace = %namespace, request = %name, attempt, error = %e, "PodCertificateRequest not answered yet; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(30));
+                    continue;
+                }
+            },
+        };
+        let mut updated = request.clone();
+        updated.metadata.managed_fields = None;
+        updated.status = Some(status.clone());
+        match api
+            .replace_status(&name, &PostParams::default(), &updated)
+            .await
+        {
+            Ok(_) => {
+                metrics.pod_certificate_answered(outcome.condition_type(), outcome.reason());
+                return;
+            }
+            Err(kube::Error::Api(e)) if e.code == 409 => {
+                // Someone else wrote: read again; never overwrite.
+                prepared = Some((outcome, status));
+                match api.get_opt(&name).await {
+                    Ok(Some(fresh)) => request = fresh,
+                    Ok(None) => {
+                        if let Some((outcome, _)) = &prepared {
+                            discarded(&request, outcome, "the request was deleted");
+                        }
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(namespace = %namespace, request = %name, error = %e, "re-reading a PodCertificateRequest after a conflict failed; retrying");
+                        tokio::time::sleep(wait).await;
+                        wait = (wait * 2).min(Duration::from_secs(30));
+                    }
+                }
+            }
+            Err(kube::Error::Api(e)) if e.code == 404 => {
+                discarded(&request, &outcome, "the request was deleted");
+                return;
+            }
+            Err(kube::Error::Api(e))
+                if e.code == 422 && matches!(outcome, Outcome::Issued { .. }) =>
+            {
+                // The API refused our status: a defect here. Tell the
+                // kubelet with a Failed condition rather than leave it waiting.
+                tracing::error!(namespace = %namespace, request = %name, error = %e.message, "kube-apiserver refused the issued status");
+                discarded(&request, &outcome, "kube-apiserver refused the status");
+                let failed = Outcome::Failed {
+                    reason: "InternalError",
+                    message: "the signer produced a status the API refused; see meshca's log"
+                        .into(),
+                };
+                audit(&request, &failed);
+                prepared = Some((failed.clone(), answer_status(&failed, &request, now)));
+            }
+            Err(e) => {
+                prepared = Some((outcome, status));
+                tracing::warn!(namespace = %namespace, request = %name, attempt, error = %e, "writing a PodCertificateRequest status failed; retrying");
+                tokio::time::sleep(wait).await;
+                wait = (wait * 2).min(Duration::from_secs(30));
+            }
+        }
+    }
+    if let Some((outcome, _)) = &prepared {
+        discarded(&request, outcome, "gave up after repeated errors");
+    }
+    metrics.pod_certificate_error("RetriesExhausted");
+    tracing::warn!(namespace = %namespace, request = %name, attempts = MAX_ATTEMPTS, "gave up on a PodCertificateRequest for now; the next leader or listing picks it up");
+}
+
+/// The audit line of an answer, written when it is decided (before the
+/// status is written).
+fn audit(request: &PodCertificateRequest, outcome: &Outcome) {
+    let (namespace, name) = object_key(request);
+    let spec = &request.spec;
+    let pod = format!("{namespace}/{}", spec.pod_name);
+    match outcome {
+        Outcome::Issued { identity, serial } => tracing::info!(
+            target: "meshca::audit",
+            request = %name,
+            pod = %pod,
+            node = %spec.node_name,
+            identity = %identity,
+            serial = %serial,
+            reason = "Issued",
+            "issued pod certificate"
+        ),
+        Outcome::Denied { reason, message } => tracing::info!(
+            target: "meshca::audit",
+            request = %name,
+            pod = %pod,
+            node = %spec.node_name,
+            identity = "",
+            serial = "",
+            reason = %reason,
+            detail = %message,
+            "denied pod certificate"
+        ),
+        Outcome::Failed { reason, message } => tracing::warn!(
+            target: "meshca::audit",
+            request = %name,
+            pod = %pod,
+            node = %spec.node_name,
+            identity = "",
+            serial = "",
+            reason = %reason,
+            detail = %message,
+            "failed pod certificate"
+        ),
+    }
+}
+
+/// The audit line of an answer that was decided but never written: the
+/// certificate in it (if any) reached nobody.
+fn discarded(request: &PodCertificateRequest, outcome: &Outcome, why: &str) {
+    let (namespace, name) = object_key(request);
+    let serial = match outcome {
+        Outcome::Issued { serial, .. } => serial.as_str(),
+        _ => "",
+    };
+    tracing::info!(
+        target: "meshca::audit",
+        request = %name,
+        pod = %format!("{namespace}/{}", request.spec.pod_name),
+        node = %request.spec.node_name,
+        serial = %serial,
+        reason = outcome.reason(),
+        why,
+        "pod certificate answer discarded, not written"
+    );
+}
+
+/// Checks a request and, if it passes, signs it: the answer and the status
+/// that carries it. `Err` when the answer cannot be known now.
+async fn decide(
+    client: &kube::Client,
+    authority: &Authority,
+    config: &PodSignerConfig,
+    request: &PodCertificateRequest,
+    now: OffsetDateTime,
+) -> Result<(Outcome, PodCertificateRequestStatus), Transient> {
+    let outcome = match check(client, config, request).await? {
+        Err(outcome) => outcome,
+        Ok((key, identity)) => match issue(authority, config, request, &key, &identity, now) {
+            Ok(issued) => return Ok(issued),
+            Err(IssueError::Outcome(outcome)) => outcome,
+            Err(IssueError::Transient(e)) => return Err(e),
+        },
+    };
+    let status = answer_status(&outcome, request, now);
+    Ok((outcome, status))
+}
+
+/// The checks before signing: `Ok(Err(outcome))` is a denial.
+async fn check(
+    client: &kube::Client,
+    config: &PodSignerConfig,
+    request: &PodCertificateRequest,
+) -> Result<Result<(meshca_certs::SubjectKey, SpiffeId), Outcome>, Transient> {
+    let spec = &request.spec;
+    let namespace = request.metadata.namespace.clone().unwrap_or_default();
+    if spec.signer_name != config.signer_name {
+        return Ok(Err(denied(
+            "UnknownSigner",
+            format!("this signer is {}", config.signer_name),
+        )));
+    }
+    if let Some(annotations) = spec
+        .unverified_user_annotations
+        .as_ref()
+        .filter(|a| !a.is_empty())
+    {
+        let keys: Vec<&str> = annotations.keys().map(String::as_str).collect();
+        return Ok(Err(denied(
+            "UnknownUserAnnotation",
+            format!(
+                "this signer knows no unverifiedUserAnnotations; remove {}",
+                keys.join(", ")
+            ),
+        )));
+    }
+    let key = match pod_certificate::read_pod_key(
+        &spec.stub_pkc_s10_request.0,
+        spec.pkix_public_key.as_ref().map_or(&[][..], |b| &b.0),
+        spec.proof_of_possession.as_ref().map_or(&[][..], |b| &b.0),
+        &spec.pod_uid,
+    ) {
+        Ok(key) => key,
+        Err(PodKeyError::UnsupportedKeyType { kind, .. }) => {
+            return Ok(Err(denied(
+                "UnsupportedKeyType",
+                format!(
+                    "{kind} keys are not signed by {}: use {SUPPORTED_KEY_TYPES}",
+                    config.signer_name
+                ),
+            )))
+        }
+        Err(e @ PodKeyError::BadProof { .. }) => {
+            return Ok(Err(denied("InvalidProofOfPossession", e.to_string())))
+        }
+        Err(e @ PodKeyError::Malformed { .. }) => {
+            return Ok(Err(denied("InvalidRequest", e.to_string())))
+        }
+    };
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &namespace);
+    let Some(pod) = pods.get_opt(&spec.pod_name).await? else {
+        return Ok(Err(denied(
+            "PodNotFound",
+            format!("pod {namespace}/{} does not exist", spec.pod_name),
+        )));
+    };
+    let pod_uid = pod.metadata.uid.as_deref().unwrap_or_default();
+    let pod_spec = pod.spec.as_ref();
+    let node = pod_spec
+        .and_then(|s| s.node_name.as_deref())
+        .unwrap_or_default();
+    let service_account = pod_spec
+        .and_then(|s| s.service_account_name.as_deref())
+        .unwrap_or("default");
+    if pod_uid != spec.pod_uid {
+        return Ok(Err(denied(
+            "PodNotFound",
+            format!(
+                "pod {namespace}/{} has UID {pod_uid}, not {}: the requesting pod is gone",
+                spec.pod_name, spec.pod_uid
+            ),
+        )));
+    }
+    if node != spec.node_name {
+        return Ok(Err(denied(
+            "PodMismatch",
+            format!(
+                "pod {namespace}/{} runs on node {node:?}, not {:?}",
+                spec.pod_name, spec.node_name
+            ),
+        )));
+    }
+    if service_account != spec.service_account_name {
+        return Ok(Err(denied(
+            "PodMismatch",
+            format!(
+                "pod {namespace}/{} runs as service account {service_account:?}, not {:?}",
+                spec.pod_name, spec.service_account_name
+            ),
+        )));
+    }
+    match SpiffeId::for_workload(&config.trust_domain, &namespace, service_account) {
+        Ok(identity) => Ok(Ok((key, identity))),
+        Err(e) => Ok(Err(denied(
+            "InvalidIdentity",
+            format!("no SPIFFE ID for {namespace}/{service_account}: {e}"),
+        ))),
+    }
+}
+
+enum IssueError {
+    Outcome(Outcome),
+    Transient(Transient),
+}
+
+/// The lifetime of a pod certificate, backdating included:
+/// `min(maxExpirationSeconds, max_ttl)`.
+pub(crate) fn lifetime(max_expiration_seconds: Option<i32>, max_ttl: Duration) -> Duration {
+    let asked = max_expiration_seconds
+        .map(i64::from)
+        .unwrap_or(pod_certificate::DEFAULT_MAX_EXPIRATION_SECONDS)
+        .max(0) as u64;
+    Duration::from_secs(asked).min(max_ttl)
+}
+
+fn issue(
+    authority: &Authority,
+    config: &PodSignerConfig,
+    request: &PodCertificateRequest,
+    key: &meshca_certs::SubjectKey,
+    identity: &SpiffeId,
+    now: OffsetDateTime,
+) -> Result<(Outcome, PodCertificateRequestStatus), IssueError> {
+    let total = lifetime(request.spec.max_expiration_seconds, config.max_ttl);
+    let backdate = CLOCK_SKEW_BACKDATE.unsigned_abs();
+    let ttl_secs = total.saturating_sub(backdate).as_secs() as i64;
+    let issued = authority
+        .sign_workload(key, identity, ttl_secs, now)
+        .map_err(|e| match e {
+            SignError::CaOutsideValidity { .. } => {
+                IssueError::Transient(Transient::CannotSign(e.to_string()))
+            }
+            other => IssueError::Outcome(Outcome::Failed {
+                reason: "SigningFailed",
+                message: other.to_string(),
+            }),
+        })?;
+    let failed = |message: String| {
+        IssueError::Outcome(Outcome::Failed {
+            reason: "SigningFailed",
+            message,
+        })
+    };
+    let leaf_pem = issued
+        .chain_pem
+        .first()
+        .ok_or_else(|| failed("no certificate was signed".into()))?;
+    let leaf_der = meshca_certs::bundle::parse_certs_pem(leaf_pem)
+        .ok()
+        .and_then(|mut c| c.pop())
+        .ok_or_else(|| failed("the signed certificate does not parse".into()))?;
+    let summary = meshca_certs::inspect::CertSummary::from_der(&leaf_der)
+        .map_err(|e| failed(format!("the signed certificate does not parse: {e}")))?;
+    let (not_before, not_after) = (summary.not_before, summary.not_after);
+    if not_after - not_before < time::Duration::seconds(pod_certificate::MIN_MAX_EXPIRATION_SECONDS)
+    {
+        return Err(IssueError::Outcome(Outcome::Failed {
+            reason: "CAExpiresTooSoon",
+            message: format!(
+                "the CA's certificate expires at {not_after}, too soon for a certificate of at least one hour; the operator must rotate the CA"
+            ),
+        }));
+    }
+    // [leaf, intermediates..., roots]: the last element (every root of the
+    // bundle) is left out; the pod trusts the ClusterTrustBundle.
+    let without_root = issued.chain_pem.len().saturating_sub(1).max(1);
+    let chain: String = issued.chain_pem[..without_root].concat();
+    let outcome = Outcome::Issued {
+        identity: identity.to_string(),
+        serial: issued.serial_hex.clone(),
+    };
+    let status = PodCertificateRequestStatus {
+        begin_refresh_at: Some(to_time(begin_refresh_at(not_before, not_after))),
+        certificate_chain: Some(chain),
+        conditions: Some(vec![condition(&outcome, request, now)]),
+        not_after: Some(to_time(not_after)),
+        not_before: Some(to_time(not_before)),
+    };
+    Ok((outcome, status))
+}
+
+/// Half the lifetime, plus or minus up to a twentieth of it (so a mass
+/// restart does not come back all at once), inside the API's bounds
+/// `[notBefore + 10 min, notAfter - 10 min]`.
+pub(crate) fn begin_refresh_at(
+    not_before: OffsetDateTime,
+    not_after: OffsetDateTime,
+) -> OffsetDateTime {
+    let lifetime = not_after - not_before;
+    let jitter_span = lifetime.whole_seconds() / 10;
+    let mut random = [0u8; 8];
+    let _ = ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut random);
+    let jitter = if jitter_span > 0 {
+        (u64::from_le_bytes(random) % jitter_span as u64) as i64 - jitter_span / 2
+    } else {
+        0
+    };
+    let at: OffsetDateTime = not_before + lifetime / 2 + time::Duration::seconds(jitter);
+    let earliest = not_before + time::Duration::minutes(10);
+    let latest = not_after - time::Duration::minutes(10);
+    at.clamp(earliest, latest.max(earliest))
+}
+
+/// The status of a denial or failure: the condition only.
+fn answer_status(
+    outcome: &Outcome,
+    request: &PodCertificateRequest,
+    now: OffsetDateTime,
+) -> PodCertificateRequestStatus {
+    PodCertificateRequestStatus {
+        conditions: Some(vec![condition(outcome, request, now)]),
+        ..Default::default()
+    }
+}
+
+fn condition(outcome: &Outcome, request: &PodCertificateRequest, now: OffsetDateTime) -> Condition {
+    let message = match outcome {
+        Outcome::Issued { identity, serial } => {
+            format!("issued {identity} (serial {serial})")
+        }
+        Outcome::Denied { message, .. } | Outcome::Failed { message, .. } => message.clone(),
+    };
+    Condition {
+        type_: outcome.condition_type().to_string(),
+        status: "True".into(),
+        reason: outcome.reason().to_string(),
+        message,
+        last_transition_time: to_time(now),
+        observed_generation: request.metadata.generation,
+    }
+}
+
+fn to_time(t: OffsetDateTime) -> Time {
+    let seconds = t.unix_timestamp();
+    Time(k8s_openapi::jiff::Timestamp::from_second(seconds).unwrap_or_default())
+}
+
+fn timestamp(t: &Time) -> OffsetDateTime {
+    OffsetDateTime::from_unix_timestamp(t.0.as_second()).unwrap_or(OffsetDateTime::UNIX_EPOCH)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lifetime_is_the_smaller_of_the_request_and_the_flag() {
+        let day = Duration::from_secs(86400);
+        assert_eq!(lifetime(None, Duration::from_secs(90 * 86400)), day);
+        assert_eq!(
+            lifetime(Some(3600), Duration::from_secs(90 * 86400)),
+            Duration::from_secs(3600)
+        );
+        assert_eq!(lifetime(Some(7 * 86400), day), day);
+    }
+
+    #[test]
+    fn refresh_is_near_half_the_lifetime_and_inside_the_api_bounds() {
+        let nb = OffsetDateTime::from_unix_timestamp(1_800_000_000).unwrap();
+        for hours in [1, 24, 24 * 90] {
+            let na = nb + time::Duration::hours(hours);
+            for _ in 0..50 {
+                let at = begin_refresh_at(nb, na);
+                assert!(at >= nb + time::Duration::minutes(10));
+                assert!(at <= na - time::Duration::minutes(10));
+                let half: OffsetDateTime = nb + (na - nb) / 2;
+                assert!(
+                    (at - half).abs() <= (na - nb) / 20,
+                    "{hours}h: {at} vs {half}"
+                );
+            }
+        }
+    }
+}
