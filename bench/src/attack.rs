@@ -317,10 +317,10 @@ fn register_identities(
     (0..n)
         .map(|i| {
             let sa = format!("sa-{i}");
-            let token = format!("{namespace}-token-{i}");
-            server
-                .kube
-                .add_token(&token, FakeUser::service_account(namespace, &sa));
+            let token = server.kube.add_review_token(
+                &format!("{namespace}-token-{i}"),
+                FakeUser::service_account(namespace, &sa),
+            );
             (namespace.to_string(), sa, token)
         })
         .collect()

@@ -106,11 +106,10 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
                 )
             } else {
                 // FakeUser binds a reviewed token to `ztunnel-pod` too.
-                kube.add_token(
+                kube.add_review_token(
                     NODE_AGENT_TOKEN,
                     FakeUser::service_account("istio-system", "ztunnel"),
-                );
-                NODE_AGENT_TOKEN.to_string()
+                )
             })
         }
     };
@@ -122,9 +121,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         } else if args.offline_jwt {
             kube.mint_token(&ns, &sa, None)
         } else {
-            let token = format!("token-{i}-{}", i.wrapping_mul(2654435761));
-            kube.add_token(&token, FakeUser::service_account(&ns, &sa));
-            token
+            kube.add_review_token(&format!("token-{i}"), FakeUser::service_account(&ns, &sa))
         };
         tokens.push((ns, sa, token));
     }

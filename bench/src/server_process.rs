@@ -88,7 +88,10 @@ impl Meshca {
         let grpc = free_addr()?;
         let monitoring = free_addr()?;
         let log = std::fs::File::create(dir.path().join("meshca.log"))?;
+        // A load generator asks for many certificates of few identities:
+        // the per-identity issuance rate limit is off here.
         let child = Command::new(meshca)
+            .env("MESHCA_ISSUANCE_BURST", "0")
             .arg("serve")
             .args([
                 "--listen",

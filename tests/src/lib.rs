@@ -145,7 +145,12 @@ impl MeshcaServer {
         let log_path = data_dir.with_extension(format!("{}.log", grpc.port()));
         let log = std::fs::File::create(&log_path).expect("log file");
         let mut command = Command::new(&binaries().meshca);
+        // The per-identity issuance rate limit is off in the end-to-end
+        // tests, which ask for many certificates of one identity; a test's
+        // own `--issuance-burst` (a flag wins over the environment) turns it
+        // back on.
         command
+            .env("MESHCA_ISSUANCE_BURST", "0")
             .arg("serve")
             .arg("--listen")
             .arg(grpc.to_string())

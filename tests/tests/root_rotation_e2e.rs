@@ -192,14 +192,15 @@ async fn renew(
 async fn workloads_that_trust_their_answers_survive_a_root_rotation() {
     let dir = tempfile::tempdir().unwrap();
     let kube = FakeKube::start(dir.path()).await;
-    for (token, sa) in [
-        ("web", "web"),
-        ("db", "db"),
-        ("cm", "cm"),
-        ("agent", "agent"),
-    ] {
-        kube.add_token(token, FakeUser::service_account("default", sa));
-    }
+    // JWT-shaped tokens that the fake API server reviews (meshca refuses
+    // anything else before a TokenReview).
+    let token_of: std::collections::HashMap<&str, &'static str> = ["web", "db", "cm", "agent"]
+        .into_iter()
+        .map(|sa| {
+            let token = kube.add_review_token(sa, FakeUser::service_account("default", sa));
+            (sa, &*Box::leak(token.into_boxed_str()))
+        })
+        .collect();
     // Short enough for a test: both roots announced 6 s, leaves live 4 s
     // (renewed at most every 2 s), the old root retired 4 s + 6 s after
     // the switch. Far below what clients renewing at half of a 24 h
@@ -250,7 +251,7 @@ async fn workloads_that_trust_their_answers_survive_a_root_rotation() {
     )
     .unwrap();
     let token_file = dir.path().join("agent-token");
-    std::fs::write(&token_file, "agent").unwrap();
+    std::fs::write(&token_file, token_of["agent"]).unwrap();
     let agent_client = CaClient::new(CaClientConfig {
         ca_addr: format!("https://{}", servers[1].grpc),
         root_cert: agent_out.join(output::ROOT_CERT_FILE),
@@ -276,10 +277,42 @@ async fn workloads_that_trust_their_answers_survive_a_root_rotation() {
         answer_roots: TrustBundle::default(),
     };
     let mut workloads = vec![
-        workload("ztunnel-a", "web", "web", 0, Trust::OwnAnswer, 2000, 0),
-        workload("ztunnel-b", "db", "db", 1, Trust::OwnAnswer, 1300, 0),
-        workload("configmap", "cm", "cm", 0, Trust::ConfigMap, 1700, 0),
-        workload("agent", "agent", "agent", 1, Trust::AgentFile, 1100, 0),
+        workload(
+            "ztunnel-a",
+            "web",
+            token_of["web"],
+            0,
+            Trust::OwnAnswer,
+            2000,
+            0,
+        ),
+        workload(
+            "ztunnel-b",
+            "db",
+            token_of["db"],
+            1,
+            Trust::OwnAnswer,
+            1300,
+            0,
+        ),
+        workload(
+            "configmap",
+            "cm",
+            token_of["cm"],
+            0,
+            Trust::ConfigMap,
+            1700,
+            0,
+        ),
+        workload(
+            "agent",
+            "agent",
+            token_of["agent"],
+            1,
+            Trust::AgentFile,
+            1100,
+            0,
+        ),
     ];
     workloads[3].agent = Some((agent_client, agent_out));
 
