@@ -29,12 +29,22 @@ pub struct Binaries {
     pub meshca_agent: PathBuf,
 }
 
-/// Builds `bin` with the workspace's feature set (`--workspace`, no
-/// `--target`), so the artifacts `cargo test --workspace` already built are
-/// reused and only the binary itself is linked.
+/// Builds `bin` with the feature set `cargo test --workspace` resolves, so
+/// the artifacts the test build already made are reused and only the binary
+/// itself is linked (no second build of every dependency, which doubles the
+/// suite's time and disk).
+///
+/// Cargo unifies dev-dependency features only when a selected target needs
+/// them, so a plain `cargo build --bin` resolves other features than
+/// `cargo test` (the test crate's dev-dependencies turn on features of
+/// tonic, prost and others) and rebuilds the whole tree. Selecting one test
+/// target as well (`--test agent_e2e`, already built by `cargo test`) makes
+/// the two builds agree.
 fn build(bin: &str) -> PathBuf {
     escargot::CargoBuild::new()
         .arg("--workspace")
+        .arg("--test")
+        .arg("agent_e2e")
         .bin(bin)
         .current_release()
         .run()
