@@ -40,8 +40,35 @@ pub struct Binaries {
 /// tonic, prost and others) and rebuilds the whole tree. Selecting one test
 /// target as well (`--test agent_e2e`, already built by `cargo test`) makes
 /// the two builds agree.
+///
+/// Cargo also re-runs a build script when an environment variable it
+/// declared (`rerun-if-env-changed`) differs from the last build, and it
+/// sets some of those (`CARGO_PKG_NAME`, `CARGO_MANIFEST_DIR`, `OUT_DIR`…)
+/// for the test process: passed on to this build they would rebuild `ring`
+/// and everything above it, and the next `cargo test` would rebuild it
+/// back. They are removed here.
 fn build(bin: &str) -> PathBuf {
-    escargot::CargoBuild::new()
+    let mut cargo = escargot::CargoBuild::new();
+    for (name, _) in std::env::vars_os() {
+        let Some(name) = name.to_str() else { continue };
+        if name.starts_with("CARGO_PKG_")
+            || name.starts_with("CARGO_BIN_")
+            || matches!(
+                name,
+                "CARGO_MANIFEST_DIR"
+                    | "CARGO_MANIFEST_PATH"
+                    | "CARGO_MANIFEST_LINKS"
+                    | "CARGO_CRATE_NAME"
+                    | "CARGO_PRIMARY_PACKAGE"
+                    | "CARGO_TARGET_TMPDIR"
+                    | "CARGO_RUSTC_CURRENT_DIR"
+                    | "OUT_DIR"
+            )
+        {
+            cargo = cargo.env_remove(name);
+        }
+    }
+    cargo
         .arg("--workspace")
         .arg("--test")
         .arg("agent_e2e")

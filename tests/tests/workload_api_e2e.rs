@@ -471,10 +471,112 @@ const WEB_POD_UID: &str = "0f0e0d0c-1111-4222-8333-444455556666";
 const DB_POD_UID: &str = "7a7b7c7d-aaaa-4bbb-8ccc-dddddddddddd";
 const CONTAINER: &str = "3b1ad5e2c0f4a8b9c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4";
 
-// Known failure, not yet understood: the second caller (the db pod's
-// cgroup) is served the web pod's identity. Node mode is not finished
-// (see the README's Workload API section); run with `--ignored`.
-#[ignore = "node mode serves the first pod's identity to the second caller"]
+/// Where a caller process finds its instructions (see [`caller_process`]).
+const CALLER_SOCKET_ENV: &str = "MESHCA_TEST_CALLER_SOCKET";
+/// `source` (an `X509Source` held open) or `probe` (one raw request).
+const CALLER_MODE_ENV: &str = "MESHCA_TEST_CALLER_MODE";
+
+/// Another process on the node's socket: node mode tells callers apart by
+/// their PID's cgroups, so each pod is a process of its own (a process's
+/// cgroup does not change while it runs, and the `spiffe` crate's
+/// `X509Source` reconnects after its first answer, so one process cannot
+/// stand for two pods). It is this test binary re-run as the ignored test
+/// [`caller_process`]; the cgroup file of its PID is written before it is
+/// told to connect.
+struct CallerProcess {
+    child: Child,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl CallerProcess {
+    fn start(socket: &Path, mode: &str, proc_root: &Path, cgroup: &str) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["caller_process", "--exact", "--ignored", "--nocapture"])
+            .env(CALLER_SOCKET_ENV, socket)
+            .env(CALLER_MODE_ENV, mode)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        set_cgroup(proc_root, child.id(), cgroup);
+        use std::io::Write;
+        writeln!(child.stdin.as_mut().unwrap(), "go").unwrap();
+        let lines = std::io::BufRead::lines(std::io::BufReader::new(child.stdout.take().unwrap()));
+        Self { child, lines }
+    }
+
+    /// The next `CALLER ` line the process printed.
+    fn next(&mut self) -> String {
+        for line in self.lines.by_ref() {
+            if let Some(said) = line.unwrap().strip_prefix("CALLER ") {
+                return said.to_string();
+            }
+        }
+        panic!("the caller process ended without an answer");
+    }
+
+    /// Closes its stdin (it re-checks its source and exits) and returns
+    /// its last line.
+    fn finish(mut self) -> String {
+        drop(self.child.stdin.take());
+        let last = self.next();
+        assert!(self.child.wait().unwrap().success());
+        last
+    }
+}
+
+impl Drop for CallerProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Not a test on its own: the other process of
+/// `node_mode_serves_each_pod_its_identity`. Waits for `go` on stdin, then
+/// either holds an `X509Source` (prints `CALLER SVID <id>`, again when
+/// stdin closes) or makes one raw request (prints `CALLER SVID <id>` or
+/// `CALLER DENIED <code> <message>`).
+#[ignore = "a helper process started by node_mode_serves_each_pod_its_identity"]
+#[tokio::test]
+async fn caller_process() {
+    let (Some(socket), Some(mode)) = (
+        std::env::var_os(CALLER_SOCKET_ENV),
+        std::env::var(CALLER_MODE_ENV).ok(),
+    ) else {
+        panic!("run by node_mode_serves_each_pod_its_identity only");
+    };
+    let socket = PathBuf::from(socket);
+    let mut go = String::new();
+    std::io::stdin().read_line(&mut go).unwrap();
+    if mode == "source" {
+        let source = x509_source(&socket).await.expect("an X509Source");
+        println!("CALLER SVID {}", source.svid().unwrap().spiffe_id());
+        // Until the parent closes stdin.
+        let mut rest = String::new();
+        let _ = tokio::task::spawn_blocking(move || std::io::stdin().read_line(&mut rest)).await;
+        let id = source.svid().unwrap().spiffe_id().to_string();
+        source.shutdown().await;
+        println!("CALLER SVID {id}");
+        return;
+    }
+    let mut raw = SpiffeWorkloadApiClient::new(channel(&socket).await);
+    let mut request = tonic::Request::new(X509svidRequest {});
+    request
+        .metadata_mut()
+        .insert("workload.spiffe.io", "true".parse().unwrap());
+    let first = match raw.fetch_x509svid(request).await {
+        Err(status) => Err(status),
+        Ok(mut stream) => stream.get_mut().message().await,
+    };
+    match first {
+        Ok(Some(answer)) => println!("CALLER SVID {}", answer.svids[0].spiffe_id),
+        Ok(None) => println!("CALLER ENDED"),
+        Err(status) => println!("CALLER DENIED {:?} {}", status.code(), status.message()),
+    }
+}
+
 #[tokio::test]
 async fn node_mode_serves_each_pod_its_identity() {
     let dir = tempfile::tempdir().unwrap();
@@ -504,12 +606,11 @@ async fn node_mode_serves_each_pod_its_identity() {
     .await;
     std::fs::write(dir.path().join("root-cert.pem"), server.root_pem()).unwrap();
     let proc_root = dir.path().join("proc");
-    let me = std::process::id();
-    // The test process is the caller; its cgroup file says which pod it is
-    // in when each connection is accepted.
+    // This test process is the web pod's container (cgroup v2, cgroupfs
+    // driver) for the whole test.
     set_cgroup(
         &proc_root,
-        me,
+        std::process::id(),
         &format!("0::/kubepods/burstable/pod{WEB_POD_UID}/{CONTAINER}\n"),
     );
     let socket = dir.path().join("node/agent.sock");
@@ -534,23 +635,27 @@ async fn node_mode_serves_each_pod_its_identity() {
     let web = x509_source(&socket).await.expect("the web pod's source");
     check_source(&web, WEB);
 
-    // The systemd driver's form of the other pod (cgroup v1 lines).
+    // The db pod's process, in the systemd driver's form (cgroup v1 lines),
+    // holding its own source while the web pod holds its one.
     let systemd_uid = DB_POD_UID.replace('-', "_");
-    set_cgroup(
-        &proc_root,
-        me,
-        &format!(
-            "12:memory:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{systemd_uid}.slice/cri-containerd-{CONTAINER}.scope\n\
-             1:name=systemd:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{systemd_uid}.slice/cri-containerd-{CONTAINER}.scope\n"
-        ),
+    let db_cgroup = format!(
+        "12:memory:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{systemd_uid}.slice/cri-containerd-{CONTAINER}.scope\n\
+         1:name=systemd:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{systemd_uid}.slice/cri-containerd-{CONTAINER}.scope\n"
     );
-    let db = x509_source(&socket).await.expect("the db pod's source");
-    check_source(&db, DB);
+    let mut db = tokio::task::spawn_blocking({
+        let (socket, proc_root) = (socket.clone(), proc_root.clone());
+        move || {
+            let mut db = CallerProcess::start(&socket, "source", &proc_root, &db_cgroup);
+            let first = db.next();
+            (db, first)
+        }
+    })
+    .await
+    .unwrap();
+    assert_eq!(db.1, format!("SVID {DB}"), "{}", agent.log());
     check_source(&web, WEB);
 
     // A caller that is not in a pod, and one whose pod is not on this node.
-    let mut header = tonic::metadata::MetadataMap::new();
-    header.insert("workload.spiffe.io", "true".parse().unwrap());
     for (cgroup, needle) in [
         (
             "0::/user.slice/user-1000.slice/session-1.scope\n".to_string(),
@@ -561,26 +666,24 @@ async fn node_mode_serves_each_pod_its_identity() {
             "is not a pod of node node-a",
         ),
     ] {
-        set_cgroup(&proc_root, me, &cgroup);
-        let mut raw = SpiffeWorkloadApiClient::new(channel(&socket).await);
-        let mut request = tonic::Request::new(X509svidRequest {});
-        *request.metadata_mut() = header.clone();
-        let status = match raw.fetch_x509svid(request).await {
-            Err(status) => status,
-            Ok(mut stream) => stream
-                .get_mut()
-                .message()
-                .await
-                .expect_err("no identity for this caller"),
-        };
-        assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
-        assert!(status.message().contains(needle), "{status:?}");
+        let (socket, proc_root) = (socket.clone(), proc_root.clone());
+        let answer = tokio::task::spawn_blocking(move || {
+            CallerProcess::start(&socket, "probe", &proc_root, &cgroup).finish()
+        })
+        .await
+        .unwrap();
+        assert!(
+            answer.starts_with("DENIED PermissionDenied") && answer.contains(needle),
+            "{answer}"
+        );
     }
-    // The two pods' streams are still served.
+    // Both pods' sources still hold their own identities.
     check_source(&web, WEB);
-    check_source(&db, DB);
+    let last = tokio::task::spawn_blocking(move || db.0.finish())
+        .await
+        .unwrap();
+    assert_eq!(last, format!("SVID {DB}"));
     web.shutdown().await;
-    db.shutdown().await;
     assert!(
         server.log().contains("meshca-agent"),
         "the CA issued to the node agent:\n{}",
