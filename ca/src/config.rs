@@ -27,6 +27,13 @@ pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
 /// (README, "Flags", has the formula).
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 4096;
 
+/// gRPC requests (HTTP/2 streams) open at once across every connection
+/// unless `--max-open-requests` says otherwise: 64 node agents' or shared
+/// connections' worth of `--max-concurrent-streams`. Each open request
+/// holds memory from its HEADERS on, whether or not its message arrives
+/// (README, "Flags", has the memory formula).
+pub const DEFAULT_MAX_OPEN_REQUESTS: u32 = 8192;
+
 /// HTTP/2 streams (requests) one connection may have open at once unless
 /// `--max-concurrent-streams` says otherwise. A node agent such as ztunnel
 /// asks for every pod of its node over one connection; beyond this many
@@ -174,6 +181,17 @@ pub struct ServeArgs {
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub max_connections: u32,
+
+    /// gRPC requests (HTTP/2 streams) open at once across all connections;
+    /// one beyond it is answered RESOURCE_EXHAUSTED before its message is
+    /// read. Sized from the memory limit (README, "Flags").
+    #[arg(
+        long,
+        env = "MESHCA_MAX_OPEN_REQUESTS",
+        default_value_t = DEFAULT_MAX_OPEN_REQUESTS,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub max_open_requests: u32,
 
     /// A client that has not completed its TLS handshake this long after
     /// connecting is dropped.
@@ -373,6 +391,8 @@ pub struct Config {
     pub max_connection_idle: Option<Duration>,
     /// gRPC connections open at once; more are closed at accept.
     pub max_connections: usize,
+    /// gRPC requests open at once across all connections; more are refused.
+    pub max_open_requests: usize,
     /// Longest time a TLS handshake may take.
     pub tls_handshake_timeout: Duration,
     /// Event loops serving gRPC connections (at least one).
@@ -567,6 +587,7 @@ impl TryFrom<ServeArgs> for Config {
             request_timeout: args.request_timeout,
             max_connection_idle: Some(args.max_connection_idle).filter(|idle| !idle.is_zero()),
             max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+            max_open_requests: usize::try_from(args.max_open_requests).unwrap_or(usize::MAX),
             tls_handshake_timeout: args.tls_handshake_timeout,
             event_loops: match args.event_loops {
                 0 => std::thread::available_parallelism().map_or(1, usize::from),
@@ -660,6 +681,7 @@ mod tests {
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
         assert_eq!(c.max_connection_idle, Some(Duration::from_secs(5 * 60)));
         assert_eq!(c.max_connections, 4096);
+        assert_eq!(c.max_open_requests, 8192);
         assert_eq!(c.tls_handshake_timeout, Duration::from_secs(10));
     }
 
@@ -670,15 +692,19 @@ mod tests {
             "0s",
             "--max-connections",
             "10",
+            "--max-open-requests",
+            "20",
             "--tls-handshake-timeout",
             "3s",
         ])
         .unwrap();
+        assert_eq!(c.max_open_requests, 20);
         assert_eq!(c.max_connection_idle, None);
         assert_eq!(c.max_connections, 10);
         assert_eq!(c.tls_handshake_timeout, Duration::from_secs(3));
         for refused in [
             ["--max-connections", "0"],
+            ["--max-open-requests", "0"],
             ["--tls-handshake-timeout", "0s"],
         ] {
             let err = parse(&refused).err().unwrap();

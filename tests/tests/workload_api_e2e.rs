@@ -642,7 +642,7 @@ async fn node_mode_serves_each_pod_its_identity() {
         "12:memory:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{systemd_uid}.slice/cri-containerd-{CONTAINER}.scope\n\
          1:name=systemd:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{systemd_uid}.slice/cri-containerd-{CONTAINER}.scope\n"
     );
-    let mut db = tokio::task::spawn_blocking({
+    let db = tokio::task::spawn_blocking({
         let (socket, proc_root) = (socket.clone(), proc_root.clone());
         move || {
             let mut db = CallerProcess::start(&socket, "source", &proc_root, &db_cgroup);
