@@ -162,19 +162,14 @@ async fn reviews_are_cached_and_shared() {
 }
 
 /// The unlabelled metric `name` on `server`'s /metrics page.
-fn metric(server: &MeshcaServer, name: &str) -> u64 {
-    let (_, body) = http_get(server.monitoring, "/metrics").unwrap();
-    body.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map(|v| v as u64)
-        .unwrap_or_else(|| panic!("{name} missing in\n{body}"))
+fn server_metric(server: &MeshcaServer, name: &str) -> u64 {
+    metric(&http_get(server.monitoring, "/metrics").unwrap().1, name)
 }
 
 #[tokio::test]
 async fn reviews_waiting_for_an_api_call_are_exported() {
     let (_dir, kube, server) = setup(&["--kube-api-max-in-flight", "1"]).await;
-    assert_eq!(metric(&server, "meshca_token_reviews_waiting"), 0);
+    assert_eq!(server_metric(&server, "meshca_token_reviews_waiting"), 0);
     // Three tokens, one API call at a time: two reviews wait (each less
     // than the 2 s a review may wait).
     kube.set_latency(Duration::from_millis(700));
@@ -191,14 +186,14 @@ async fn reviews_waiting_for_an_api_call_are_exported() {
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
     let mut most = 0;
     while most < 2 && std::time::Instant::now() < deadline {
-        most = most.max(metric(&server, "meshca_token_reviews_waiting"));
+        most = most.max(server_metric(&server, "meshca_token_reviews_waiting"));
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(most, 2, "two reviews wait for the one API call allowed");
     for task in tasks {
         task.await.unwrap().unwrap();
     }
-    assert_eq!(metric(&server, "meshca_token_reviews_waiting"), 0);
+    assert_eq!(server_metric(&server, "meshca_token_reviews_waiting"), 0);
 }
 
 #[tokio::test]
@@ -219,7 +214,7 @@ async fn requests_beyond_the_open_limit_are_refused_at_once() {
         }));
     }
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
-    while metric(&server, "meshca_token_reviews_waiting") < 1 {
+    while server_metric(&server, "meshca_token_reviews_waiting") < 1 {
         assert!(std::time::Instant::now() < deadline, "both reviews started");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
@@ -237,7 +232,10 @@ async fn requests_beyond_the_open_limit_are_refused_at_once() {
         "refused at once"
     );
     assert_eq!(kube.reviews(), 0, "no review for the refused request");
-    assert_eq!(metric(&server, "meshca_open_requests_refused_count"), 1);
+    assert_eq!(
+        server_metric(&server, "meshca_open_requests_refused_count"),
+        1
+    );
     // The held ones are answered, and then there is room again.
     for request in held {
         request.await.unwrap().expect("a held request is answered");

@@ -295,29 +295,21 @@ mod tests {
         let all = OpenRequests::new(2, refused.clone());
         let handled = Arc::new(AtomicUsize::new(0));
         let layer = CountStreamsLayer::new(Arc::new(StreamActivity::default()), all.clone());
-        let mut first_connection = layer.clone().layer(tower::service_fn({
+        // Answers at once, counting the requests it handles.
+        let answering = || {
             let handled = handled.clone();
-            move |_: Request<()>| {
+            tower::service_fn(move |_: Request<()>| {
                 handled.fetch_add(1, Ordering::SeqCst);
                 async {
                     Ok::<_, Infallible>(Response::new(http_body_util::Full::new(
                         Bytes::from_static(b"answer"),
                     )))
                 }
-            }
-        }));
+            })
+        };
+        let mut first_connection = layer.layer(answering());
         let other = CountStreamsLayer::new(Arc::new(StreamActivity::default()), all.clone());
-        let mut second_connection = other.layer(tower::service_fn({
-            let handled = handled.clone();
-            move |_: Request<()>| {
-                handled.fetch_add(1, Ordering::SeqCst);
-                async {
-                    Ok::<_, Infallible>(Response::new(http_body_util::Full::new(
-                        Bytes::from_static(b"answer"),
-                    )))
-                }
-            }
-        }));
+        let mut second_connection = other.layer(answering());
         // Two answers not yet sent, on two connections: the limit is reached.
         let one = first_connection.call(Request::new(())).await.unwrap();
         let two = second_connection.call(Request::new(())).await.unwrap();
