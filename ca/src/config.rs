@@ -22,10 +22,32 @@ pub const DEFAULT_SERVER_DNS: [&str; 2] = ["istiod.istio-system.svc", "localhost
 pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
 
 /// gRPC connections open at once unless `--max-connections` says
-/// otherwise: half the Deployment's memory limit (256 MiB) less the
-/// server's idle RSS, divided by the memory of one idle connection
-/// (README, "Flags", has the formula).
-pub const DEFAULT_MAX_CONNECTIONS: u32 = 4096;
+/// otherwise: with [`DEFAULT_MAX_OPEN_REQUESTS`], what [`memory_bound`]
+/// keeps inside the Deployment's memory limit of 256 MiB (README,
+/// "Memory", has the formula; a test of the manifests checks it).
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 3072;
+
+/// The server's resident memory at rest (release build, a few MiB of
+/// which are the CA material and the caches; BENCHMARKS.md, "Hostile load,
+/// after the limits", RSS before every scenario: 12–13 MiB), rounded up.
+pub const MEMORY_AT_REST: u64 = 16 << 20;
+/// Resident memory of one open gRPC connection, TLS and HTTP/2 included,
+/// as measured with 4,096 of them held at once (BENCHMARKS.md, "Hostile
+/// load, after the limits": 193 MiB for 4,096, ~48 KiB each).
+pub const MEMORY_PER_CONNECTION: u64 = 48 << 10;
+/// Resident memory of one open request (its HTTP/2 stream, tonic's decoder,
+/// its task, its place in a queue), as measured in a mass restart over 64
+/// connections (8,192 requests open: peak 67 MiB, ~7 KiB each), rounded up.
+pub const MEMORY_PER_OPEN_REQUEST: u64 = 8 << 10;
+
+/// The most resident memory `max_connections` connections and
+/// `max_open_requests` open requests can make the server use: the sum of
+/// [`MEMORY_AT_REST`] and the measured cost of each (README, "Memory").
+pub const fn memory_bound(max_connections: u64, max_open_requests: u64) -> u64 {
+    MEMORY_AT_REST
+        + max_connections * MEMORY_PER_CONNECTION
+        + max_open_requests * MEMORY_PER_OPEN_REQUEST
+}
 
 /// gRPC requests (HTTP/2 streams) open at once across every connection
 /// unless `--max-open-requests` says otherwise: 64 node agents' or shared
@@ -680,7 +702,7 @@ mod tests {
         assert_eq!(c.pod_watch_failure_limit, Duration::from_secs(30));
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
         assert_eq!(c.max_connection_idle, Some(Duration::from_secs(5 * 60)));
-        assert_eq!(c.max_connections, 4096);
+        assert_eq!(c.max_connections, 3072);
         assert_eq!(c.max_open_requests, 8192);
         assert_eq!(c.tls_handshake_timeout, Duration::from_secs(10));
     }
