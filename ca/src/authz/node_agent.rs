@@ -241,7 +241,7 @@ impl PodIndex {
     }
 
     /// How many pods are indexed.
-    #[cfg(test)]
+    #[cfg(any(test, fuzzing))]
     pub(crate) fn len(&self) -> usize {
         self.maps
             .read()
