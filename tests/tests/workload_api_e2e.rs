@@ -21,7 +21,7 @@ use meshca_certs::inspect::spki_der;
 use meshca_certs::profile::{self_signed_root, SubjectName, Validity};
 use meshca_certs::{KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle};
 use meshca_proto::spiffe_workload::spiffe_workload_api_client::SpiffeWorkloadApiClient;
-use meshca_proto::spiffe_workload::{JwtsvidRequest, X509svidRequest};
+use meshca_proto::spiffe_workload::{JwtsvidRequest, X509BundlesRequest, X509svidRequest};
 use meshca_tests::fake_kube::{FakeKube, FakeUser};
 use meshca_tests::*;
 use prost::Message;
@@ -510,6 +510,17 @@ fn source_held(source: &X509Source, expected: &str) -> Held {
     }
 }
 
+/// The certificates of a Workload API bundle (DER, concatenated).
+fn split_der(mut bytes: &[u8]) -> Vec<Vec<u8>> {
+    let mut certs = Vec::new();
+    while !bytes.is_empty() {
+        let (rest, _) = x509_parser::parse_x509_certificate(bytes).unwrap();
+        certs.push(bytes[..bytes.len() - rest.len()].to_vec());
+        bytes = rest;
+    }
+    certs
+}
+
 /// The moments of a root rotation one client has been seen in.
 #[derive(Debug, Default)]
 struct RotationSeen {
@@ -642,6 +653,26 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
         }
     });
 
+    // A FetchX509Bundles stream: a message per bundle change only.
+    let mut bundle_request = tonic::Request::new(X509BundlesRequest {});
+    bundle_request
+        .metadata_mut()
+        .insert("workload.spiffe.io", "true".parse().unwrap());
+    let mut bundle_stream = SpiffeWorkloadApiClient::new(channel(&socket).await)
+        .fetch_x509_bundles(bundle_request)
+        .await
+        .unwrap()
+        .into_inner();
+    let (bundle_tx, mut bundle_rx) = tokio::sync::mpsc::unbounded_channel();
+    let bundle_reader = tokio::spawn(async move {
+        while let Ok(Some(message)) = bundle_stream.message().await {
+            if bundle_tx.send(message).is_err() {
+                return;
+            }
+        }
+    });
+    let mut bundles: Vec<Vec<Vec<u8>>> = Vec::new();
+
     assert!(ask_root_rotation(&kube));
     let mut phases: Vec<String> = Vec::new();
     let (mut by_source, mut by_sds) = (RotationSeen::default(), RotationSeen::default());
@@ -653,7 +684,8 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
         () => {
             format!(
                 "phases {phases:?}; X509Source saw {by_source:?}, SDS saw {by_sds:?} \
-                 ({sds_updates} answers)\n--- agent:\n{}\n--- meshca:\n{}",
+                 ({sds_updates} answers), bundle stream roots {:?}\n--- agent:\n{}\n--- meshca:\n{}",
+                bundles.iter().map(Vec::len).collect::<Vec<_>>(),
                 agent.log(),
                 server.log()
             )
@@ -677,6 +709,11 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
             sds_updates += 1;
             by_sds.record(&sds_held(&response, WEB), &old_root);
         }
+        while let Ok(message) = bundle_rx.try_recv() {
+            let domains: Vec<&String> = message.bundles.keys().collect();
+            assert_eq!(domains, ["spiffe://cluster.local"]);
+            bundles.push(split_der(&message.bundles["spiffe://cluster.local"]));
+        }
         if by_source.announced && !projecting {
             // The new root reached the source during the grace period, from
             // the CA's answers alone: the kubelet has not projected the new
@@ -696,7 +733,10 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
                 replace_file(&root_file, &published);
             }
         }
-        if label == "retired" && by_source.done() && by_sds.done() {
+        let bundle_done = bundles
+            .last()
+            .is_some_and(|b| b.len() == 1 && b[0] != old_root);
+        if label == "retired" && by_source.done() && by_sds.done() && bundle_done {
             break;
         }
         assert!(Instant::now() < deadline, "{}", report!());
@@ -708,10 +748,25 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
         "{phases}"
     );
     assert_eq!(
-        new_root,
-        Some(rotation_state(&kube).unwrap().signing_root),
+        new_root.as_ref(),
+        Some(&rotation_state(&kube).unwrap().signing_root),
         "the root both clients were given is the one that signs now"
     );
+    // The bundle stream sent the old root, both, then the new one alone,
+    // and nothing that was not a change (leaf rotations are not sent).
+    let new_root = new_root.unwrap();
+    assert_eq!(bundles[0], [old_root.clone()]);
+    assert!(
+        bundles
+            .iter()
+            .any(|b| b.len() == 2 && b.contains(&old_root) && b.contains(&new_root)),
+        "{bundles:?}"
+    );
+    assert_eq!(bundles.last().unwrap(), &[new_root]);
+    for pair in bundles.windows(2) {
+        assert_ne!(pair[0], pair[1], "a message per change only");
+    }
+    bundle_reader.abort();
     sds_reader.abort();
     source.shutdown().await;
 }
