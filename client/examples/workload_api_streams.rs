@@ -12,16 +12,21 @@
 //!   streams refused (`RESOURCE_EXHAUSTED` beyond `--max-streams`), the time
 //!   until every held stream had its first SVID, the agent's RSS (from
 //!   `/proc/PID/status`) before and with the streams open, and the agent's
-//!   CPU time (from `/proc/PID/stat`) while they opened;
+//!   CPU time (from `/proc/PID/task/*/schedstat`) while they opened;
 //! - `idle`: the agent's CPU time over `--idle` seconds with every stream
 //!   open and nothing changing;
 //! - `rotation`: for each rotation (the agent renewing its certificate),
 //!   how many streams received the new SVID, the time from the first stream
 //!   receiving it to the last (the agent pushes as soon as it holds the new
 //!   certificate, so this is the time to push a rotation to every stream),
-//!   and the agent's CPU time from the first to the last;
+//!   and the agent's CPU time from the first to the last and since the
+//!   wait for the rotation began (the renewal itself, the push, and
+//!   whatever the idle agent spent meanwhile);
 //! - `closed`: the agent's RSS once every stream and connection is closed,
-//!   and whether a new stream is then served (the slots were freed).
+//!   and whether a new stream is then served (the slots were freed);
+//! - `cycle`: with `--cycles N`, the agent's RSS after each of N more
+//!   rounds of opening every stream (each had its first SVID) and closing
+//!   them.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -54,6 +59,11 @@ struct Args {
     /// Seconds to watch the agent's CPU with every stream open and idle.
     #[arg(long, default_value_t = 10)]
     idle: u64,
+    /// After the rotations: open and close all the streams this many more
+    /// times, printing the agent's RSS after each (closing frees the
+    /// streams: RSS stays flat).
+    #[arg(long, default_value_t = 0)]
+    cycles: usize,
 }
 
 /// The agent's resident memory, KiB.
@@ -65,18 +75,22 @@ fn rss_kib(pid: Option<u32>) -> Option<u64> {
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
 }
 
-/// Clock ticks per second of `/proc/PID/stat` (`USER_HZ`, 100 on Linux).
-const USER_HZ: u64 = 100;
-
-/// The agent's CPU time so far (user + system, every thread), ms.
+/// The agent's CPU time so far (user + system, every live thread), ms:
+/// the sum of `/proc/PID/task/*/schedstat`'s first field (ns on a CPU).
 fn cpu_ms(pid: Option<u32>) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{}/stat", pid?)).ok()?;
-    // After the command name (in parentheses, may hold spaces): state is
-    // field 3, utime field 14, stime field 15.
-    let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
-    let utime: u64 = fields.get(11)?.parse().ok()?;
-    let stime: u64 = fields.get(12)?.parse().ok()?;
-    Some((utime + stime) * 1000 / USER_HZ)
+    let tasks = std::fs::read_dir(format!("/proc/{}/task", pid?)).ok()?;
+    let mut ns: u64 = 0;
+    for task in tasks.flatten() {
+        let Ok(stat) = std::fs::read_to_string(task.path().join("schedstat")) else {
+            continue;
+        };
+        ns += stat
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Some(ns / 1_000_000)
 }
 
 fn delta(after: Option<u64>, before: Option<u64>) -> String {
@@ -236,6 +250,7 @@ async fn main() -> anyhow::Result<()> {
         show(rss_kib(pid))
     );
     for rotation in 1..=args.rotations {
+        let cpu_waiting = cpu_ms(pid);
         let mut first_seen: Option<(Instant, Option<u64>)> = None;
         let mut last_seen = Instant::now();
         let mut moved = 0;
@@ -262,8 +277,10 @@ async fn main() -> anyhow::Result<()> {
             None => (Duration::ZERO, "?".into()),
         };
         println!(
-            "rotation={rotation} streams_updated={moved} first_to_last_ms={:.1} agent_cpu_ms={cpu} agent_rss_kib={}",
+            "rotation={rotation} streams_updated={moved} first_to_last_ms={:.1} agent_cpu_ms={cpu} \
+             agent_cpu_ms_since_waiting={} agent_rss_kib={}",
             spread.as_secs_f64() * 1000.0,
+            delta(cpu_after, cpu_waiting),
             show(rss_kib(pid))
         );
     }
@@ -287,5 +304,32 @@ async fn main() -> anyhow::Result<()> {
         "closed agent_rss_kib={} new_stream_served={again}",
         show(rss_closed)
     );
+    for cycle in 1..=args.cycles {
+        let mut connections = Vec::new();
+        let mut streams = Vec::with_capacity(args.streams);
+        let mut opened = 0;
+        for index in 0..args.streams {
+            // A new connection every 100 streams (the agent allows 128).
+            if index % 100 == 0 {
+                connections.push(channel(args.socket.clone()).await?);
+            }
+            let Some(connection) = connections.last() else {
+                continue;
+            };
+            if let Ok(mut stream) = open_stream(connection.clone()).await {
+                if matches!(stream.message().await, Ok(Some(_))) {
+                    opened += 1;
+                }
+                streams.push(stream);
+            }
+        }
+        drop(streams);
+        drop(connections);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        println!(
+            "cycle={cycle} opened={opened} closed agent_rss_kib={}",
+            show(rss_kib(pid))
+        );
+    }
     Ok(())
 }
