@@ -70,6 +70,14 @@ pub(crate) struct MassRestartArgs {
 }
 
 /// Runs the scenario. `Ok(false)` when a request got no certificate.
+/// The wait before try `retries + 1` of identity `i`: 1 s doubling, with a
+/// jitter of ±20 % that differs between identities.
+fn backoff(retries: u32, i: usize) -> Duration {
+    let base = Duration::from_secs(1) * 2u32.pow(retries);
+    let jitter = 0.8 + 0.4 * ((i as u64).wrapping_mul(2654435761) % 1000) as f64 / 1000.0;
+    base.mul_f64(jitter)
+}
+
 pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     let meshca = server_process::meshca_path(args.meshca.as_ref())?;
     let mut flags: Vec<String> = Vec::new();
@@ -200,9 +208,11 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
             (hist, failures)
         })
     };
-    // Every identity at once: one task each. Like the agent library, a
-    // request refused as overloaded or unavailable is retried after a
-    // jittered, doubling backoff (1 s, 2 s, 4 s…).
+    // Every identity at once: one task each. Like the agent library (and
+    // Istio's agents), a request refused as overloaded or unavailable, and
+    // with --connection-per-identity a connection the server closed at
+    // accept (--max-connections), is tried again after a jittered,
+    // doubling backoff (1 s, 2 s, 4 s…).
     let start = Instant::now();
     let mut tasks = Vec::with_capacity(args.identities);
     for (i, p) in prepared.iter().enumerate() {
@@ -215,24 +225,30 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         );
         tasks.push(tokio::spawn(async move {
             let t = Instant::now();
+            let mut retries = 0u32;
             let mut client = if per_identity {
-                // A failed connect is an answer too: counted by its kind.
-                match load::connect_istio(&addr, &root_pem, 1).await {
-                    Ok(mut own) => own.remove(0),
-                    Err(e) => {
-                        let kind = if format!("{e:#}").contains("timed out") {
-                            "CONNECT_TIMEOUT"
-                        } else {
-                            "CONNECT_FAILED"
-                        };
-                        return (t.elapsed(), t.elapsed(), 0, Err(kind.to_string()));
+                loop {
+                    match load::connect_istio(&addr, &root_pem, 1).await {
+                        Ok(mut own) => break own.remove(0),
+                        Err(_) if retries < MAX_RETRIES => {
+                            tokio::time::sleep(backoff(retries, i)).await;
+                            retries += 1;
+                        }
+                        // Given up: counted by its kind.
+                        Err(e) => {
+                            let kind = if format!("{e:#}").contains("timed out") {
+                                "CONNECT_TIMEOUT"
+                            } else {
+                                "CONNECT_FAILED"
+                            };
+                            return (t.elapsed(), t.elapsed(), retries, Err(kind.to_string()));
+                        }
                     }
                 }
             } else {
                 shared
             };
             let mut first_answer = None;
-            let mut retries = 0u32;
             loop {
                 let result = client.call(&p).await;
                 first_answer.get_or_insert(t.elapsed());
@@ -241,10 +257,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
                         if (code == "ResourceExhausted" || code == "Unavailable")
                             && retries < MAX_RETRIES =>
                     {
-                        let base = Duration::from_secs(1) * 2u32.pow(retries);
-                        let jitter = 0.8
-                            + 0.4 * ((i as u64).wrapping_mul(2654435761) % 1000) as f64 / 1000.0;
-                        tokio::time::sleep(base.mul_f64(jitter)).await;
+                        tokio::time::sleep(backoff(retries, i)).await;
                         retries += 1;
                     }
                     other => {

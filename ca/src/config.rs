@@ -22,10 +22,39 @@ pub const DEFAULT_SERVER_DNS: [&str; 2] = ["istiod.istio-system.svc", "localhost
 pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
 
 /// gRPC connections open at once unless `--max-connections` says
-/// otherwise: half the Deployment's memory limit (256 MiB) less the
-/// server's idle RSS, divided by the memory of one idle connection
-/// (README, "Flags", has the formula).
-pub const DEFAULT_MAX_CONNECTIONS: u32 = 4096;
+/// otherwise: with [`DEFAULT_MAX_OPEN_REQUESTS`], what [`memory_bound`]
+/// keeps inside the Deployment's memory limit of 256 MiB (README,
+/// "Memory", has the formula; a test of the manifests checks it).
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 3072;
+
+/// The server's resident memory at rest (release build, a few MiB of
+/// which are the CA material and the caches; BENCHMARKS.md, "Hostile load,
+/// after the limits", RSS before every scenario: 12–13 MiB), rounded up.
+pub const MEMORY_AT_REST: u64 = 16 << 20;
+/// Resident memory of one open gRPC connection, TLS and HTTP/2 included,
+/// as measured with 4,096 of them held at once (BENCHMARKS.md, "Hostile
+/// load, after the limits": 193 MiB for 4,096, ~48 KiB each).
+pub const MEMORY_PER_CONNECTION: u64 = 48 << 10;
+/// Resident memory of one open request (its HTTP/2 stream, tonic's decoder,
+/// its task, its place in a queue), as measured in a mass restart over 64
+/// connections (8,192 requests open: peak 67 MiB, ~7 KiB each), rounded up.
+pub const MEMORY_PER_OPEN_REQUEST: u64 = 8 << 10;
+
+/// The most resident memory `max_connections` connections and
+/// `max_open_requests` open requests can make the server use: the sum of
+/// [`MEMORY_AT_REST`] and the measured cost of each (README, "Memory").
+pub const fn memory_bound(max_connections: u64, max_open_requests: u64) -> u64 {
+    MEMORY_AT_REST
+        + max_connections * MEMORY_PER_CONNECTION
+        + max_open_requests * MEMORY_PER_OPEN_REQUEST
+}
+
+/// gRPC requests (HTTP/2 streams) open at once across every connection
+/// unless `--max-open-requests` says otherwise: 64 node agents' or shared
+/// connections' worth of `--max-concurrent-streams`. Each open request
+/// holds memory from its HEADERS on, whether or not its message arrives
+/// (README, "Flags", has the memory formula).
+pub const DEFAULT_MAX_OPEN_REQUESTS: u32 = 8192;
 
 /// HTTP/2 streams (requests) one connection may have open at once unless
 /// `--max-concurrent-streams` says otherwise. A node agent such as ztunnel
@@ -174,6 +203,17 @@ pub struct ServeArgs {
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub max_connections: u32,
+
+    /// gRPC requests (HTTP/2 streams) open at once across all connections;
+    /// one beyond it is answered RESOURCE_EXHAUSTED before its message is
+    /// read. Sized from the memory limit (README, "Flags").
+    #[arg(
+        long,
+        env = "MESHCA_MAX_OPEN_REQUESTS",
+        default_value_t = DEFAULT_MAX_OPEN_REQUESTS,
+        value_parser = clap::value_parser!(u32).range(1..)
+    )]
+    pub max_open_requests: u32,
 
     /// A client that has not completed its TLS handshake this long after
     /// connecting is dropped.
@@ -373,6 +413,8 @@ pub struct Config {
     pub max_connection_idle: Option<Duration>,
     /// gRPC connections open at once; more are closed at accept.
     pub max_connections: usize,
+    /// gRPC requests open at once across all connections; more are refused.
+    pub max_open_requests: usize,
     /// Longest time a TLS handshake may take.
     pub tls_handshake_timeout: Duration,
     /// Event loops serving gRPC connections (at least one).
@@ -567,6 +609,7 @@ impl TryFrom<ServeArgs> for Config {
             request_timeout: args.request_timeout,
             max_connection_idle: Some(args.max_connection_idle).filter(|idle| !idle.is_zero()),
             max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+            max_open_requests: usize::try_from(args.max_open_requests).unwrap_or(usize::MAX),
             tls_handshake_timeout: args.tls_handshake_timeout,
             event_loops: match args.event_loops {
                 0 => std::thread::available_parallelism().map_or(1, usize::from),
@@ -659,7 +702,8 @@ mod tests {
         assert_eq!(c.pod_watch_failure_limit, Duration::from_secs(30));
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
         assert_eq!(c.max_connection_idle, Some(Duration::from_secs(5 * 60)));
-        assert_eq!(c.max_connections, 4096);
+        assert_eq!(c.max_connections, 3072);
+        assert_eq!(c.max_open_requests, 8192);
         assert_eq!(c.tls_handshake_timeout, Duration::from_secs(10));
     }
 
@@ -670,15 +714,19 @@ mod tests {
             "0s",
             "--max-connections",
             "10",
+            "--max-open-requests",
+            "20",
             "--tls-handshake-timeout",
             "3s",
         ])
         .unwrap();
+        assert_eq!(c.max_open_requests, 20);
         assert_eq!(c.max_connection_idle, None);
         assert_eq!(c.max_connections, 10);
         assert_eq!(c.tls_handshake_timeout, Duration::from_secs(3));
         for refused in [
             ["--max-connections", "0"],
+            ["--max-open-requests", "0"],
             ["--tls-handshake-timeout", "0s"],
         ] {
             let err = parse(&refused).err().unwrap();

@@ -61,3 +61,6 @@ pub mod store;
 pub(crate) mod transport;
 
 pub use transport::{log_writer, LogLineWriter};
+
+#[cfg(fuzzing)]
+pub use authz::node_agent::fuzz_pod_events;

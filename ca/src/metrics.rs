@@ -112,6 +112,10 @@ pub(crate) struct Metrics {
     pub(crate) grpc_idle_connections_closed: IstioCounter,
     /// CreateCertificate requests waiting for a slot.
     pub(crate) requests_waiting: Gauge<i64>,
+    /// Requests refused at once: `--max-open-requests` were open.
+    pub(crate) open_requests_refused: IstioCounter,
+    /// TokenReviews waiting for a call to the Kubernetes API.
+    pub(crate) token_reviews_waiting: Gauge<i64>,
     /// Requests refused by the per-identity issuance rate limit.
     pub(crate) issuance_throttled: IstioCounter,
     /// PodCertificateRequests answered, by result and reason.
@@ -167,6 +171,8 @@ impl Default for Metrics {
             grpc_connections_refused: Default::default(),
             grpc_idle_connections_closed: Default::default(),
             requests_waiting: Default::default(),
+            token_reviews_waiting: Default::default(),
+            open_requests_refused: Default::default(),
             issuance_throttled: Default::default(),
             pod_certificate_requests: Default::default(),
             pod_certificate_requests_waiting: Default::default(),
@@ -308,6 +314,16 @@ impl Metrics {
             "meshca_requests_waiting",
             "CreateCertificate requests waiting for a slot (--max-concurrent-requests); the queue is as long as what the CA answered in the last second, past it requests get RESOURCE_EXHAUSTED",
             self.requests_waiting.clone(),
+        );
+        r.register(
+            "meshca_open_requests_refused_count",
+            "gRPC requests refused with RESOURCE_EXHAUSTED before their message was read, because --max-open-requests requests were open across all connections",
+            self.open_requests_refused.clone(),
+        );
+        r.register(
+            "meshca_token_reviews_waiting",
+            "TokenReviews waiting for a call to the Kubernetes API (--kube-api-max-in-flight calls at once); past the queue's bound requests get RESOURCE_EXHAUSTED",
+            self.token_reviews_waiting.clone(),
         );
         r.register(
             "meshca_issuance_throttled_count",

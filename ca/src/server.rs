@@ -233,7 +233,8 @@ async fn build_authenticators(
                         * crate::admission::QUEUE_PER_SLOT_MAX,
                 },
             )
-            .counting_cache_hits(metrics.token_cache_hits.clone()),
+            .counting_cache_hits(metrics.token_cache_hits.clone())
+            .counting_waiting(metrics.token_reviews_waiting.clone()),
         ));
     }
     Ok(chain)
@@ -722,7 +723,13 @@ async fn serve_until_drained(
         grpc,
         health,
         draining.clone(),
-        metrics.grpc_idle_connections_closed.clone(),
+        transport::SharedByConnections {
+            idle_closes: metrics.grpc_idle_connections_closed.clone(),
+            open_requests: transport::OpenRequests::new(
+                config.max_open_requests,
+                metrics.open_requests_refused.clone(),
+            ),
+        },
     );
     tokio::pin!(server);
     let finished = tokio::select! {

@@ -468,3 +468,69 @@ fn agent_node_mode_manifests_match_the_ca_overlay() {
     );
     assert!(meshca_flag_envs().contains("MESHCA_TRUSTED_NODE_AGENT"));
 }
+
+/// A quantity such as `256Mi`, `1Gi` or `300M`, in bytes.
+fn quantity_bytes(quantity: &str) -> u64 {
+    let (number, unit) = quantity
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((quantity, ""), |i| quantity.split_at(i));
+    let number: u64 = number.parse().expect("a whole number");
+    let unit = match unit {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "G" => 1_000_000_000,
+        other => panic!("unit {other} not expected in the manifests"),
+    };
+    number * unit
+}
+
+#[test]
+fn the_memory_limit_holds_what_the_default_limits_allow() {
+    use meshca_ca::config::{
+        memory_bound, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_OPEN_REQUESTS, MEMORY_AT_REST,
+    };
+    let docs = base_documents();
+    let deployment: Vec<Deployment> = of_kind(&docs, "Deployment");
+    let pod = deployment[0]
+        .spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap();
+    let container = &pod.containers[0];
+    // The manifests leave both limits at their defaults.
+    for name in ["MESHCA_MAX_CONNECTIONS", "MESHCA_MAX_OPEN_REQUESTS"] {
+        assert!(env_value(container, name).is_none(), "{name} is set");
+    }
+    let resources = container.resources.as_ref().expect("resources");
+    let limit = quantity_bytes(&resources.limits.as_ref().unwrap()["memory"].0);
+    let request = quantity_bytes(&resources.requests.as_ref().unwrap()["memory"].0);
+    let bound = memory_bound(
+        u64::from(DEFAULT_MAX_CONNECTIONS),
+        u64::from(DEFAULT_MAX_OPEN_REQUESTS),
+    );
+    assert!(
+        bound <= limit,
+        "the defaults allow {} MiB, the limit is {} MiB",
+        bound >> 20,
+        limit >> 20
+    );
+    // Not so far below it that the limit could be much smaller, and the
+    // request covers the server at rest.
+    assert!(
+        bound * 10 >= limit * 7,
+        "the limit ({} MiB) is far above what the defaults allow ({} MiB)",
+        limit >> 20,
+        bound >> 20
+    );
+    assert!(
+        request >= MEMORY_AT_REST,
+        "the request covers the server at rest"
+    );
+}

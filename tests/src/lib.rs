@@ -97,6 +97,18 @@ pub fn bench_binary() -> &'static Path {
     BENCH.get_or_init(|| build("meshca-bench"))
 }
 
+/// The value of the unlabelled metric `name` in a /metrics page.
+///
+/// # Panics
+/// If the page has no such metric.
+pub fn metric(body: &str, name: &str) -> u64 {
+    body.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+        .unwrap_or_else(|| panic!("{name} missing in\n{body}"))
+}
+
 /// A free TCP port on 127.0.0.1 (released before returning; a small race).
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

@@ -625,15 +625,6 @@ async fn two_hundred_concurrent_requests_get_distinct_serials() {
     assert_eq!(serials.len(), 200);
 }
 
-/// The value of the unlabelled metric `name` in a /metrics page.
-fn metric(body: &str, name: &str) -> u64 {
-    body.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .map(|v| v as u64)
-        .unwrap_or_else(|| panic!("{name} missing in\n{body}"))
-}
-
 #[tokio::test]
 async fn metrics_move_and_readiness_reports() {
     let (_dir, server) = server();

@@ -161,6 +161,89 @@ async fn reviews_are_cached_and_shared() {
     assert_eq!(kube.reviews() - before, 1, "single flight");
 }
 
+/// The unlabelled metric `name` on `server`'s /metrics page.
+fn server_metric(server: &MeshcaServer, name: &str) -> u64 {
+    metric(&http_get(server.monitoring, "/metrics").unwrap().1, name)
+}
+
+#[tokio::test]
+async fn reviews_waiting_for_an_api_call_are_exported() {
+    let (_dir, kube, server) = setup(&["--kube-api-max-in-flight", "1"]).await;
+    assert_eq!(server_metric(&server, "meshca_token_reviews_waiting"), 0);
+    // Three tokens, one API call at a time: two reviews wait (each less
+    // than the 2 s a review may wait).
+    kube.set_latency(Duration::from_millis(700));
+    let mut tasks = Vec::new();
+    for name in ["first", "second", "third"] {
+        let token = kube.add_review_token(name, FakeUser::service_account("default", "web"));
+        let server_grpc = server.client().await;
+        tasks.push(tokio::spawn(async move {
+            let mut client = server_grpc;
+            let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
+            client.create_certificate(with_token(request, &token)).await
+        }));
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut most = 0;
+    while most < 2 && std::time::Instant::now() < deadline {
+        most = most.max(server_metric(&server, "meshca_token_reviews_waiting"));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(most, 2, "two reviews wait for the one API call allowed");
+    for task in tasks {
+        task.await.unwrap().unwrap();
+    }
+    assert_eq!(server_metric(&server, "meshca_token_reviews_waiting"), 0);
+}
+
+#[tokio::test]
+async fn requests_beyond_the_open_limit_are_refused_at_once() {
+    // One API call at a time: the second review waits for the first, and
+    // the gauge of waiting reviews shows when both requests are inside.
+    let (_dir, kube, server) =
+        setup(&["--max-open-requests", "2", "--kube-api-max-in-flight", "1"]).await;
+    kube.set_latency(Duration::from_millis(1000));
+    // Two requests held open by their TokenReviews, on two connections.
+    let mut held = Vec::new();
+    for name in ["first", "second"] {
+        let token = kube.add_review_token(name, FakeUser::service_account("default", "web"));
+        let mut client = server.client().await;
+        held.push(tokio::spawn(async move {
+            let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
+            client.create_certificate(with_token(request, &token)).await
+        }));
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while server_metric(&server, "meshca_token_reviews_waiting") < 1 {
+        assert!(std::time::Instant::now() < deadline, "both reviews started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A third is refused at once, before any review, whatever its token.
+    let third = kube.add_review_token("third", FakeUser::service_account("default", "web"));
+    let started = std::time::Instant::now();
+    let status = ask(&server, &third, WEB).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains("--max-open-requests"),
+        "{status:?}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_millis(1000),
+        "refused at once"
+    );
+    assert_eq!(kube.reviews(), 0, "no review for the refused request");
+    assert_eq!(
+        server_metric(&server, "meshca_open_requests_refused_count"),
+        1
+    );
+    // The held ones are answered, and then there is room again.
+    for request in held {
+        request.await.unwrap().expect("a held request is answered");
+    }
+    ask(&server, &third, WEB).await.expect("room again");
+    assert_eq!(kube.reviews(), 3, "the refused request cost no review");
+}
+
 #[tokio::test]
 async fn api_server_down_is_unavailable_and_recovers() {
     let (_dir, mut kube, server) =

@@ -382,6 +382,56 @@ impl ImpersonationPolicy for NodeAgentPolicy {
     }
 }
 
+/// The `pod_watch` fuzz target (`fuzz/`): applies `data` to a fresh
+/// index, one JSON document per line — a pod, applied; a line starting
+/// with `-` deletes the pod that follows; one starting with `=` replaces
+/// the index with the list that follows — and checks after each step that
+/// the index agrees with what it was told. Panics on a disagreement.
+#[cfg(fuzzing)]
+pub fn fuzz_pod_events(data: &[u8]) {
+    let index = PodIndex::default();
+    for line in data.split(|b| *b == b'\n') {
+        let (op, json) = match line.first() {
+            Some(b'-') | Some(b'=') => (line[0], &line[1..]),
+            _ => (b'+', line),
+        };
+        match op {
+            b'=' => {
+                let Ok(pods) = serde_json::from_slice::<Vec<Pod>>(json) else {
+                    continue;
+                };
+                index.replace(&pods);
+                assert!(index.is_synced());
+                assert!(index.len() <= pods.len());
+            }
+            _ => {
+                let Ok(pod) = serde_json::from_slice::<Pod>(json) else {
+                    continue;
+                };
+                if op == b'-' {
+                    index.delete(&pod);
+                } else {
+                    index.apply(&pod);
+                }
+                if let (Some(ns), Some(name)) = (&pod.metadata.namespace, &pod.metadata.name) {
+                    let found = index.pod(ns, name);
+                    if op == b'-' {
+                        assert!(found.is_none(), "a deleted pod is gone");
+                    } else {
+                        let found = found.expect("an applied pod is found");
+                        if let (Some(node), false) = (&found.node, found.terminated) {
+                            assert!(
+                                index.has_workload_on_node(node, ns, &found.service_account),
+                                "a running pod counts on its node"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

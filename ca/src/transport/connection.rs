@@ -74,18 +74,86 @@ impl Drop for OpenStream {
     }
 }
 
+/// Requests (HTTP/2 streams) open across every connection, and the most
+/// the server holds at once (`--max-open-requests`). Each open request
+/// holds memory from its HEADERS on (h2's stream state, tonic's decoder,
+/// the request's task) whether or not its message ever arrives, so the
+/// per-connection stream limit times the connection limit is no bound a
+/// memory limit can afford; this is.
+#[derive(Debug)]
+pub(crate) struct OpenRequests {
+    open: AtomicUsize,
+    max: usize,
+    refused: crate::metrics::IstioCounter,
+}
+
+impl OpenRequests {
+    /// At most `max` (at least 1) open at once; refusals counted on `refused`.
+    pub(crate) fn new(max: usize, refused: crate::metrics::IstioCounter) -> Arc<Self> {
+        Arc::new(Self {
+            open: AtomicUsize::new(0),
+            max: max.max(1),
+            refused,
+        })
+    }
+
+    /// Requests open now.
+    #[cfg(test)]
+    pub(crate) fn open(&self) -> usize {
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// A place for one more request, or `None` when `max` are open.
+    fn try_open(self: &Arc<Self>) -> Option<OpenRequest> {
+        let mut open = self.open.load(Ordering::Acquire);
+        loop {
+            if open >= self.max {
+                self.refused.inc();
+                return None;
+            }
+            match self.open.compare_exchange_weak(
+                open,
+                open + 1,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => {
+                    return Some(OpenRequest {
+                        requests: self.clone(),
+                    })
+                }
+                Err(now) => open = now,
+            }
+        }
+    }
+}
+
+/// One request's place in [`OpenRequests`], given back when dropped.
+#[derive(Debug)]
+struct OpenRequest {
+    requests: Arc<OpenRequests>,
+}
+
+impl Drop for OpenRequest {
+    fn drop(&mut self) {
+        self.requests.open.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// Counts each request on the connection as an open stream until its
 /// answer's body has been sent or dropped (a reset stream, a cancelled
-/// request).
+/// request), and refuses a request at once, before its message is read,
+/// with `RESOURCE_EXHAUSTED` while [`OpenRequests`]' limit is reached.
 #[derive(Debug, Clone)]
 pub(crate) struct CountStreamsLayer {
     activity: Arc<StreamActivity>,
+    all: Arc<OpenRequests>,
 }
 
 impl CountStreamsLayer {
-    /// Counts into `activity`.
-    pub(crate) fn new(activity: Arc<StreamActivity>) -> Self {
-        Self { activity }
+    /// Counts into `activity` (this connection) and `all` (every connection).
+    pub(crate) fn new(activity: Arc<StreamActivity>, all: Arc<OpenRequests>) -> Self {
+        Self { activity, all }
     }
 }
 
@@ -96,6 +164,7 @@ impl<S> Layer<S> for CountStreamsLayer {
         CountStreams {
             inner,
             activity: self.activity.clone(),
+            all: self.all.clone(),
         }
     }
 }
@@ -105,6 +174,7 @@ impl<S> Layer<S> for CountStreamsLayer {
 pub(crate) struct CountStreams<S> {
     inner: S,
     activity: Arc<StreamActivity>,
+    all: Arc<OpenRequests>,
 }
 
 impl<S, B, R> Service<Request<B>> for CountStreams<S>
@@ -123,6 +193,15 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
+        let Some(place) = self.all.try_open() else {
+            // The request (and whatever of its message has arrived) is
+            // dropped now; the client is told to come back.
+            let status = tonic::Status::resource_exhausted(format!(
+                "the CA holds {} requests open, the most it takes (--max-open-requests); retry with backoff",
+                self.all.max
+            ));
+            return Box::pin(async move { Ok(status.into_http()) });
+        };
         let stream = self.activity.open();
         let answer = self.inner.call(request);
         Box::pin(async move {
@@ -130,7 +209,7 @@ where
             Ok(response.map(|body| {
                 // The stream counts as open for as long as its body lives.
                 tonic::body::Body::new(body.map_frame(move |frame| {
-                    let _open = &stream;
+                    let _open = (&stream, &place);
                     frame
                 }))
             }))
@@ -189,7 +268,8 @@ mod tests {
     async fn a_stream_stays_open_until_its_answer_body_is_dropped() {
         use http_body_util::BodyExt;
         let activity = Arc::new(StreamActivity::default());
-        let mut service = CountStreamsLayer::new(activity.clone()).layer(tower::service_fn(
+        let all = OpenRequests::new(100, Default::default());
+        let mut service = CountStreamsLayer::new(activity.clone(), all).layer(tower::service_fn(
             |_: Request<()>| async {
                 Ok::<_, Infallible>(Response::new(http_body_util::Full::new(
                     Bytes::from_static(b"answer"),
@@ -207,5 +287,51 @@ mod tests {
         // A request dropped before it is answered (a reset stream) closes too.
         drop(service.call(Request::new(())));
         assert_eq!(activity.open_streams(), 0);
+    }
+
+    #[tokio::test]
+    async fn requests_beyond_the_open_limit_are_refused_before_their_message() {
+        let refused = crate::metrics::IstioCounter::default();
+        let all = OpenRequests::new(2, refused.clone());
+        let handled = Arc::new(AtomicUsize::new(0));
+        let layer = CountStreamsLayer::new(Arc::new(StreamActivity::default()), all.clone());
+        // Answers at once, counting the requests it handles.
+        let answering = || {
+            let handled = handled.clone();
+            tower::service_fn(move |_: Request<()>| {
+                handled.fetch_add(1, Ordering::SeqCst);
+                async {
+                    Ok::<_, Infallible>(Response::new(http_body_util::Full::new(
+                        Bytes::from_static(b"answer"),
+                    )))
+                }
+            })
+        };
+        let mut first_connection = layer.layer(answering());
+        let other = CountStreamsLayer::new(Arc::new(StreamActivity::default()), all.clone());
+        let mut second_connection = other.layer(answering());
+        // Two answers not yet sent, on two connections: the limit is reached.
+        let one = first_connection.call(Request::new(())).await.unwrap();
+        let two = second_connection.call(Request::new(())).await.unwrap();
+        assert_eq!(all.open(), 2);
+        let refused_answer = first_connection.call(Request::new(())).await.unwrap();
+        let status = tonic::Status::from_header_map(refused_answer.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        assert!(
+            status.message().contains("--max-open-requests"),
+            "{status:?}"
+        );
+        assert_eq!(
+            handled.load(Ordering::SeqCst),
+            2,
+            "the refused one is never handled"
+        );
+        assert_eq!(refused.get(), 1);
+        // An answer sent frees a place.
+        drop(one);
+        assert_eq!(all.open(), 1);
+        second_connection.call(Request::new(())).await.unwrap();
+        assert_eq!(handled.load(Ordering::SeqCst), 3);
+        drop(two);
     }
 }

@@ -60,6 +60,7 @@ use tonic::server::NamedService;
 use tower::Service;
 
 use crate::metrics::IstioCounter;
+pub(crate) use connection::OpenRequests;
 use connection::{CountStreamsLayer, StreamActivity};
 pub(crate) use event_loops::{EventLoops, SpareLoops};
 pub(crate) use listener::{
@@ -94,6 +95,15 @@ pub(crate) struct Http2Settings {
     pub(crate) max_connection_age: Option<Duration>,
     /// GOAWAY after a connection has had no open stream this long.
     pub(crate) max_connection_idle: Option<Duration>,
+}
+
+/// What every connection shares.
+#[derive(Debug, Clone)]
+pub(crate) struct SharedByConnections {
+    /// Counts the GOAWAYs sent for `--max-connection-idle`.
+    pub(crate) idle_closes: IstioCounter,
+    /// The requests open across all connections (`--max-open-requests`).
+    pub(crate) open_requests: Arc<OpenRequests>,
 }
 
 /// Rewrites tonic's `OUT_OF_RANGE` for an oversized request message into
@@ -148,7 +158,7 @@ pub(crate) async fn serve_grpc<S: GrpcService, H: GrpcService>(
     grpc: S,
     health: H,
     drain: tokio::sync::watch::Receiver<bool>,
-    idle_closes: IstioCounter,
+    shared: SharedByConnections,
 ) -> Result<(), tokio::task::JoinError> {
     let servers = incoming
         .into_iter()
@@ -160,7 +170,7 @@ pub(crate) async fn serve_grpc<S: GrpcService, H: GrpcService>(
                 grpc.clone(),
                 health.clone(),
                 drain.clone(),
-                idle_closes.clone(),
+                shared.clone(),
             ))
         });
     futures::future::try_join_all(servers).await.map(|_| ())
@@ -173,7 +183,7 @@ async fn serve_loop<S: GrpcService, H: GrpcService>(
     grpc: S,
     health: H,
     mut drain: tokio::sync::watch::Receiver<bool>,
-    idle_closes: IstioCounter,
+    shared: SharedByConnections,
 ) {
     let mut connections = tokio::task::JoinSet::new();
     let for_connections = drain.clone();
@@ -187,7 +197,7 @@ async fn serve_loop<S: GrpcService, H: GrpcService>(
                         grpc.clone(),
                         health.clone(),
                         for_connections.clone(),
-                        idle_closes.clone(),
+                        shared.clone(),
                     ));
                 }
                 None => break,
@@ -212,8 +222,12 @@ async fn serve_connection<S: GrpcService, H: GrpcService>(
     grpc: S,
     health: H,
     mut drain: tokio::sync::watch::Receiver<bool>,
-    idle_closes: IstioCounter,
+    shared: SharedByConnections,
 ) {
+    let SharedByConnections {
+        idle_closes,
+        open_requests,
+    } = shared;
     let Accepted { stream, closed } = accepted;
     let activity = Arc::new(StreamActivity::default());
     let builder = tonic::transport::Server::builder()
@@ -239,7 +253,7 @@ async fn serve_connection<S: GrpcService, H: GrpcService>(
         .layer(tower::util::MapResponseLayer::new(
             oversized_is_invalid_argument,
         ))
-        .layer(CountStreamsLayer::new(activity.clone()))
+        .layer(CountStreamsLayer::new(activity.clone(), open_requests))
         .add_service(health)
         .add_service(grpc);
     let idle = async {
