@@ -624,7 +624,7 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
     wait_for_socket(&socket, &mut agent).await;
     let source = x509_source(&socket).await.expect("an X509Source syncs");
     let start = source_held(&source, WEB);
-    assert_eq!(start.roots, [old_root.clone()]);
+    assert_eq!(start.roots, std::slice::from_ref(&old_root));
 
     // Envoy's view: an SDS stream that ACKs every answer.
     let mut sds = SecretDiscoveryServiceClient::new(channel(&socket).await);
@@ -755,7 +755,7 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
     // The bundle stream sent the old root, both, then the new one alone,
     // and nothing that was not a change (leaf rotations are not sent).
     let new_root = new_root.unwrap();
-    assert_eq!(bundles[0], [old_root.clone()]);
+    assert_eq!(bundles[0], std::slice::from_ref(&old_root));
     assert!(
         bundles
             .iter()
