@@ -25,16 +25,18 @@ pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
 /// otherwise: with [`DEFAULT_MAX_OPEN_REQUESTS`], what [`memory_bound`]
 /// keeps inside the Deployment's memory limit of 256 MiB (README,
 /// "Memory", has the formula; a test of the manifests checks it).
-pub const DEFAULT_MAX_CONNECTIONS: u32 = 3072;
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 2048;
 
 /// The server's resident memory at rest (release build, a few MiB of
 /// which are the CA material and the caches; BENCHMARKS.md, "Hostile load,
 /// after the limits", RSS before every scenario: 12–13 MiB), rounded up.
 pub const MEMORY_AT_REST: u64 = 16 << 20;
 /// Resident memory of one open gRPC connection, TLS and HTTP/2 included,
-/// as measured with 4,096 of them held at once (BENCHMARKS.md, "Hostile
-/// load, after the limits": 193 MiB for 4,096, ~48 KiB each).
-pub const MEMORY_PER_CONNECTION: u64 = 48 << 10;
+/// at its worst: in a storm of new connections, each with its handshake
+/// just done and its first request (BENCHMARKS.md, "A connection per
+/// sidecar, final code": 222 MiB for 3,072 connections, ~68 KiB each with
+/// the request's 8; 4,096 idle ones held at once: ~48 KiB each).
+pub const MEMORY_PER_CONNECTION: u64 = 64 << 10;
 /// Resident memory of one open request (its HTTP/2 stream, tonic's decoder,
 /// its task, its place in a queue), as measured in a mass restart over 64
 /// connections (8,192 requests open: peak 67 MiB, ~7 KiB each), rounded up.
@@ -702,7 +704,7 @@ mod tests {
         assert_eq!(c.pod_watch_failure_limit, Duration::from_secs(30));
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
         assert_eq!(c.max_connection_idle, Some(Duration::from_secs(5 * 60)));
-        assert_eq!(c.max_connections, 3072);
+        assert_eq!(c.max_connections, 2048);
         assert_eq!(c.max_open_requests, 8192);
         assert_eq!(c.tls_handshake_timeout, Duration::from_secs(10));
     }
