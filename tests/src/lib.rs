@@ -5,6 +5,7 @@
 pub mod fake_ca;
 pub mod fake_certificates;
 pub mod fake_kube;
+pub mod root_rotation;
 
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};

@@ -28,38 +28,19 @@ use meshca_certs::bundle::{encode_cert_pem, parse_certs_pem};
 use meshca_certs::{KeyAlgorithm, SpiffeId, TrustBundle};
 use meshca_client::{output, CaClient, CaClientConfig, RequestOptions};
 use meshca_tests::fake_kube::{FakeKube, FakeUser};
+use meshca_tests::root_rotation::{
+    ask_root_rotation, bundle_configmap, rotation_state, UNSAFE_GRACE_WARNING as WARNING,
+};
 use meshca_tests::*;
-
-const WARNING: &str = "root rotation would not be safe for clients";
-
-fn unb64(value: &serde_json::Value) -> String {
-    use base64::Engine;
-    let bytes = base64::engine::general_purpose::STANDARD
-        .decode(value.as_str().unwrap_or_default())
-        .unwrap_or_default();
-    String::from_utf8(bytes).unwrap()
-}
-
-fn secret(kube: &FakeKube) -> Option<serde_json::Value> {
-    kube.get_object("secrets", "istio-system", "istio-ca-secret")
-}
 
 /// The rotation phase and the signing root, as the Secret says now.
 fn secret_state(kube: &FakeKube) -> (String, Vec<u8>) {
-    let s = secret(kube).unwrap();
-    let phase = s["metadata"]["annotations"]["meshca.io/root-rotation-phase"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
-    let signing = parse_certs_pem(&unb64(&s["data"]["ca-cert.pem"]))
-        .unwrap()
-        .remove(0);
-    (phase, signing)
+    let state = rotation_state(kube).unwrap();
+    (state.phase, state.signing_root)
 }
 
 fn configmap_bundle(kube: &FakeKube) -> Option<String> {
-    kube.get_object("configmaps", "default", "istio-ca-root-cert")
-        .and_then(|cm| cm["data"]["root-cert.pem"].as_str().map(String::from))
+    bundle_configmap(kube, "default")
 }
 
 /// Where a workload's trust comes from.
@@ -388,9 +369,7 @@ async fn workloads_that_trust_their_answers_survive_a_root_rotation() {
             seen.mixed_moments += 1;
         }
         if !rotation_asked && now.duration_since(start) > Duration::from_secs(2) {
-            let mut stored = secret(&kube).unwrap();
-            stored["metadata"]["annotations"]["meshca.io/rotate-root"] = serde_json::json!("now");
-            kube.put_object("secrets", stored);
+            assert!(ask_root_rotation(&kube));
             rotation_asked = true;
         }
         if label == "retired" {

@@ -21,7 +21,7 @@ use meshca_certs::inspect::spki_der;
 use meshca_certs::profile::{self_signed_root, SubjectName, Validity};
 use meshca_certs::{KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle};
 use meshca_proto::spiffe_workload::spiffe_workload_api_client::SpiffeWorkloadApiClient;
-use meshca_proto::spiffe_workload::{JwtsvidRequest, X509svidRequest};
+use meshca_proto::spiffe_workload::{JwtsvidRequest, X509BundlesRequest, X509svidRequest};
 use meshca_tests::fake_kube::{FakeKube, FakeUser};
 use meshca_tests::*;
 use prost::Message;
@@ -301,9 +301,30 @@ fn inline_bytes(source: &Option<envoy_types::pb::envoy::config::core::v3::DataSo
     }
 }
 
+/// What a client holds at one moment: the chain it presents (leaf first)
+/// and the roots it trusts, DER.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Held {
+    chain: Vec<Vec<u8>>,
+    roots: Vec<Vec<u8>>,
+}
+
+impl Held {
+    /// Whether the chain verifies to `root` alone.
+    fn chains_to(&self, root: &[u8]) -> bool {
+        meshca_certs::verify::verify_svid(
+            &self.chain,
+            &TrustBundle::new(vec![root.to_vec()]),
+            SystemTime::now(),
+            None,
+        )
+        .is_ok()
+    }
+}
+
 /// Checks an SDS answer holding `default` and `ROOTCA`: the key is the
-/// leaf's, the roots verify the chain. Returns the leaf's serial.
-fn check_sds(response: &DiscoveryResponse, expected: &str) -> String {
+/// leaf's, the roots verify the chain. Returns what it holds.
+fn sds_held(response: &DiscoveryResponse, expected: &str) -> Held {
     let secrets = secrets(response);
     let names: Vec<&str> = secrets.iter().map(|s| s.name.as_str()).collect();
     assert_eq!(names, ["default", "ROOTCA"], "unknown names are left out");
@@ -323,12 +344,20 @@ fn check_sds(response: &DiscoveryResponse, expected: &str) -> String {
     assert_eq!(spki_der(&chain[0]).unwrap(), key.public_key_spki_der());
     meshca_certs::verify::verify_svid(
         &chain,
-        &TrustBundle::new(roots),
+        &TrustBundle::new(roots.clone()),
         SystemTime::now(),
         Some(&SpiffeId::parse(expected).unwrap()),
     )
-    .expect("ROOTCA verifies the chain")
-    .serial_hex
+    .expect("ROOTCA verifies the chain");
+    Held { chain, roots }
+}
+
+/// [`sds_held`], returning the leaf's serial.
+fn check_sds(response: &DiscoveryResponse, expected: &str) -> String {
+    let held = sds_held(response, expected);
+    meshca_certs::verify::check_svid_leaf(&held.chain[0])
+        .unwrap()
+        .serial_hex
 }
 
 fn sds_request(names: &[&str], version: &str, nonce: &str, nack: bool) -> DiscoveryRequest {
@@ -458,6 +487,288 @@ async fn pod_mode_serves_envoy_sds_with_ack_nack_and_pushes() {
         "the NACK is logged:\n{}",
         agent.log()
     );
+}
+
+/// What an `X509Source` holds, after [`check_source`]'s checks.
+fn source_held(source: &X509Source, expected: &str) -> Held {
+    check_source(source, expected);
+    let svid = source.svid().unwrap();
+    let bundle = source
+        .try_bundle_for_trust_domain(svid.spiffe_id().trust_domain())
+        .unwrap();
+    Held {
+        chain: svid
+            .cert_chain()
+            .iter()
+            .map(|c| c.as_bytes().to_vec())
+            .collect(),
+        roots: bundle
+            .authorities()
+            .iter()
+            .map(|c| c.as_bytes().to_vec())
+            .collect(),
+    }
+}
+
+/// The certificates of a Workload API bundle (DER, concatenated).
+fn split_der(mut bytes: &[u8]) -> Vec<Vec<u8>> {
+    let mut certs = Vec::new();
+    while !bytes.is_empty() {
+        let (rest, _) = x509_parser::parse_x509_certificate(bytes).unwrap();
+        certs.push(bytes[..bytes.len() - rest.len()].to_vec());
+        bytes = rest;
+    }
+    certs
+}
+
+/// The moments of a root rotation one client has been seen in.
+#[derive(Debug, Default)]
+struct RotationSeen {
+    /// A leaf of the old root, both roots trusted (announced).
+    announced: bool,
+    /// A leaf of the new root, both roots trusted (switched).
+    switched: bool,
+    /// A leaf of the new root, only the new root trusted (retired).
+    retired: bool,
+}
+
+impl RotationSeen {
+    /// Records what `held` shows; the new root is the one that is not `old`.
+    /// Returns the new root once `held` names it.
+    fn record(&mut self, held: &Held, old: &[u8]) -> Option<Vec<u8>> {
+        let new = held.roots.iter().find(|r| r.as_slice() != old)?.clone();
+        let both = held.roots.len() == 2 && held.roots.iter().any(|r| r == old);
+        if both && held.chains_to(old) {
+            self.announced = true;
+        }
+        if both && held.chains_to(&new) && !held.chains_to(old) {
+            self.switched = true;
+        }
+        if held.roots == [new.clone()] && held.chains_to(&new) {
+            self.retired = true;
+        }
+        Some(new)
+    }
+
+    fn done(&self) -> bool {
+        self.announced && self.switched && self.retired
+    }
+}
+
+/// Writes `contents` to `path` as the kubelet updates a projected
+/// ConfigMap: at once (a new file renamed over the old).
+fn replace_file(path: &Path, contents: &str) {
+    let fresh = path.with_extension("new");
+    std::fs::write(&fresh, contents).unwrap();
+    std::fs::rename(&fresh, path).unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
+    use meshca_tests::root_rotation::{ask_root_rotation, bundle_configmap, rotation_state};
+
+    let dir = tempfile::tempdir().unwrap();
+    let kube = FakeKube::start(dir.path()).await;
+    let token = kube.add_review_token("web", FakeUser::service_account("default", "web"));
+    // Short enough for a test: the new root announced 6 s, leaves live
+    // 4 s, the old root retired 4 s + 6 s after the switch.
+    let server = start_off_runtime(
+        dir.path().join("data"),
+        [
+            "--kubeconfig",
+            kube.kubeconfig.to_str().unwrap(),
+            "--leader-lease-duration",
+            "3s",
+            "--root-rotation-grace",
+            "6s",
+            "--workload-cert-ttl",
+            "4s",
+            "--max-workload-cert-ttl",
+            "4s",
+        ]
+        .map(String::from)
+        .to_vec(),
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (first_bundle, old_root) = loop {
+        if let (Some(bundle), Some(state)) =
+            (bundle_configmap(&kube, "default"), rotation_state(&kube))
+        {
+            break (bundle, state.signing_root);
+        }
+        assert!(Instant::now() < deadline, "no root:\n{}", server.log());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // The agent's --root-cert is the pod's projection of the bundle
+    // ConfigMap; this test is its kubelet.
+    let root_file = dir.path().join("root-cert.pem");
+    std::fs::write(&root_file, &first_bundle).unwrap();
+    let socket = dir.path().join("agent.sock");
+    let mut agent = agent(
+        &server,
+        dir.path(),
+        &token,
+        "agent",
+        &[
+            "--spiffe-id",
+            WEB,
+            "--ttl",
+            "4s",
+            "--workload-api-socket",
+            &socket.display().to_string(),
+            "--bundle-refresh",
+            "200ms",
+        ],
+    );
+    wait_for_socket(&socket, &mut agent).await;
+    let source = x509_source(&socket).await.expect("an X509Source syncs");
+    let start = source_held(&source, WEB);
+    assert_eq!(start.roots, std::slice::from_ref(&old_root));
+
+    // Envoy's view: an SDS stream that ACKs every answer.
+    let mut sds = SecretDiscoveryServiceClient::new(channel(&socket).await);
+    let (requests, request_rx) = tokio::sync::mpsc::channel(4);
+    requests
+        .send(sds_request(&["default", "ROOTCA"], "", "", false))
+        .await
+        .unwrap();
+    let mut responses = sds
+        .stream_secrets(tokio_stream::wrappers::ReceiverStream::new(request_rx))
+        .await
+        .unwrap()
+        .into_inner();
+    let (answers, mut sds_answers) = tokio::sync::mpsc::unbounded_channel();
+    let sds_reader = tokio::spawn(async move {
+        while let Ok(Some(response)) = responses.message().await {
+            let ack = sds_request(
+                &["default", "ROOTCA"],
+                &response.version_info,
+                &response.nonce,
+                false,
+            );
+            if answers.send(response).is_err() || requests.send(ack).await.is_err() {
+                return;
+            }
+        }
+    });
+
+    // A FetchX509Bundles stream: a message per bundle change only.
+    let mut bundle_request = tonic::Request::new(X509BundlesRequest {});
+    bundle_request
+        .metadata_mut()
+        .insert("workload.spiffe.io", "true".parse().unwrap());
+    let mut bundle_stream = SpiffeWorkloadApiClient::new(channel(&socket).await)
+        .fetch_x509_bundles(bundle_request)
+        .await
+        .unwrap()
+        .into_inner();
+    let (bundle_tx, mut bundle_rx) = tokio::sync::mpsc::unbounded_channel();
+    let bundle_reader = tokio::spawn(async move {
+        while let Ok(Some(message)) = bundle_stream.message().await {
+            if bundle_tx.send(message).is_err() {
+                return;
+            }
+        }
+    });
+    let mut bundles: Vec<Vec<Vec<u8>>> = Vec::new();
+
+    assert!(ask_root_rotation(&kube));
+    let mut phases: Vec<String> = Vec::new();
+    let (mut by_source, mut by_sds) = (RotationSeen::default(), RotationSeen::default());
+    let mut sds_updates = 0;
+    let mut projecting = false;
+    let mut new_root: Option<Vec<u8>> = None;
+    // What the test saw so far, for a failure's message.
+    macro_rules! report {
+        () => {
+            format!(
+                "phases {phases:?}; X509Source saw {by_source:?}, SDS saw {by_sds:?} \
+                 ({sds_updates} answers), bundle stream roots {:?}\n--- agent:\n{}\n--- meshca:\n{}",
+                bundles.iter().map(Vec::len).collect::<Vec<_>>(),
+                agent.log(),
+                server.log()
+            )
+        };
+    }
+    loop {
+        let label = rotation_state(&kube).unwrap().label(&old_root);
+        if phases.last() != Some(&label) {
+            phases.push(label.clone());
+        }
+        if let Err(e) = source.svid() {
+            panic!("the X509Source holds no SVID ({e}): {}", report!());
+        }
+        // At every moment the SVID verifies with the bundle the client
+        // holds (asserted by source_held and sds_held).
+        let held = source_held(&source, WEB);
+        if let Some(new) = by_source.record(&held, &old_root) {
+            new_root.get_or_insert(new);
+        }
+        while let Ok(response) = sds_answers.try_recv() {
+            sds_updates += 1;
+            by_sds.record(&sds_held(&response, WEB), &old_root);
+        }
+        while let Ok(message) = bundle_rx.try_recv() {
+            let domains: Vec<&String> = message.bundles.keys().collect();
+            assert_eq!(domains, ["spiffe://cluster.local"]);
+            bundles.push(split_der(&message.bundles["spiffe://cluster.local"]));
+        }
+        if by_source.announced && !projecting {
+            // The new root reached the source during the grace period, from
+            // the CA's answers alone: the kubelet has not projected the new
+            // bundle yet.
+            assert_eq!(label, "announced", "both roots before the switch");
+            assert_eq!(
+                parse_certs_pem(&std::fs::read_to_string(&root_file).unwrap())
+                    .unwrap()
+                    .len(),
+                1
+            );
+            projecting = true;
+        }
+        if projecting {
+            let published = bundle_configmap(&kube, "default").unwrap();
+            if std::fs::read_to_string(&root_file).unwrap() != published {
+                replace_file(&root_file, &published);
+            }
+        }
+        let bundle_done = bundles
+            .last()
+            .is_some_and(|b| b.len() == 1 && b[0] != old_root);
+        if label == "retired" && by_source.done() && by_sds.done() && bundle_done {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", report!());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let phases = phases.join(",");
+    assert!(
+        phases.starts_with("stable,announced,switched,retired"),
+        "{phases}"
+    );
+    assert_eq!(
+        new_root.as_ref(),
+        Some(&rotation_state(&kube).unwrap().signing_root),
+        "the root both clients were given is the one that signs now"
+    );
+    // The bundle stream sent the old root, both, then the new one alone,
+    // and nothing that was not a change (leaf rotations are not sent).
+    let new_root = new_root.unwrap();
+    assert_eq!(bundles[0], std::slice::from_ref(&old_root));
+    assert!(
+        bundles
+            .iter()
+            .any(|b| b.len() == 2 && b.contains(&old_root) && b.contains(&new_root)),
+        "{bundles:?}"
+    );
+    assert_eq!(bundles.last().unwrap(), &[new_root]);
+    for pair in bundles.windows(2) {
+        assert_ne!(pair[0], pair[1], "a message per change only");
+    }
+    bundle_reader.abort();
+    sds_reader.abort();
+    source.shutdown().await;
 }
 
 /// Writes the fake cgroup file of `pid` under `proc_root`.
