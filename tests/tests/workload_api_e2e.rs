@@ -455,6 +455,12 @@ async fn pod_mode_serves_envoy_sds_with_ack_nack_and_pushes() {
     .unwrap();
     let again = responses.message().await.unwrap().unwrap();
     assert_eq!(check_sds(&again, WEB), first_serial, "same certificate");
+    // A request naming an older nonce is stale and ignored, even with other
+    // names: otherwise the next answer would be an empty one for them, not
+    // the rotation push checked below.
+    tx.send(sds_request(&["no-such-secret"], "", &first.nonce, false))
+        .await
+        .unwrap();
     tx.send(sds_request(
         &["default", "ROOTCA"],
         &again.version_info,

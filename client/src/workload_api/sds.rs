@@ -9,9 +9,11 @@
 //!   error); no names at all means `default` and `ROOTCA`.
 //!
 //! Each response carries a new `version_info` and `nonce`. A request that
-//! names a nonce is an ACK, or a NACK when it carries `error_detail` (logged;
-//! the same secrets are not sent again until they change). A request with
-//! other names is answered at once; a rotation or bundle change is pushed.
+//! names the last nonce is an ACK, or a NACK when it carries `error_detail`
+//! (logged; the same secrets are not sent again until they change); one
+//! that names an older nonce is stale and ignored, as the xDS protocol
+//! says. A request with other names is answered at once; a rotation or
+//! bundle change is pushed.
 
 use std::sync::Arc;
 
@@ -160,6 +162,20 @@ impl SdsStream {
                     };
                     if let Err(status) = check_type(&request) {
                         return Step::Fail(status);
+                    }
+                    if self.names.is_some()
+                        && !request.response_nonce.is_empty()
+                        && request.response_nonce != self.version.to_string()
+                    {
+                        // A request about an answer older than the last one
+                        // sent is stale (xDS): the client has not seen the
+                        // newest answer yet, and will ACK or NACK that one.
+                        tracing::debug!(
+                            nonce = %request.response_nonce,
+                            latest = self.version,
+                            "stale SDS request ignored"
+                        );
+                        continue;
                     }
                     let names = requested_names(&request);
                     if let Some(error) = &request.error_detail {
