@@ -49,6 +49,18 @@ fn of_kind<T: serde::de::DeserializeOwned>(docs: &[serde_json::Value], kind: &st
         .collect()
 }
 
+/// The pod template's spec of `deployment`.
+fn pod_spec(deployment: &Deployment) -> &k8s_openapi::api::core::v1::PodSpec {
+    deployment
+        .spec
+        .as_ref()
+        .expect("a Deployment spec")
+        .template
+        .spec
+        .as_ref()
+        .expect("a pod template spec")
+}
+
 /// One grant: (group, resource, verbs, resource names).
 type Grant = (String, String, Vec<String>, Vec<String>);
 
@@ -274,14 +286,7 @@ fn rendered_overlays_match_when_kubectl_is_available() {
         let docs = documents(&String::from_utf8(out.stdout).unwrap());
         check(&docs);
         let deployment: Vec<Deployment> = of_kind(&docs, "Deployment");
-        let pod = deployment[0]
-            .spec
-            .as_ref()
-            .unwrap()
-            .template
-            .spec
-            .as_ref()
-            .unwrap();
+        let pod = pod_spec(&deployment[0]);
         let has_cacerts = pod.volumes.iter().flatten().any(|v| {
             v.secret
                 .as_ref()
@@ -347,14 +352,7 @@ fn mount_of(container: &k8s_openapi::api::core::v1::Container, volume: &str) -> 
 fn agent_pod_mode_manifest_shares_the_socket_with_the_workload() {
     let docs = documents_of("agent-pod");
     let deployment: Vec<Deployment> = of_kind(&docs, "Deployment");
-    let pod = deployment[0]
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .clone()
-        .unwrap();
+    let pod = pod_spec(&deployment[0]).clone();
     let sidecar = pod
         .init_containers
         .iter()
@@ -453,15 +451,7 @@ fn agent_node_mode_manifests_match_the_ca_overlay() {
             .unwrap(),
     );
     let patched: Vec<Deployment> = of_kind(&patch, "Deployment");
-    let ca = &patched[0]
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .as_ref()
-        .unwrap()
-        .containers[0];
+    let ca = &pod_spec(&patched[0]).containers[0];
     assert_eq!(
         env_value(ca, "MESHCA_TRUSTED_NODE_AGENT"),
         Some(format!("{namespace}/{}", subject.name))
@@ -495,14 +485,7 @@ fn the_memory_limit_holds_what_the_default_limits_allow() {
     };
     let docs = base_documents();
     let deployment: Vec<Deployment> = of_kind(&docs, "Deployment");
-    let pod = deployment[0]
-        .spec
-        .as_ref()
-        .unwrap()
-        .template
-        .spec
-        .as_ref()
-        .unwrap();
+    let pod = pod_spec(&deployment[0]);
     let container = &pod.containers[0];
     // The manifests leave both limits at their defaults.
     for name in ["MESHCA_MAX_CONNECTIONS", "MESHCA_MAX_OPEN_REQUESTS"] {
