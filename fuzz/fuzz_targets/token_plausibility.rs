@@ -36,8 +36,12 @@ fuzz_target!(|data: &[u8]| {
                 }
                 other => panic!("unexpected refusal: {other:?}"),
             }
-            if token.len() >= 16 {
-                assert!(!e.to_string().contains(token), "the error repeats the token");
+            if token.len() >= 16 && e.to_string().contains(token) {
+                // Unless the token is a piece of the fixed wording (the
+                // fuzzer finds those): then another token's refusal has it too.
+                let other = check_plausible(&"#".repeat(token.len()), &audiences, NOW)
+                    .expect_err("not a JWT");
+                assert!(other.to_string().contains(token), "the error repeats the token");
             }
         }
     }
