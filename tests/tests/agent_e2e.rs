@@ -165,9 +165,10 @@ async fn agent_rotates_files_that_are_never_half_written() {
     let out = dir.path().join("out");
     let stop = Arc::new(AtomicBool::new(false));
     let broken = Arc::new(AtomicUsize::new(0));
-    let seen = Arc::new(AtomicUsize::new(0));
+    // How many distinct certificates the reader has seen, as an event.
+    let (seen_tx, mut seen) = tokio::sync::watch::channel(0usize);
     let reader = {
-        let (out, stop, broken, seen) = (out.clone(), stop.clone(), broken.clone(), seen.clone());
+        let (out, stop, broken) = (out.clone(), stop.clone(), broken.clone());
         std::thread::spawn(move || {
             let mut serials = Vec::<String>::new();
             let mut reads = 0;
@@ -192,7 +193,7 @@ async fn agent_rotates_files_that_are_never_half_written() {
                         Ok(serial) => {
                             if serials.last() != Some(&serial) {
                                 serials.push(serial);
-                                seen.store(serials.len(), Ordering::Relaxed);
+                                let _ = seen_tx.send(serials.len());
                             }
                         }
                         Err(e) => {
@@ -209,10 +210,7 @@ async fn agent_rotates_files_that_are_never_half_written() {
     // 20 s certificates renew at about 10 s: expect two rotations within 40 s,
     // as the reader sees them (not as the log says: the reader may not have
     // read the second one yet when its line is written).
-    let deadline = Instant::now() + Duration::from_secs(40);
-    while seen.load(Ordering::Relaxed) < 3 && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let _ = tokio::time::timeout(Duration::from_secs(40), seen.wait_for(|n| *n >= 3)).await;
     stop.store(true, Ordering::Relaxed);
     let (serials, reads) = reader.join().unwrap();
     assert!(
