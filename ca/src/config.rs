@@ -27,19 +27,19 @@ pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
 /// "Memory", has the formula; a test of the manifests checks it).
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 2048;
 
-/// The server's resident memory at rest (release build, a few MiB of
-/// which are the CA material and the caches; BENCHMARKS.md, "Hostile load,
-/// after the limits", RSS before every scenario: 12–13 MiB), rounded up.
+/// The server's resident memory at rest (release build: the CA material,
+/// the caches, the runtime), measured before every hostile-load scenario
+/// (BENCHMARKS.md, "Hostile load, after the limits") and rounded up.
 pub const MEMORY_AT_REST: u64 = 16 << 20;
 /// Resident memory of one open gRPC connection, TLS and HTTP/2 included,
 /// at its worst: in a storm of new connections, each with its handshake
 /// just done and its first request (BENCHMARKS.md, "A connection per
-/// sidecar, final code": 222 MiB for 3,072 connections, ~68 KiB each with
-/// the request's 8; 4,096 idle ones held at once: ~48 KiB each).
+/// sidecar, final code"), rounded up.
 pub const MEMORY_PER_CONNECTION: u64 = 64 << 10;
 /// Resident memory of one open request (its HTTP/2 stream, tonic's decoder,
-/// its task, its place in a queue), as measured in a mass restart over 64
-/// connections (8,192 requests open: peak 67 MiB, ~7 KiB each), rounded up.
+/// its task, its place in a queue), measured in a mass restart over 64
+/// shared connections (BENCHMARKS.md, "A connection per sidecar, final
+/// code"), rounded up.
 pub const MEMORY_PER_OPEN_REQUEST: u64 = 8 << 10;
 
 /// The most resident memory `max_connections` connections and
@@ -196,8 +196,11 @@ pub struct ServeArgs {
     pub max_connection_idle: Duration,
 
     /// gRPC connections open at once (in their TLS handshake or
-    /// established); a connection beyond it is closed as soon as it is
-    /// accepted. Sized from the memory limit (README, "Flags").
+    /// established). When they are all open, a new connection takes the
+    /// seat of the one idle longest (see `--evict-idle-connections-after`),
+    /// or waits a moment in the listen queue for a seat; failing both it
+    /// is closed as soon as it is accepted. Sized from the memory limit
+    /// (README, "Memory").
     #[arg(
         long,
         env = "MESHCA_MAX_CONNECTIONS",
@@ -216,6 +219,14 @@ pub struct ServeArgs {
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub max_open_requests: u32,
+
+    /// While `--max-connections` are open, a new connection makes room by
+    /// asking the connection that has had no open stream for longest to go
+    /// away (HTTP/2 GOAWAY), if that one has been idle at least this long;
+    /// so connections held idle (a flood, or sidecars that keep theirs
+    /// between renewals) cannot lock new clients out. 0: never.
+    #[arg(long, env = "MESHCA_EVICT_IDLE_CONNECTIONS_AFTER", default_value = "10s", value_parser = parse_duration)]
+    pub evict_idle_connections_after: Duration,
 
     /// A client that has not completed its TLS handshake this long after
     /// connecting is dropped.
@@ -407,8 +418,12 @@ pub struct Config {
     pub request_timeout: Duration,
     /// Connections with no open stream this long get a GOAWAY (`None`: never).
     pub max_connection_idle: Option<Duration>,
-    /// gRPC connections open at once; more are closed at accept.
+    /// gRPC connections open at once; more evict an idle one, wait, or
+    /// are closed at accept.
     pub max_connections: usize,
+    /// At the connection cap, the connection idle longest is asked to go
+    /// away for a new one if idle at least this long (`None`: never).
+    pub evict_idle_connections_after: Option<Duration>,
     /// gRPC requests open at once across all connections; more are refused.
     pub max_open_requests: usize,
     /// Longest time a TLS handshake may take.
@@ -603,6 +618,8 @@ impl TryFrom<ServeArgs> for Config {
             request_timeout: args.request_timeout,
             max_connection_idle: Some(args.max_connection_idle).filter(|idle| !idle.is_zero()),
             max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+            evict_idle_connections_after: Some(args.evict_idle_connections_after)
+                .filter(|idle| !idle.is_zero()),
             max_open_requests: usize::try_from(args.max_open_requests).unwrap_or(usize::MAX),
             tls_handshake_timeout: args.tls_handshake_timeout,
             shutdown_grace: args.shutdown_grace,
@@ -693,6 +710,10 @@ mod tests {
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
         assert_eq!(c.max_connection_idle, Some(Duration::from_secs(5 * 60)));
         assert_eq!(c.max_connections, 2048);
+        assert_eq!(
+            c.evict_idle_connections_after,
+            Some(Duration::from_secs(10))
+        );
         assert_eq!(c.max_open_requests, 8192);
         assert_eq!(c.tls_handshake_timeout, Duration::from_secs(10));
     }
@@ -708,8 +729,11 @@ mod tests {
             "20",
             "--tls-handshake-timeout",
             "3s",
+            "--evict-idle-connections-after",
+            "0",
         ])
         .unwrap();
+        assert_eq!(c.evict_idle_connections_after, None);
         assert_eq!(c.max_open_requests, 20);
         assert_eq!(c.max_connection_idle, None);
         assert_eq!(c.max_connections, 10);

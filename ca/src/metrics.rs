@@ -108,6 +108,9 @@ pub(crate) struct Metrics {
     /// gRPC connections sent a GOAWAY after `--max-connection-idle`
     /// without an open stream.
     pub(crate) grpc_idle_connections_closed: IstioCounter,
+    /// gRPC connections sent a GOAWAY to make room for a new one while
+    /// `--max-connections` were open.
+    pub(crate) grpc_connections_evicted: IstioCounter,
     /// CreateCertificate requests waiting for a slot.
     pub(crate) requests_waiting: Gauge<i64>,
     /// Requests refused at once: `--max-open-requests` were open.
@@ -167,6 +170,7 @@ impl Default for Metrics {
             tls_handshake_timeouts: Default::default(),
             grpc_connections_refused: Default::default(),
             grpc_idle_connections_closed: Default::default(),
+            grpc_connections_evicted: Default::default(),
             requests_waiting: Default::default(),
             token_reviews_waiting: Default::default(),
             open_requests_refused: Default::default(),
@@ -301,6 +305,11 @@ impl Metrics {
             "meshca_grpc_idle_connections_closed_count",
             "gRPC connections sent an HTTP/2 GOAWAY after --max-connection-idle without an open stream",
             self.grpc_idle_connections_closed.clone(),
+        );
+        r.register(
+            "meshca_grpc_connections_evicted_count",
+            "gRPC connections sent an HTTP/2 GOAWAY to make room for a new one while --max-connections were open (each idle at least --evict-idle-connections-after)",
+            self.grpc_connections_evicted.clone(),
         );
         r.register(
             "meshca_requests_waiting",

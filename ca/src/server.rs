@@ -717,6 +717,7 @@ async fn serve_until_drained(
         draining.clone(),
         transport::SharedByConnections {
             idle_closes: metrics.grpc_idle_connections_closed.clone(),
+            evictions: metrics.grpc_connections_evicted.clone(),
             open_requests: transport::OpenRequests::new(
                 config.max_open_requests,
                 metrics.open_requests_refused.clone(),
@@ -817,6 +818,7 @@ pub async fn run(
     drain_on_shutdown(shutdown, serving, health_reporter, draining_tx);
     let limits = AcceptLimits {
         max_connections: config.max_connections,
+        evict_idle_after: config.evict_idle_connections_after,
         handshake_timeout: config.tls_handshake_timeout,
     };
     let incoming = transport::tls_incoming(listeners.grpc, acceptor, limits, &metrics);

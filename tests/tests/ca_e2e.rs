@@ -1224,6 +1224,68 @@ async fn connections_beyond_the_cap_are_closed_at_accept_and_counted() {
         .expect("the second connection still serves");
 }
 
+// Two worker threads: `metric_once` blocks its thread while the clients'
+// connection tasks go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_cap_the_connection_idle_longest_makes_room_for_a_new_one() {
+    use tokio::io::AsyncReadExt;
+    let (_dir, server) = server_with(&[
+        "--max-connections",
+        "2",
+        "--evict-idle-connections-after",
+        "1s",
+    ]);
+    let token = server.token("default", "web");
+    // Every seat held by connections that never ask anything (a flood).
+    let mut oldest = tls_connect(&server).await;
+    let mut younger = tls_connect(&server).await;
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 2),
+        2
+    );
+    // Idleness is the server's own clock: both must be idle for 1 s.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    // A newcomer gets a seat and its certificate, not a refusal.
+    let mut client = server.client().await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    client
+        .create_certificate(with_token(request, &token))
+        .await
+        .expect("the newcomer is served");
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections_evicted_count", |v| v == 1),
+        1
+    );
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections_refused_count", |_| true),
+        0
+    );
+    // The one idle longest was told to go away and closed...
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), oldest.read_to_end(&mut got))
+        .await
+        .expect("the server closes the connection idle longest")
+        .ok();
+    // ...the other still holds its seat.
+    let mut one = [0u8; 1];
+    let mut still_open = true;
+    while let Ok(read) =
+        tokio::time::timeout(Duration::from_millis(300), younger.read(&mut one)).await
+    {
+        // The server's HTTP/2 SETTINGS may still be unread; EOF is not.
+        if !matches!(read, Ok(n) if n > 0) {
+            still_open = false;
+            break;
+        }
+    }
+    assert!(still_open, "only one connection is evicted");
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 2),
+        2
+    );
+}
+
 #[tokio::test]
 async fn a_client_that_never_finishes_its_handshake_is_dropped() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -576,7 +576,12 @@ async fn ca_dir_swap_under_load_loses_nothing_and_a_bad_set_is_refused() {
             }
         }));
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_until(
+        "certificates from the first set",
+        Duration::from_secs(20),
+        || successes.load(Ordering::Relaxed) > 10,
+    )
+    .await;
     mounted.swap_to(&pki.join("two"));
     wait_until(
         "certificates signed by the new intermediate",
@@ -591,7 +596,12 @@ async fn ca_dir_swap_under_load_loses_nothing_and_a_bad_set_is_refused() {
     })
     .await;
     let before = signed_by_two.load(Ordering::Relaxed);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_until(
+        "certificates from the good set after the refusal",
+        Duration::from_secs(20),
+        || signed_by_two.load(Ordering::Relaxed) > before + 10,
+    )
+    .await;
     stop.store(true, Ordering::Relaxed);
     for w in workers {
         w.await.unwrap();

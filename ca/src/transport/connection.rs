@@ -6,7 +6,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -14,15 +14,33 @@ use std::time::Duration;
 use http::{Request, Response};
 use http_body_util::BodyExt;
 use tokio::sync::Notify;
+use tokio::time::Instant;
 use tonic::codegen::{Body as HttpBody, Bytes, StdError};
 use tower::{Layer, Service};
 
-/// How many HTTP/2 streams (requests) of one connection are open, and a
-/// wake-up for each time that number leaves or reaches zero.
-#[derive(Debug, Default)]
+/// How many HTTP/2 streams (requests) of one connection are open, since
+/// when none has been, and a wake-up for each time that number leaves or
+/// reaches zero.
+#[derive(Debug)]
 pub(crate) struct StreamActivity {
     open: AtomicUsize,
     changed: Notify,
+    /// When this was made; `idle_since` counts from it.
+    made: Instant,
+    /// Milliseconds after `made` when the last stream closed (or, with
+    /// none yet, when the connection was set up).
+    idle_since: AtomicU64,
+}
+
+impl Default for StreamActivity {
+    fn default() -> Self {
+        Self {
+            open: AtomicUsize::new(0),
+            changed: Notify::new(),
+            made: Instant::now(),
+            idle_since: AtomicU64::new(0),
+        }
+    }
 }
 
 impl StreamActivity {
@@ -39,6 +57,23 @@ impl StreamActivity {
     /// Streams open now.
     pub(crate) fn open_streams(&self) -> usize {
         self.open.load(Ordering::Acquire)
+    }
+
+    /// Counts the idle time from now (the connection is set up, or its
+    /// last stream closed).
+    pub(crate) fn mark_idle_from_now(&self) {
+        let since = Instant::now().saturating_duration_since(self.made);
+        let millis = u64::try_from(since.as_millis()).unwrap_or(u64::MAX);
+        self.idle_since.store(millis, Ordering::Release);
+    }
+
+    /// Since when no stream has been open, if none is open now.
+    pub(crate) fn idle_since(&self) -> Option<Instant> {
+        if self.open_streams() > 0 {
+            return None;
+        }
+        let millis = self.idle_since.load(Ordering::Acquire);
+        Some(self.made + Duration::from_millis(millis))
     }
 
     /// Completes once no stream has been open for `limit` in a row.
@@ -69,6 +104,7 @@ pub(crate) struct OpenStream {
 impl Drop for OpenStream {
     fn drop(&mut self) {
         if self.activity.open.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.activity.mark_idle_from_now();
             self.activity.changed.notify_one();
         }
     }

@@ -1,25 +1,29 @@
 //! The accept loop: takes TCP connections off the gRPC port (at most
-//! `--max-connections` open), completes each TLS handshake in a task of its
-//! own (bounded in time) and hands the established connection to the gRPC
-//! server.
+//! `--max-connections` open; at the cap a new one takes the seat of an
+//! idle one, waits a moment for a seat, or is closed), completes each TLS
+//! handshake in a task of its own (bounded in time) and hands the
+//! established connection to the gRPC server.
 
+use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures::task::AtomicWaker;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 
-use crate::metrics::Metrics;
+use super::connection::StreamActivity;
+use crate::metrics::{IstioCounter, Metrics};
 
 /// Connections the kernel may hold completed but not yet accepted on the
 /// gRPC port. When thousands of sidecars restart at once their connects
@@ -46,6 +50,20 @@ pub(crate) fn bind_with_backlog(addr: SocketAddr, backlog: u32) -> io::Result<Tc
 /// An established connection, as the gRPC server gets it.
 pub(crate) type TlsConnection = TlsStream<Guarded<TcpStream, ConnectionLife>>;
 
+/// Connections asked to go away to make room that may be closing at once;
+/// while this many are, a new connection at the cap is not given a seat by
+/// eviction. An idle connection closes as soon as its GOAWAY is written,
+/// so the open count exceeds `--max-connections` by at most this, briefly.
+pub(crate) const MAX_EVICTIONS_IN_FLIGHT: usize = 16;
+
+/// How long a new connection accepted while `--max-connections` are open
+/// (and none can be evicted) waits for a seat before it is closed. Long
+/// enough for a storm of restarting sidecars, whose connections each
+/// last a handshake and a request, to find seats as they free instead of
+/// being sent away to back off; short enough that a client beyond a cap
+/// held by others learns it at once.
+pub(crate) const SEAT_WAIT: Duration = Duration::from_millis(250);
+
 /// What a connection holds for as long as it lives: its seat among the
 /// open connections, and the sender whose drop tells [`Accepted::closed`]
 /// it is gone.
@@ -55,19 +73,50 @@ pub(crate) struct ConnectionLife {
     _closed: oneshot::Sender<()>,
 }
 
-/// A stream that holds `G` until it is dropped; reads and writes go
-/// straight through.
+/// Ends a connection from outside its task: once killed, its stream's
+/// reads and writes fail, so whoever serves it lets it go at once (a
+/// client that ignores a GOAWAY, or never started HTTP/2, is not waited
+/// for).
+#[derive(Debug, Default)]
+pub(crate) struct KillSwitch {
+    killed: AtomicBool,
+    reader: AtomicWaker,
+}
+
+impl KillSwitch {
+    /// Fails the stream's next read and write, and wakes a read waiting.
+    pub(crate) fn kill(&self) {
+        self.killed.store(true, Ordering::Release);
+        self.reader.wake();
+    }
+
+    fn check(&self) -> io::Result<()> {
+        if self.killed.load(Ordering::Acquire) {
+            Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "the connection was told to go away and did not",
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// A stream that holds `G` until it is dropped, and ends when its
+/// [`KillSwitch`] is used; otherwise reads and writes go straight through.
 #[derive(Debug)]
 pub(crate) struct Guarded<S, G> {
     inner: S,
+    kill: Arc<KillSwitch>,
     _guard: G,
 }
 
 impl<S, G> Guarded<S, G> {
     /// Wraps `inner`, holding `guard` until the stream is dropped.
-    pub(crate) fn new(inner: S, guard: G) -> Self {
+    pub(crate) fn new(inner: S, guard: G, kill: Arc<KillSwitch>) -> Self {
         Self {
             inner,
+            kill,
             _guard: guard,
         }
     }
@@ -89,7 +138,10 @@ impl<S: AsyncRead + Unpin, G: Unpin> AsyncRead for Guarded<S, G> {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+        let this = self.get_mut();
+        this.kill.reader.register(cx.waker());
+        this.kill.check()?;
+        Pin::new(&mut this.inner).poll_read(cx, buf)
     }
 }
 
@@ -99,7 +151,9 @@ impl<S: AsyncWrite + Unpin, G: Unpin> AsyncWrite for Guarded<S, G> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        let this = self.get_mut();
+        this.kill.check()?;
+        Pin::new(&mut this.inner).poll_write(cx, buf)
     }
 
     fn poll_write_vectored(
@@ -107,7 +161,9 @@ impl<S: AsyncWrite + Unpin, G: Unpin> AsyncWrite for Guarded<S, G> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        let this = self.get_mut();
+        this.kill.check()?;
+        Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -128,6 +184,8 @@ impl<S: AsyncWrite + Unpin, G: Unpin> AsyncWrite for Guarded<S, G> {
 pub(crate) struct Accepted {
     /// The connection.
     pub(crate) stream: TlsConnection,
+    /// Its open streams, and the request to go away when it is evicted.
+    pub(crate) state: Arc<ConnectionState>,
     /// Completes (with an error) once the connection has been dropped.
     pub(crate) closed: oneshot::Receiver<()>,
 }
@@ -135,19 +193,59 @@ pub(crate) struct Accepted {
 /// The accept loop's limits (README, "Flags").
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AcceptLimits {
-    /// Connections open at once (in their handshake or established);
-    /// beyond it a new one is closed at once.
+    /// Connections open at once (in their handshake or established).
     pub(crate) max_connections: usize,
+    /// At the cap, a connection idle at least this long may be asked to
+    /// go away for a new one (`None`: never).
+    pub(crate) evict_idle_after: Option<Duration>,
     /// Time allowed for a TLS handshake.
     pub(crate) handshake_timeout: Duration,
 }
 
-/// How many connections are open (in their handshake or established),
-/// exported as `meshca_grpc_connections`.
+/// What the accept loop and the gRPC server share about one connection.
+#[derive(Debug, Default)]
+pub(crate) struct ConnectionState {
+    /// Its open streams, and since when it has had none.
+    pub(crate) activity: Arc<StreamActivity>,
+    /// Its TLS handshake has completed.
+    established: AtomicBool,
+    /// It was chosen to make room; its seat counts as leaving.
+    evicted: AtomicBool,
+    /// Woken once when it is evicted: the server sends it a GOAWAY.
+    pub(crate) evict: Notify,
+    /// Ends its stream when it does not go away when told.
+    pub(crate) kill: Arc<KillSwitch>,
+}
+
+impl ConnectionState {
+    /// Its handshake has completed: idle from now until its first stream.
+    pub(crate) fn set_established(&self) {
+        self.activity.mark_idle_from_now();
+        self.established.store(true, Ordering::Release);
+    }
+
+    /// Since when it has been established and without an open stream.
+    fn idle_since(&self) -> Option<tokio::time::Instant> {
+        if !self.established.load(Ordering::Acquire) || self.evicted.load(Ordering::Acquire) {
+            return None;
+        }
+        self.activity.idle_since()
+    }
+}
+
+/// The open connections (in their handshake or established), exported as
+/// `meshca_grpc_connections`, and which of them could make room.
 #[derive(Debug)]
 pub(crate) struct OpenConnections {
     open: AtomicUsize,
+    /// Seats of evicted connections that have not closed yet.
+    leaving: AtomicUsize,
     exported: Gauge<i64>,
+    /// Every open connection, by the number its seat was given.
+    states: Mutex<HashMap<u64, Arc<ConnectionState>>>,
+    next_seat: AtomicU64,
+    /// Woken when a seat is given back.
+    seat_freed: Notify,
 }
 
 impl OpenConnections {
@@ -155,22 +253,82 @@ impl OpenConnections {
     pub(crate) fn new(exported: Gauge<i64>) -> Arc<Self> {
         Arc::new(Self {
             open: AtomicUsize::new(0),
+            leaving: AtomicUsize::new(0),
             exported,
+            states: Mutex::new(HashMap::new()),
+            next_seat: AtomicU64::new(0),
+            seat_freed: Notify::new(),
         })
     }
 
     /// Counts one more connection until the returned seat is dropped.
     pub(crate) fn seat(self: &Arc<Self>) -> ConnectionSeat {
-        self.open.fetch_add(1, Ordering::Relaxed);
+        let number = self.next_seat.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(ConnectionState::default());
+        self.lock_states().insert(number, state.clone());
+        self.open.fetch_add(1, Ordering::AcqRel);
         self.exported.inc();
         ConnectionSeat {
             connections: self.clone(),
+            number,
+            state,
         }
     }
 
-    /// Connections open now.
+    /// Connections open now (those leaving included).
     pub(crate) fn open(&self) -> usize {
-        self.open.load(Ordering::Relaxed)
+        self.open.load(Ordering::Acquire)
+    }
+
+    /// Whether `max` seats are taken by connections that are not leaving.
+    fn full(&self, max: usize) -> bool {
+        self.open()
+            .saturating_sub(self.leaving.load(Ordering::Acquire))
+            >= max
+    }
+
+    /// Asks the connection that has been idle longest, if at least
+    /// `min_idle`, to go away (its seat then counts as free). False when
+    /// none is idle that long, or [`MAX_EVICTIONS_IN_FLIGHT`] are leaving.
+    fn evict_idle(&self, min_idle: Duration) -> bool {
+        if self.leaving.load(Ordering::Acquire) >= MAX_EVICTIONS_IN_FLIGHT {
+            return false;
+        }
+        let now = tokio::time::Instant::now();
+        let states = self.lock_states();
+        let longest = states
+            .values()
+            .filter_map(|state| state.idle_since().map(|since| (since, state)))
+            .filter(|(since, _)| now.saturating_duration_since(*since) >= min_idle)
+            .min_by_key(|(since, _)| *since);
+        let Some((_, state)) = longest else {
+            return false;
+        };
+        state.evicted.store(true, Ordering::Release);
+        self.leaving.fetch_add(1, Ordering::AcqRel);
+        state.evict.notify_one();
+        true
+    }
+
+    /// Waits up to `wait` for fewer than `max` seats to be taken.
+    async fn wait_for_seat(&self, max: usize, wait: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let freed = self.seat_freed.notified();
+            if !self.full(max) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, freed).await.is_err() {
+                return !self.full(max);
+            }
+        }
+    }
+
+    fn lock_states(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<ConnectionState>>> {
+        // A panic elsewhere while holding the lock leaves the map whole.
+        self.states
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
@@ -178,20 +336,46 @@ impl OpenConnections {
 #[derive(Debug)]
 pub(crate) struct ConnectionSeat {
     connections: Arc<OpenConnections>,
+    number: u64,
+    state: Arc<ConnectionState>,
+}
+
+impl ConnectionSeat {
+    /// The connection's state, shared with the gRPC server.
+    pub(crate) fn state(&self) -> &Arc<ConnectionState> {
+        &self.state
+    }
 }
 
 impl Drop for ConnectionSeat {
     fn drop(&mut self) {
-        self.connections.open.fetch_sub(1, Ordering::Relaxed);
-        self.connections.exported.dec();
+        let connections = &self.connections;
+        connections.lock_states().remove(&self.number);
+        if self.state.evicted.load(Ordering::Acquire) {
+            connections.leaving.fetch_sub(1, Ordering::AcqRel);
+        }
+        connections.open.fetch_sub(1, Ordering::AcqRel);
+        connections.exported.dec();
+        connections.seat_freed.notify_one();
     }
+}
+
+/// What the accept loop counts.
+#[derive(Debug, Clone)]
+struct AcceptCounters {
+    handshake_failures: IstioCounter,
+    handshake_timeouts: IstioCounter,
+    refused: IstioCounter,
 }
 
 /// Accepts TCP connections on `listener` and runs each one's TLS handshake
 /// (bounded by `limits.handshake_timeout`) in a task of its own. With
-/// `limits.max_connections` open, a new connection is closed as soon as it
-/// is accepted. Returns the stream of established connections. Stops when
-/// that stream is dropped.
+/// `limits.max_connections` open, a new connection evicts the connection
+/// idle longest (if idle at least `limits.evict_idle_after`), or waits up
+/// to [`SEAT_WAIT`] for a seat, or else is closed as soon as it is
+/// accepted; once one has been closed so, the next ones are too, without
+/// waiting, until a seat frees. Returns the stream of established
+/// connections. Stops when that stream is dropped.
 pub(crate) fn tls_incoming(
     listener: TcpListener,
     acceptor: TlsAcceptor,
@@ -200,10 +384,15 @@ pub(crate) fn tls_incoming(
 ) -> ReceiverStream<Accepted> {
     let (tx, rx) = mpsc::channel(128);
     let connections = OpenConnections::new(metrics.grpc_connections.clone());
-    let handshake_failures = metrics.tls_handshake_failures.clone();
-    let handshake_timeouts = metrics.tls_handshake_timeouts.clone();
-    let refused = metrics.grpc_connections_refused.clone();
+    let counters = AcceptCounters {
+        handshake_failures: metrics.tls_handshake_failures.clone(),
+        handshake_timeouts: metrics.tls_handshake_timeouts.clone(),
+        refused: metrics.grpc_connections_refused.clone(),
+    };
     tokio::spawn(async move {
+        // Set once a connection was closed for want of a seat; cleared
+        // when a seat is given. While set, nobody waits for a seat.
+        let mut refusing = false;
         loop {
             let accepted = tokio::select! {
                 accepted = listener.accept() => accepted,
@@ -220,46 +409,87 @@ pub(crate) fn tls_incoming(
             };
             // Seats are taken only here, so the count cannot grow between
             // the check and the seat.
-            if connections.open() >= limits.max_connections {
-                refused.inc();
-                tracing::debug!(%peer, max_connections = limits.max_connections, "connection refused: too many open");
-                drop(tcp);
-                continue;
+            if connections.full(limits.max_connections) {
+                let room = limits
+                    .evict_idle_after
+                    .is_some_and(|min_idle| connections.evict_idle(min_idle))
+                    || (!refusing
+                        && connections
+                            .wait_for_seat(limits.max_connections, SEAT_WAIT)
+                            .await);
+                if !room {
+                    refusing = true;
+                    counters.refused.inc();
+                    tracing::debug!(%peer, max_connections = limits.max_connections, "connection refused: too many open");
+                    drop(tcp);
+                    continue;
+                }
             }
+            refusing = false;
             let _ = tcp.set_nodelay(true);
             let (closed_tx, closed) = oneshot::channel();
+            let seat = connections.seat();
+            let state = seat.state().clone();
             let life = ConnectionLife {
-                _seat: connections.seat(),
+                _seat: seat,
                 _closed: closed_tx,
             };
-            let acceptor = acceptor.clone();
-            let handshake_failures = handshake_failures.clone();
-            let handshake_timeouts = handshake_timeouts.clone();
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                match tokio::time::timeout(
-                    limits.handshake_timeout,
-                    acceptor.accept(Guarded::new(tcp, life)),
-                )
-                .await
-                {
-                    Ok(Ok(stream)) => {
-                        let _ = tx.send(Accepted { stream, closed }).await;
-                    }
-                    Ok(Err(e)) => {
-                        handshake_failures.inc();
-                        tracing::debug!(%peer, error = %e, "TLS handshake failed");
-                    }
-                    Err(_) => {
-                        handshake_failures.inc();
-                        handshake_timeouts.inc();
-                        tracing::debug!(%peer, "TLS handshake timed out");
-                    }
-                }
-            });
+            tokio::spawn(handshake(
+                tcp,
+                peer,
+                life,
+                state,
+                closed,
+                acceptor.clone(),
+                limits.handshake_timeout,
+                counters.clone(),
+                tx.clone(),
+            ));
         }
     });
     ReceiverStream::new(rx)
+}
+
+/// Runs one connection's TLS handshake, bounded by `timeout`, and hands
+/// the established connection to the gRPC server.
+#[allow(clippy::too_many_arguments)]
+async fn handshake(
+    tcp: TcpStream,
+    peer: SocketAddr,
+    life: ConnectionLife,
+    state: Arc<ConnectionState>,
+    closed: oneshot::Receiver<()>,
+    acceptor: TlsAcceptor,
+    timeout: Duration,
+    counters: AcceptCounters,
+    established: mpsc::Sender<Accepted>,
+) {
+    match tokio::time::timeout(
+        timeout,
+        acceptor.accept(Guarded::new(tcp, life, state.kill.clone())),
+    )
+    .await
+    {
+        Ok(Ok(stream)) => {
+            state.set_established();
+            let _ = established
+                .send(Accepted {
+                    stream,
+                    state,
+                    closed,
+                })
+                .await;
+        }
+        Ok(Err(e)) => {
+            counters.handshake_failures.inc();
+            tracing::debug!(%peer, error = %e, "TLS handshake failed");
+        }
+        Err(_) => {
+            counters.handshake_failures.inc();
+            counters.handshake_timeouts.inc();
+            tracing::debug!(%peer, "TLS handshake timed out");
+        }
+    }
 }
 
 #[cfg(test)]
@@ -272,7 +502,8 @@ mod tests {
         let exported = Gauge::<i64>::default();
         let connections = OpenConnections::new(exported.clone());
         let (near, mut far) = tokio::io::duplex(64);
-        let mut stream = Guarded::new(near, connections.seat());
+        let kill = Arc::new(KillSwitch::default());
+        let mut stream = Guarded::new(near, connections.seat(), kill.clone());
         let other = connections.seat();
         assert_eq!((connections.open(), exported.get()), (2, 2));
         stream.write_all(b"ping").await.unwrap();
@@ -283,9 +514,93 @@ mod tests {
         far.write_all(b"pong").await.unwrap();
         stream.read_exact(&mut got).await.unwrap();
         assert_eq!(&got, b"pong");
+        // Killed while a read waits: the read fails at once.
+        let waiting = tokio::spawn(async move {
+            let result = stream.read_exact(&mut got).await;
+            (stream, result)
+        });
+        tokio::task::yield_now().await;
+        kill.kill();
+        let (mut stream, result) = waiting.await.unwrap();
+        assert_eq!(result.unwrap_err().kind(), io::ErrorKind::ConnectionAborted);
+        assert!(stream.write_all(b"more").await.is_err());
         drop(stream);
         assert_eq!((connections.open(), exported.get()), (1, 1));
         drop(other);
         assert_eq!((connections.open(), exported.get()), (0, 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn at_the_cap_the_connection_idle_longest_makes_room() {
+        let connections = OpenConnections::new(Gauge::default());
+        let min_idle = Duration::from_secs(10);
+        let (first, second, handshaking) =
+            (connections.seat(), connections.seat(), connections.seat());
+        first.state().set_established();
+        tokio::time::advance(Duration::from_secs(5)).await;
+        second.state().set_established();
+        assert!(connections.full(3));
+        // Nobody idle long enough yet; a connection still in its handshake
+        // never is.
+        assert!(!connections.evict_idle(min_idle));
+        tokio::time::advance(Duration::from_secs(20)).await;
+        // Both idle long enough: a stream on the first makes it busy, so
+        // the second goes, although it has been idle for less time.
+        let busy = first.state().activity.open();
+        assert!(connections.evict_idle(min_idle));
+        assert!(!connections.full(3), "the evicted seat counts as leaving");
+        assert_eq!(connections.open(), 3, "until its connection closes");
+        let second_state = second.state().clone();
+        let mut evicted = std::pin::pin!(second_state.evict.notified());
+        assert!(futures::poll!(evicted.as_mut()).is_ready());
+        // Nobody else may go: the first is busy, the second already leaving.
+        assert!(!connections.evict_idle(min_idle));
+        drop(second);
+        assert_eq!(connections.open(), 2);
+        assert!(!connections.full(3));
+        // The first's stream closes: idle from now, not from its handshake.
+        drop(busy);
+        let _third = connections.seat();
+        assert!(!connections.evict_idle(min_idle));
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert!(connections.evict_idle(min_idle));
+        drop(handshaking);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn evictions_in_flight_are_bounded() {
+        let connections = OpenConnections::new(Gauge::default());
+        let seats: Vec<_> = (0..MAX_EVICTIONS_IN_FLIGHT + 1)
+            .map(|_| {
+                let seat = connections.seat();
+                seat.state().set_established();
+                seat
+            })
+            .collect();
+        tokio::time::advance(Duration::from_secs(60)).await;
+        for _ in 0..MAX_EVICTIONS_IN_FLIGHT {
+            assert!(connections.evict_idle(Duration::ZERO));
+        }
+        assert!(!connections.evict_idle(Duration::ZERO), "the bound");
+        drop(seats);
+        assert_eq!(connections.open(), 0);
+        assert_eq!(connections.leaving.load(Ordering::Acquire), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_newcomer_waits_a_moment_for_a_seat() {
+        let connections = OpenConnections::new(Gauge::default());
+        let held = connections.seat();
+        // Nobody leaves: it gives up after the wait.
+        let started = tokio::time::Instant::now();
+        assert!(!connections.wait_for_seat(1, SEAT_WAIT).await);
+        assert_eq!(started.elapsed(), SEAT_WAIT);
+        // A seat freed during the wait is taken.
+        let waiting = connections.wait_for_seat(1, SEAT_WAIT);
+        let mut waiting = std::pin::pin!(waiting);
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        tokio::time::advance(SEAT_WAIT / 2).await;
+        drop(held);
+        assert!(waiting.await);
     }
 }

@@ -1,8 +1,9 @@
 //! How requests reach the CA and answers leave it: the gRPC port's accept
 //! loop, TLS and HTTP/2, on the process's multi-threaded tokio runtime.
 //!
-//! - [`listener`]: the accept loop, the connection cap, the TLS handshake
-//!   (a task per connection, bounded in time).
+//! - [`listener`]: the accept loop, the connection cap (at it, an idle
+//!   connection makes room for a new one), the TLS handshake (a task per
+//!   connection, bounded in time).
 //! - [`tls_policy`]: the rustls configuration (versions, ALPN, the order of
 //!   cipher suites, client certificates asked for but checked by
 //!   authentication).
@@ -36,8 +37,8 @@ use tonic::server::NamedService;
 use tower::Service;
 
 use crate::metrics::IstioCounter;
+use connection::CountStreamsLayer;
 pub(crate) use connection::OpenRequests;
-use connection::{CountStreamsLayer, StreamActivity};
 pub(crate) use listener::{
     bind_with_backlog, tls_incoming, AcceptLimits, Accepted, LISTEN_BACKLOG,
 };
@@ -58,6 +59,11 @@ pub(crate) const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
 /// attack). h2's default, set here so it does not change unnoticed.
 pub(crate) const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
 
+/// How long a connection told to go away (GOAWAY) may stay without an
+/// open stream before it is cut off: a client that honours the GOAWAY has
+/// closed by then.
+pub(crate) const GOAWAY_GRACE: Duration = Duration::from_secs(1);
+
 /// The HTTP/2 settings of every gRPC connection (README, "Flags").
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Http2Settings {
@@ -76,6 +82,8 @@ pub(crate) struct Http2Settings {
 pub(crate) struct SharedByConnections {
     /// Counts the GOAWAYs sent for `--max-connection-idle`.
     pub(crate) idle_closes: IstioCounter,
+    /// Counts the GOAWAYs sent to make room at `--max-connections`.
+    pub(crate) evictions: IstioCounter,
     /// The requests open across all connections (`--max-open-requests`).
     pub(crate) open_requests: Arc<OpenRequests>,
 }
@@ -161,8 +169,8 @@ pub(crate) async fn serve_grpc<S: GrpcService, H: GrpcService>(
 /// Serves one connection with a tonic server of its own, until the
 /// connection closes; asks it to go away (GOAWAY, then it closes once its
 /// requests in flight are answered) after `settings.max_connection_idle`
-/// without an open stream, at `settings.max_connection_age`, and when
-/// `drain` turns true.
+/// without an open stream, at `settings.max_connection_age`, when the
+/// accept loop evicts it to make room, and when `drain` turns true.
 async fn serve_connection<S: GrpcService, H: GrpcService>(
     accepted: Accepted,
     settings: Http2Settings,
@@ -173,10 +181,15 @@ async fn serve_connection<S: GrpcService, H: GrpcService>(
 ) {
     let SharedByConnections {
         idle_closes,
+        evictions,
         open_requests,
     } = shared;
-    let Accepted { stream, closed } = accepted;
-    let activity = Arc::new(StreamActivity::default());
+    let Accepted {
+        stream,
+        state,
+        closed,
+    } = accepted;
+    let activity = state.activity.clone();
     let builder = tonic::transport::Server::builder()
         .max_concurrent_streams(Some(settings.max_concurrent_streams))
         .timeout(settings.request_timeout)
@@ -215,17 +228,46 @@ async fn serve_connection<S: GrpcService, H: GrpcService>(
     };
     // tonic's server ends its connections when this completes, and then
     // returns once they have closed.
+    let (asked_tx, asked) = tokio::sync::oneshot::channel::<()>();
+    let kill = state.kill.clone();
     let go_away = async move {
         tokio::select! {
             () = idle => {}
+            () = state.evict.notified() => {
+                evictions.inc();
+                tracing::debug!("connection evicted for a new one: GOAWAY");
+            }
             _ = drain.wait_for(|d| *d) => {}
             _ = closed => {}
         }
+        let _ = asked_tx.send(());
     };
     // One connection, and then none: the server takes no other.
     let incoming = futures::stream::once(async move { Ok::<_, std::io::Error>(stream) })
         .chain(futures::stream::pending());
-    if let Err(e) = server.serve_with_incoming_shutdown(incoming, go_away).await {
+    let serving = server.serve_with_incoming_shutdown(incoming, go_away);
+    tokio::pin!(serving);
+    let served = tokio::select! {
+        served = &mut serving => served,
+        Ok(()) = asked => {
+            // Told to go away: requests in flight are answered (the request
+            // timeout bounds them); a client that has no stream open for
+            // GOAWAY_GRACE and is still there ignores the GOAWAY (or never
+            // started HTTP/2) and is cut off.
+            tokio::select! {
+                served = &mut serving => served,
+                () = activity.idle_for(GOAWAY_GRACE) => {
+                    kill.kill();
+                    serving.await
+                }
+                () = tokio::time::sleep(settings.request_timeout + GOAWAY_GRACE) => {
+                    kill.kill();
+                    serving.await
+                }
+            }
+        }
+    };
+    if let Err(e) = served {
         tracing::debug!(error = %e, "serving a connection failed");
     }
 }
