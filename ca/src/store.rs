@@ -382,6 +382,39 @@ mod tests {
     }
 
     #[test]
+    fn a_root_layout_with_several_roots_signs_with_the_keys_root() {
+        let td = TrustDomain::default();
+        let (key, ours) = generate_self_signed_root(&td, time::Duration::days(10), now()).unwrap();
+        let other = generate_self_signed_root(&td, time::Duration::days(10), now())
+            .unwrap()
+            .1;
+        // Either order in root-cert.pem: the key's root signs.
+        for (first, second) in [(&ours, &other), (&other, &ours)] {
+            let dir = tempfile::tempdir().unwrap();
+            fs::write(
+                dir.path().join(ROOT_CERT_FILE),
+                format!("{}{}", first.to_pem(), second.to_pem()),
+            )
+            .unwrap();
+            fs::write(
+                dir.path().join(meshca_certs::cadir::ROOT_KEY_FILE),
+                key.to_pkcs8_pem(),
+            )
+            .unwrap();
+            let m = load_ca_dir(dir.path(), now()).unwrap();
+            assert_eq!(m.anchor_root, ours.der);
+            assert!(m.chain.is_empty(), "a root signs: no chain above it");
+            let tail = m.response_tail_pem();
+            assert_eq!(tail.len(), 1, "one element: every root");
+            assert_eq!(
+                bundle::parse_certs_pem(&tail[0]).unwrap(),
+                vec![ours.der.clone(), other.der.clone()],
+                "every root, the signing one first"
+            );
+        }
+    }
+
+    #[test]
     fn plugged_in_ca_problems_name_the_file() {
         let dir = tempfile::tempdir().unwrap();
         write_cacerts(dir.path());

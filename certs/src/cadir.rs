@@ -147,6 +147,23 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
     let certs = bundle::read_certs_file(&cert_path)?;
     let key = read_key(&key_path)?;
     let roots = bundle::read_certs_file(&dir.join(root_file))?;
+    // In the root layout the certificate file is the roots file. With
+    // several roots in it (an operator's rotation), the root the key
+    // belongs to signs, and the others are only trusted.
+    let certs = if cert_file == root_file {
+        let spki = key.public_key_spki_der();
+        let own = certs.iter().find(|der| {
+            x509_parser::parse_x509_certificate(der)
+                .is_ok_and(|(_, cert)| cert.public_key().raw == spki.as_slice())
+        });
+        match own {
+            Some(own) => vec![own.clone()],
+            // None is the key's: the first is named in the mismatch error.
+            None => certs,
+        }
+    } else {
+        certs
+    };
     let bundle = TrustBundle::new(roots);
 
     // The full chain: signing cert first, then whatever the chain file says
