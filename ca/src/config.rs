@@ -22,10 +22,15 @@ pub const DEFAULT_SERVER_DNS: [&str; 2] = ["istiod.istio-system.svc", "localhost
 pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
 
 /// gRPC connections open at once unless `--max-connections` says
-/// otherwise: with [`DEFAULT_MAX_OPEN_REQUESTS`], what [`memory_bound`]
-/// keeps inside the Deployment's memory limit of 256 MiB (README,
-/// "Memory", has the formula; a test of the manifests checks it).
-pub const DEFAULT_MAX_CONNECTIONS: u32 = 2048;
+/// otherwise. With [`DEFAULT_MAX_OPEN_REQUESTS`], what [`memory_bound`]
+/// keeps well inside the Deployment's memory limit of 256 MiB (README,
+/// "Memory", has the formula; a test of the manifests checks it). A
+/// mass restart with a connection per sidecar drains faster with fewer
+/// seats, not slower: each connection lasts a handshake and a request, a
+/// newcomer waits a moment in the listen queue for a seat, and at the cap
+/// an idle connection makes room (BENCHMARKS.md, "A connection per
+/// sidecar, with eviction and a seat wait").
+pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
 
 /// The server's resident memory at rest (release build: the CA material,
 /// the caches, the runtime), measured before every hostile-load scenario
@@ -34,8 +39,8 @@ pub const MEMORY_AT_REST: u64 = 16 << 20;
 /// Resident memory of one open gRPC connection, TLS and HTTP/2 included,
 /// at its worst: in a storm of new connections, each with its handshake
 /// just done and its first request (BENCHMARKS.md, "A connection per
-/// sidecar, final code"), rounded up.
-pub const MEMORY_PER_CONNECTION: u64 = 64 << 10;
+/// sidecar, with eviction and a seat wait"), rounded up.
+pub const MEMORY_PER_CONNECTION: u64 = 96 << 10;
 /// Resident memory of one open request (its HTTP/2 stream, tonic's decoder,
 /// its task, its place in a queue), measured in a mass restart over 64
 /// shared connections (BENCHMARKS.md, "A connection per sidecar, final
@@ -709,7 +714,7 @@ mod tests {
         assert_eq!(c.pod_watch_failure_limit, Duration::from_secs(30));
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
         assert_eq!(c.max_connection_idle, Some(Duration::from_secs(5 * 60)));
-        assert_eq!(c.max_connections, 2048);
+        assert_eq!(c.max_connections, 1024);
         assert_eq!(
             c.evict_idle_connections_after,
             Some(Duration::from_secs(10))
