@@ -619,14 +619,12 @@ async fn a_request_whose_api_calls_failed_is_signed_once_the_api_recovers() {
     // Every read of a pod fails: the request cannot be checked.
     kube.fail_calls("pods", "get");
     create_for_pod(&kube, "patient", "web", &key, KeyEncoding::StubCsr, None);
+    let gave_up =
+        "meshca_pod_certificate_request_count{result=\"GaveUp\",reason=\"RetriesExhausted\"} 1";
     wait_until(
         "a whole round of attempts failed",
         Duration::from_secs(60),
-        || {
-            server
-                .log()
-                .contains("PodCertificateRequest still unanswered; trying again later")
-        },
+        || metrics_of(&server).contains(gave_up),
     )
     .await;
     assert!(kube.failed_calls() >= 6, "{} failed", kube.failed_calls());
@@ -643,7 +641,7 @@ async fn a_request_whose_api_calls_failed_is_signed_once_the_api_recovers() {
     check_issued(&kube, "patient", &key, "web", 86400);
     let metrics = metrics_of(&server);
     for line in [
-        "meshca_pod_certificate_request_count{result=\"GaveUp\",reason=\"RetriesExhausted\"} 1",
+        gave_up,
         "meshca_pod_certificate_request_count{result=\"Issued\",reason=\"Issued\"} 1",
         "meshca_pod_certificate_requests_waiting 0",
         "\nmeshca_leader 1\n",
@@ -654,6 +652,14 @@ async fn a_request_whose_api_calls_failed_is_signed_once_the_api_recovers() {
         kube.calls("podcertificaterequests", "list"),
         1,
         "no new listing"
+    );
+    // Parked between its rounds, with the reason logged.
+    assert!(
+        server
+            .log()
+            .contains("PodCertificateRequest still unanswered; trying again later"),
+        "{}",
+        server.log()
     );
 }
 

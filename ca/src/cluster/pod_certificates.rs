@@ -437,8 +437,7 @@ async fn answer(
                 Ok(None) => return Finished::Done,
                 Err(e) => {
                     tracing::warn!(namespace = %namespace, request = %name, attempt, error = %e, "reading a PodCertificateRequest failed; retrying");
-                    tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(Duration::from_secs(30));
+                    pause(&mut wait, attempt).await;
                     continue;
                 }
             }
@@ -475,8 +474,7 @@ async fn answer(
                 }
                 Err(e) => {
                     tracing::warn!(namespace = %namespace, request = %name, attempt, error = %e, "PodCertificateRequest not answered yet; retrying");
-                    tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(Duration::from_secs(30));
+                    pause(&mut wait, attempt).await;
                     continue;
                 }
             },
@@ -505,8 +503,7 @@ async fn answer(
                     }
                     Err(e) => {
                         tracing::warn!(namespace = %namespace, request = %name, error = %e, "re-reading a PodCertificateRequest after a conflict failed; retrying");
-                        tokio::time::sleep(wait).await;
-                        wait = (wait * 2).min(Duration::from_secs(30));
+                        pause(&mut wait, attempt).await;
                     }
                 }
             }
@@ -537,8 +534,7 @@ async fn answer(
             Err(e) => {
                 prepared = Some((outcome, status));
                 tracing::warn!(namespace = %namespace, request = %name, attempt, error = %e, "writing a PodCertificateRequest status failed; retrying");
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(Duration::from_secs(30));
+                pause(&mut wait, attempt).await;
             }
         }
     }
@@ -552,6 +548,15 @@ async fn answer(
     }
     metrics.pod_certificate_error("RetriesExhausted");
     Finished::GaveUp(Box::new(request))
+}
+
+/// Waits `wait` before the next attempt and doubles it (up to 30 s); no
+/// wait after the last attempt of a round.
+async fn pause(wait: &mut Duration, attempt: u32) {
+    if attempt < MAX_ATTEMPTS {
+        tokio::time::sleep(*wait).await;
+        *wait = (*wait * 2).min(Duration::from_secs(30));
+    }
 }
 
 /// The identity a request asks for: `spiffe://<td>/ns/<ns>/sa/<sa>` of its
