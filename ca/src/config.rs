@@ -228,12 +228,6 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_REQUEST_TIMEOUT", default_value = "30s", value_parser = parse_positive_duration)]
     pub request_timeout: Duration,
 
-    /// Event loops (threads) serving gRPC connections; 0: one per CPU.
-    /// Each connection lives on one loop; a request moves to an idle loop
-    /// when its own is backed up.
-    #[arg(long, env = "MESHCA_EVENT_LOOPS", default_value_t = 0)]
-    pub event_loops: usize,
-
     /// Time allowed for in-flight requests to finish on SIGTERM/SIGINT.
     #[arg(long, env = "MESHCA_SHUTDOWN_GRACE", default_value = "15s", value_parser = parse_duration)]
     pub shutdown_grace: Duration,
@@ -419,8 +413,6 @@ pub struct Config {
     pub max_open_requests: usize,
     /// Longest time a TLS handshake may take.
     pub tls_handshake_timeout: Duration,
-    /// Event loops serving gRPC connections (at least one).
-    pub event_loops: usize,
     /// Drain time on shutdown.
     pub shutdown_grace: Duration,
     /// Signing stops this long before the signing certificate expires.
@@ -613,10 +605,6 @@ impl TryFrom<ServeArgs> for Config {
             max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
             max_open_requests: usize::try_from(args.max_open_requests).unwrap_or(usize::MAX),
             tls_handshake_timeout: args.tls_handshake_timeout,
-            event_loops: match args.event_loops {
-                0 => std::thread::available_parallelism().map_or(1, usize::from),
-                n => n,
-            },
             shutdown_grace: args.shutdown_grace,
             ca_expiry_margin: args.ca_expiry_margin,
             ca_dir_check_interval: args.ca_dir_check_interval.max(Duration::from_millis(100)),

@@ -6,7 +6,7 @@
 //! SPIFFE identity it may hold, and signs an X.509 SVID for the CSR's key.
 //!
 //! Modules, in request order:
-//! `transport` (the gRPC port: accept loop, TLS, HTTP/2, event loops) →
+//! `transport` (the gRPC port: accept loop, TLS, HTTP/2) →
 //! `service` (the gRPC handler: admission, then each step below) →
 //! [`authn`] (who is calling) → `admission` (a signing slot, or a fast
 //! refusal) → `authz` (which identity it gets) →
@@ -59,8 +59,6 @@ pub(crate) mod server_identity;
 pub(crate) mod service;
 pub mod store;
 pub(crate) mod transport;
-
-pub use transport::{log_writer, LogLineWriter};
 
 #[cfg(fuzzing)]
 pub use authz::node_agent::fuzz_pod_events;

@@ -97,8 +97,6 @@ pub(crate) struct Metrics {
     pub(crate) bundle_configmap_writes: IstioCounter,
     /// Requests authenticated from the cache of verified tokens.
     pub(crate) token_cache_hits: IstioCounter,
-    /// Requests run on an idle event loop instead of their connection's.
-    pub(crate) requests_moved: IstioCounter,
     /// gRPC connections open: in their TLS handshake or established.
     pub(crate) grpc_connections: Gauge<i64>,
     /// gRPC connections closed before their TLS handshake completed.
@@ -166,7 +164,6 @@ impl Default for Metrics {
             leader: Default::default(),
             bundle_configmap_writes: Default::default(),
             token_cache_hits: Default::default(),
-            requests_moved: Default::default(),
             grpc_connections: Default::default(),
             tls_handshake_failures: Default::default(),
             tls_handshake_timeouts: Default::default(),
@@ -281,11 +278,6 @@ impl Metrics {
             "meshca_token_cache_hit_count",
             "Requests authenticated from the cache of verified tokens (--jwt-cache-ttl, --token-review-cache-ttl): no signature check or TokenReview",
             self.token_cache_hits.clone(),
-        );
-        r.register(
-            "meshca_request_moved_to_idle_loop_count",
-            "CreateCertificate requests run on an idle event loop because their connection's loop was backed up",
-            self.requests_moved.clone(),
         );
         r.register(
             "meshca_grpc_connections",

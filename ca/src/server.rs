@@ -38,7 +38,7 @@ use crate::server_identity;
 pub use crate::server_identity::TlsError;
 use crate::service::CaService;
 use crate::store::{self, CaMaterial, StoreError};
-use crate::transport::{self, AcceptLimits, Accepted, EventLoops, Http2Settings};
+use crate::transport::{self, AcceptLimits, Accepted, Http2Settings};
 use tokio_stream::wrappers::ReceiverStream;
 
 /// Why the server could not start or stopped with an error.
@@ -77,12 +77,6 @@ pub enum ServeError {
         /// The OS error.
         source: std::io::Error,
     },
-    /// The event loops could not be started.
-    #[error("cannot start the event loops: {0}")]
-    EventLoops(std::io::Error),
-    /// An event loop's server stopped abnormally.
-    #[error("an event loop failed: {0}")]
-    EventLoopFailed(String),
 }
 
 /// A running server's addresses (useful when binding port 0).
@@ -696,18 +690,17 @@ fn drain_on_shutdown(
     });
 }
 
-/// Serves gRPC on the event loops until the servers stop, or, once
-/// draining, until they have finished their requests in flight or
+/// Serves gRPC until the listener stops, or, once draining, until the
+/// connections have finished their requests in flight or
 /// `--shutdown-grace` is over.
 async fn serve_until_drained(
     config: &Config,
-    loops: &EventLoops,
-    incoming: Vec<ReceiverStream<Accepted>>,
+    incoming: ReceiverStream<Accepted>,
     service: CaService,
     health: HealthServer<impl Health>,
     metrics: &Metrics,
     mut draining: tokio::sync::watch::Receiver<bool>,
-) -> Result<(), ServeError> {
+) {
     let grpc = IstioCertificateServiceServer::new(service)
         .max_decoding_message_size(transport::MAX_REQUEST_BYTES);
     let settings = Http2Settings {
@@ -717,7 +710,6 @@ async fn serve_until_drained(
         max_connection_idle: config.max_connection_idle,
     };
     let server = transport::serve_grpc(
-        loops,
         incoming,
         settings,
         grpc,
@@ -732,22 +724,13 @@ async fn serve_until_drained(
         },
     );
     tokio::pin!(server);
-    let finished = tokio::select! {
-        r = &mut server => Some(r),
+    tokio::select! {
+        () = &mut server => {}
         _ = draining.wait_for(|d| *d) => {
-            match tokio::time::timeout(config.shutdown_grace, &mut server).await {
-                Ok(r) => Some(r),
-                Err(_) => {
-                    tracing::warn!(grace = ?config.shutdown_grace, "shutdown grace period over; stopping with requests still in flight");
-                    None
-                }
+            if tokio::time::timeout(config.shutdown_grace, &mut server).await.is_err() {
+                tracing::warn!(grace = ?config.shutdown_grace, "shutdown grace period over; stopping with requests still in flight");
             }
         }
-    };
-    match finished {
-        None => Ok(()),
-        Some(Ok(())) => Ok(()),
-        Some(Err(e)) => Err(ServeError::EventLoopFailed(e.to_string())),
     }
 }
 
@@ -800,7 +783,6 @@ pub async fn run(
     let resolver = server_identity::new_resolver(&authority, &config.server_dns)?;
     let acceptor = TlsAcceptor::from(Arc::new(transport::server_config(resolver.clone())?));
     let listeners = bind_listeners(&config).await?;
-    let loops = EventLoops::start(config.event_loops).map_err(ServeError::EventLoops)?;
     let service = CaService::new(
         authority.clone(),
         authn,
@@ -809,8 +791,7 @@ pub async fn run(
         config.cluster_id.clone(),
         config.max_concurrent_requests,
     )
-    .with_rate_limit(config.rate_limit)
-    .with_spare_loops(loops.spare());
+    .with_rate_limit(config.rate_limit);
     let (health_reporter, health_service) = tonic_health::server::health_reporter();
     health_reporter
         .set_serving::<IstioCertificateServiceServer<CaService>>()
@@ -844,11 +825,9 @@ pub async fn run(
         max_connections: config.max_connections,
         handshake_timeout: config.tls_handshake_timeout,
     };
-    let incoming =
-        transport::tls_incoming(listeners.grpc, acceptor, loops.handles(), limits, &metrics);
-    let result = serve_until_drained(
+    let incoming = transport::tls_incoming(listeners.grpc, acceptor, limits, &metrics);
+    serve_until_drained(
         &config,
-        &loops,
         incoming,
         service,
         health_service,
@@ -857,7 +836,7 @@ pub async fn run(
     )
     .await;
 
-    // Stop: the monitoring thread, the background tasks, the Lease, the loops.
+    // Stop: the monitoring thread, the background tasks, the Lease.
     let _ = stop_tx.send(true);
     let _ = monitoring.await;
     renewal.abort();
@@ -866,8 +845,6 @@ pub async fn run(
         // Give the Lease back so another replica takes over at once.
         let _ = tokio::time::timeout(Duration::from_secs(3), elector).await;
     }
-    // Off the runtime: joining the loops' threads blocks.
-    let _ = tokio::task::spawn_blocking(move || loops.stop()).await;
     tracing::info!("meshca stopped");
-    result
+    Ok(())
 }

@@ -27,7 +27,6 @@ use crate::authz::Authorizer;
 use crate::metrics::Metrics;
 use crate::rate_limit::{IssuanceRateLimit, RateLimitPolicy, Throttled};
 use crate::rate_limited_log::RateLimitedLog;
-use crate::transport::SpareLoops;
 
 /// Response metadata telling a gRPC client how long to wait before it
 /// retries (gRPC's retry-pushback, in milliseconds).
@@ -54,7 +53,6 @@ pub(crate) struct CaService {
     cluster_id: String,
     admission: Arc<Admission>,
     refusal_logs: Arc<RefusalLogs>,
-    spare_loops: Option<SpareLoops>,
     rate_limit: Arc<IssuanceRateLimit>,
 }
 
@@ -86,7 +84,6 @@ impl CaService {
             cluster_id,
             admission: Arc::new(admission),
             refusal_logs: Arc::default(),
-            spare_loops: None,
             rate_limit: Arc::new(IssuanceRateLimit::new(RateLimitPolicy::default())),
         }
     }
@@ -95,13 +92,6 @@ impl CaService {
     /// [`RateLimitPolicy::default`]).
     pub(crate) fn with_rate_limit(mut self, policy: RateLimitPolicy) -> Self {
         self.rate_limit = Arc::new(IssuanceRateLimit::new(policy));
-        self
-    }
-
-    /// Served from [`crate::event_loops`]: a request whose loop is backed
-    /// up runs on an idle loop instead.
-    pub(crate) fn with_spare_loops(mut self, spare_loops: SpareLoops) -> Self {
-        self.spare_loops = Some(spare_loops);
         self
     }
 
@@ -283,20 +273,6 @@ impl IstioCertificateService for CaService {
         request: Request<IstioCertificateRequest>,
     ) -> Result<Response<IstioCertificateResponse>, Status> {
         self.metrics.csr_count.inc();
-        if let Some(idle) = self.spare_loops.as_ref().and_then(SpareLoops::claim) {
-            self.metrics.requests_moved.inc();
-            let service = self.clone();
-            return idle
-                .spawn(async move { service.handle(request).await })
-                .await
-                .unwrap_or_else(|e| {
-                    Err(if e.is_panic() {
-                        Status::internal("issuing the certificate failed")
-                    } else {
-                        Status::unavailable("the CA is shutting down; retry")
-                    })
-                });
-        }
         self.handle(request).await
     }
 }

@@ -157,33 +157,3 @@ fn restarted_sidecars_each_open_their_own_connection() {
     assert_eq!(report["errors"], serde_json::json!({}), "{report}");
     assert_eq!(report["token_reviews"], 40, "{report}");
 }
-
-#[test]
-fn one_connection_is_served_by_every_event_loop() {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let server = MeshcaServer::start(&data, &["--event-loops", "2"]).unwrap();
-    let addr = format!("https://{}", server.grpc);
-    // One connection, as ztunnel multiplexes a node: its loop is backed up
-    // by 8 requests at a time while the other loop has no connection.
-    let report = run_bench(|bench| {
-        bench
-            .args(["--addr", &addr, "--data-dir", data.to_str().unwrap()])
-            .args(["--identities", "20", "--requests", "300"])
-            .args(["--concurrency", "8", "--connections", "1"])
-            .args(["--warmup", "0s", "--json"])
-    });
-    assert_eq!(report["ok"], 300, "{report}");
-    assert_eq!(report["errors"], serde_json::json!({}), "{report}");
-    let (code, metrics) = http_get(server.monitoring, "/metrics").unwrap();
-    assert_eq!(code, 200);
-    let moved = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("meshca_request_moved_to_idle_loop_count "))
-        .and_then(|v| v.trim().parse::<f64>().ok())
-        .unwrap_or_else(|| panic!("no moved-request count in\n{metrics}"));
-    assert!(
-        moved > 0.0 && moved < 300.0,
-        "{moved} of 300 requests ran on the idle loop"
-    );
-}

@@ -51,8 +51,8 @@ fn init_logging(format: &str) {
         .with_env_filter(filter)
         // Colours only on a terminal: log files and collectors get plain text.
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        // Gathered per turn of work on the event loops (see the transport module).
-        .with_writer(meshca_ca::log_writer);
+        // Each event is formatted whole, then written with one `write_all`.
+        .with_writer(std::io::stderr);
     if format == "json" {
         builder.json().init();
     } else {

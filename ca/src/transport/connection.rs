@@ -1,4 +1,4 @@
-//! One gRPC connection's life on its event loop: a tonic server of its
+//! One gRPC connection's life: a tonic server of its
 //! own, so the connection can be told to go away (HTTP/2 GOAWAY) on its
 //! own account: when it has had no open stream for
 //! `--max-connection-idle`, besides at `--max-connection-age` and when the

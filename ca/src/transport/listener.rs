@@ -1,22 +1,24 @@
-//! The accept loop: takes TCP connections off the gRPC port, places each
-//! on the event loop with the fewest open connections, completes its TLS
-//! handshake there (bounded in time) and hands the established connection
-//! to that loop's gRPC server.
+//! The accept loop: takes TCP connections off the gRPC port (at most
+//! `--max-connections` open), completes each TLS handshake in a task of its
+//! own (bounded in time) and hands the established connection to the gRPC
+//! server.
 
 use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::batched_io::BatchedWriteStream;
 use crate::metrics::Metrics;
 
 /// Connections the kernel may hold completed but not yet accepted on the
@@ -42,14 +44,83 @@ pub(crate) fn bind_with_backlog(addr: SocketAddr, backlog: u32) -> io::Result<Tc
 }
 
 /// An established connection, as the gRPC server gets it.
-pub(crate) type TlsConnection = TlsStream<BatchedWriteStream<TcpStream, ConnectionLife>>;
+pub(crate) type TlsConnection = TlsStream<Guarded<TcpStream, ConnectionLife>>;
 
-/// What a connection holds for as long as it lives: its seat on a loop,
-/// and the sender whose drop tells [`Accepted::closed`] it is gone.
+/// What a connection holds for as long as it lives: its seat among the
+/// open connections, and the sender whose drop tells [`Accepted::closed`]
+/// it is gone.
 #[derive(Debug)]
 pub(crate) struct ConnectionLife {
     _seat: ConnectionSeat,
     _closed: oneshot::Sender<()>,
+}
+
+/// A stream that holds `G` until it is dropped; reads and writes go
+/// straight through.
+#[derive(Debug)]
+pub(crate) struct Guarded<S, G> {
+    inner: S,
+    _guard: G,
+}
+
+impl<S, G> Guarded<S, G> {
+    /// Wraps `inner`, holding `guard` until the stream is dropped.
+    pub(crate) fn new(inner: S, guard: G) -> Self {
+        Self {
+            inner,
+            _guard: guard,
+        }
+    }
+}
+
+impl<S: tonic::transport::server::Connected, G> tonic::transport::server::Connected
+    for Guarded<S, G>
+{
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+impl<S: AsyncRead + Unpin, G: Unpin> AsyncRead for Guarded<S, G> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<S: AsyncWrite + Unpin, G: Unpin> AsyncWrite for Guarded<S, G> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
 }
 
 /// A connection whose TLS handshake has completed.
@@ -71,110 +142,72 @@ pub(crate) struct AcceptLimits {
     pub(crate) handshake_timeout: Duration,
 }
 
-/// How many connections each event loop holds, to place a new one on the
-/// loop with the fewest. Dealing in turn would drift after churn: agents
-/// that reconnect after a restart can leave one loop with most of the
-/// long-lived connections.
+/// How many connections are open (in their handshake or established),
+/// exported as `meshca_grpc_connections`.
 #[derive(Debug)]
-pub(crate) struct LoopOccupancy {
-    open: Box<[AtomicUsize]>,
-    /// All loops together, as exported (`meshca_grpc_connections`).
-    total: Gauge<i64>,
+pub(crate) struct OpenConnections {
+    open: AtomicUsize,
+    exported: Gauge<i64>,
 }
 
-impl LoopOccupancy {
-    /// No connections yet on any of `loops` loops (at least one); `total`
-    /// follows the sum over the loops.
-    pub(crate) fn new(loops: usize, total: Gauge<i64>) -> Arc<Self> {
+impl OpenConnections {
+    /// None open yet; `exported` follows the count.
+    pub(crate) fn new(exported: Gauge<i64>) -> Arc<Self> {
         Arc::new(Self {
-            open: (0..loops.max(1)).map(|_| AtomicUsize::new(0)).collect(),
-            total,
+            open: AtomicUsize::new(0),
+            exported,
         })
     }
 
-    /// Takes a seat on the loop with the fewest open connections; among
-    /// equals the first at or after `start` (the caller rotates it, so
-    /// loops with equal counts take turns). The seat is given back when
-    /// the returned value is dropped.
-    pub(crate) fn seat(self: &Arc<Self>, start: usize) -> ConnectionSeat {
-        let n = self.open.len();
-        let index = (0..n)
-            .map(|k| (start.wrapping_add(k)) % n)
-            .min_by_key(|&i| self.open[i].load(Ordering::Relaxed))
-            .unwrap_or(0);
-        self.open[index].fetch_add(1, Ordering::Relaxed);
-        self.total.inc();
+    /// Counts one more connection until the returned seat is dropped.
+    pub(crate) fn seat(self: &Arc<Self>) -> ConnectionSeat {
+        self.open.fetch_add(1, Ordering::Relaxed);
+        self.exported.inc();
         ConnectionSeat {
-            occupancy: self.clone(),
-            index,
+            connections: self.clone(),
         }
     }
 
-    /// Open connections on all loops together.
-    pub(crate) fn open_total(&self) -> usize {
-        self.open
-            .iter()
-            .map(|open| open.load(Ordering::Relaxed))
-            .sum()
-    }
-
-    /// Open connections on loop `index` (0 for a loop that does not exist).
-    #[cfg(test)]
-    pub(crate) fn open_on(&self, index: usize) -> usize {
-        self.open
-            .get(index)
-            .map_or(0, |open| open.load(Ordering::Relaxed))
+    /// Connections open now.
+    pub(crate) fn open(&self) -> usize {
+        self.open.load(Ordering::Relaxed)
     }
 }
 
-/// One connection's place on a loop; counted until dropped.
+/// One open connection's place in [`OpenConnections`]; counted until dropped.
 #[derive(Debug)]
 pub(crate) struct ConnectionSeat {
-    occupancy: Arc<LoopOccupancy>,
-    index: usize,
-}
-
-impl ConnectionSeat {
-    /// The loop this connection runs on.
-    pub(crate) fn loop_index(&self) -> usize {
-        self.index
-    }
+    connections: Arc<OpenConnections>,
 }
 
 impl Drop for ConnectionSeat {
     fn drop(&mut self) {
-        self.occupancy.open[self.index].fetch_sub(1, Ordering::Relaxed);
-        self.occupancy.total.dec();
+        self.connections.open.fetch_sub(1, Ordering::Relaxed);
+        self.connections.exported.dec();
     }
 }
 
-/// Accepts TCP connections on `listener` and places each on the loop of
-/// `loops` that holds the fewest open connections ([`LoopOccupancy`]):
-/// its TLS handshake (bounded by `limits.handshake_timeout`) and then its
-/// whole life run there. With `limits.max_connections` open, a new
-/// connection is closed as soon as it is accepted. Returns one stream of
-/// established connections per loop. Stops when every stream is dropped.
+/// Accepts TCP connections on `listener` and runs each one's TLS handshake
+/// (bounded by `limits.handshake_timeout`) in a task of its own. With
+/// `limits.max_connections` open, a new connection is closed as soon as it
+/// is accepted. Returns the stream of established connections. Stops when
+/// that stream is dropped.
 pub(crate) fn tls_incoming(
     listener: TcpListener,
     acceptor: TlsAcceptor,
-    loops: &[tokio::runtime::Handle],
     limits: AcceptLimits,
     metrics: &Metrics,
-) -> Vec<ReceiverStream<Accepted>> {
-    let (senders, receivers): (Vec<_>, Vec<_>) = loops.iter().map(|_| mpsc::channel(128)).unzip();
-    let loops = loops.to_vec();
-    let occupancy = LoopOccupancy::new(loops.len(), metrics.grpc_connections.clone());
+) -> ReceiverStream<Accepted> {
+    let (tx, rx) = mpsc::channel(128);
+    let connections = OpenConnections::new(metrics.grpc_connections.clone());
     let handshake_failures = metrics.tls_handshake_failures.clone();
     let handshake_timeouts = metrics.tls_handshake_timeouts.clone();
     let refused = metrics.grpc_connections_refused.clone();
     tokio::spawn(async move {
-        let all_closed = futures::future::join_all(senders.iter().map(|tx| tx.closed()));
-        tokio::pin!(all_closed);
-        let mut next = 0usize;
         loop {
             let accepted = tokio::select! {
                 accepted = listener.accept() => accepted,
-                _ = &mut all_closed => return,
+                () = tx.closed() => return,
             };
             let (tcp, peer) = match accepted {
                 Ok(pair) => pair,
@@ -187,45 +220,26 @@ pub(crate) fn tls_incoming(
             };
             // Seats are taken only here, so the count cannot grow between
             // the check and the seat.
-            if occupancy.open_total() >= limits.max_connections {
+            if connections.open() >= limits.max_connections {
                 refused.inc();
                 tracing::debug!(%peer, max_connections = limits.max_connections, "connection refused: too many open");
                 drop(tcp);
                 continue;
             }
             let _ = tcp.set_nodelay(true);
-            let seat = occupancy.seat(next);
-            next = next.wrapping_add(1);
-            let index = seat.loop_index();
+            let (closed_tx, closed) = oneshot::channel();
+            let life = ConnectionLife {
+                _seat: connections.seat(),
+                _closed: closed_tx,
+            };
             let acceptor = acceptor.clone();
             let handshake_failures = handshake_failures.clone();
             let handshake_timeouts = handshake_timeouts.clone();
-            let tx = senders[index].clone();
-            // The socket is registered with the reactor of the loop that
-            // polls it first: move it there as a std socket.
-            let tcp = match tcp.into_std() {
-                Ok(tcp) => tcp,
-                Err(e) => {
-                    tracing::debug!(%peer, error = %e, "handing the connection to an event loop failed");
-                    continue;
-                }
-            };
-            loops[index].spawn(async move {
-                let tcp = match TcpStream::from_std(tcp) {
-                    Ok(tcp) => tcp,
-                    Err(e) => {
-                        tracing::debug!(%peer, error = %e, "registering the connection failed");
-                        return;
-                    }
-                };
-                let (closed_tx, closed) = oneshot::channel();
-                let life = ConnectionLife {
-                    _seat: seat,
-                    _closed: closed_tx,
-                };
+            let tx = tx.clone();
+            tokio::spawn(async move {
                 match tokio::time::timeout(
                     limits.handshake_timeout,
-                    acceptor.accept(BatchedWriteStream::with_guard(tcp, life)),
+                    acceptor.accept(Guarded::new(tcp, life)),
                 )
                 .await
                 {
@@ -245,49 +259,22 @@ pub(crate) fn tls_incoming(
             });
         }
     });
-    receivers.into_iter().map(ReceiverStream::new).collect()
+    ReceiverStream::new(rx)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_connection_goes_to_the_loop_with_the_fewest() {
-        let total = Gauge::<i64>::default();
-        let occupancy = LoopOccupancy::new(2, total.clone());
-        let first: Vec<_> = (0..4).map(|k| occupancy.seat(k)).collect();
-        // Equal counts: the loops take turns.
-        let placed: Vec<_> = first.iter().map(ConnectionSeat::loop_index).collect();
-        assert_eq!(placed, [0, 1, 0, 1]);
-        assert_eq!((occupancy.open_on(0), occupancy.open_on(1)), (2, 2));
-        assert_eq!(total.get(), 4, "the exported gauge is the sum");
-
-        // Both connections of loop 0 close: the next two go there, whatever
-        // the rotation says.
-        let mut first = first.into_iter();
-        let (a, b, c, d) = (first.next(), first.next(), first.next(), first.next());
-        drop((a, c));
-        assert_eq!((occupancy.open_on(0), occupancy.open_on(1)), (0, 2));
-        let e = occupancy.seat(5);
-        let f = occupancy.seat(7);
-        assert_eq!((e.loop_index(), f.loop_index()), (0, 0));
-        assert_eq!((occupancy.open_on(0), occupancy.open_on(1)), (2, 2));
-        assert_eq!(total.get(), 4);
-        drop((b, d, e, f));
-        assert_eq!((occupancy.open_on(0), occupancy.open_on(1)), (0, 0));
-        assert_eq!(total.get(), 0);
-        assert_eq!(occupancy.open_on(2), 0);
-    }
-
     #[tokio::test]
-    async fn a_connection_frees_its_seat_when_dropped() {
+    async fn a_connection_is_counted_until_it_is_dropped() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let occupancy = LoopOccupancy::new(3, Gauge::default());
+        let exported = Gauge::<i64>::default();
+        let connections = OpenConnections::new(exported.clone());
         let (near, mut far) = tokio::io::duplex(64);
-        let seat = occupancy.seat(1);
-        assert_eq!(seat.loop_index(), 1);
-        let mut stream = BatchedWriteStream::with_guard(near, seat);
+        let mut stream = Guarded::new(near, connections.seat());
+        let other = connections.seat();
+        assert_eq!((connections.open(), exported.get()), (2, 2));
         stream.write_all(b"ping").await.unwrap();
         stream.flush().await.unwrap();
         let mut got = [0u8; 4];
@@ -296,8 +283,9 @@ mod tests {
         far.write_all(b"pong").await.unwrap();
         stream.read_exact(&mut got).await.unwrap();
         assert_eq!(&got, b"pong");
-        assert_eq!(occupancy.open_on(1), 1);
         drop(stream);
-        assert_eq!(occupancy.open_on(1), 0);
+        assert_eq!((connections.open(), exported.get()), (1, 1));
+        drop(other);
+        assert_eq!((connections.open(), exported.get()), (0, 0));
     }
 }

@@ -1,51 +1,27 @@
 //! How requests reach the CA and answers leave it: the gRPC port's accept
-//! loop, TLS, HTTP/2 and the event loops that run the connections.
+//! loop, TLS and HTTP/2, on the process's multi-threaded tokio runtime.
 //!
-//! - [`listener`]: the accept loop. Each TCP connection is placed on the
-//!   event loop with the fewest open connections; its TLS handshake and its
-//!   whole life run there.
+//! - [`listener`]: the accept loop, the connection cap, the TLS handshake
+//!   (a task per connection, bounded in time).
 //! - [`tls_policy`]: the rustls configuration (versions, ALPN, the order of
 //!   cipher suites, client certificates asked for but checked by
 //!   authentication).
-//! - [`event_loops`]: one single-threaded runtime per thread, and the
-//!   hand-off of a request from a backed-up loop to an idle one.
 //! - [`connection`]: one connection's life: a tonic server of its own,
-//!   with the HTTP/2 limits, and a GOAWAY when it has been idle too long.
-//! - [`batched_io`]: one `write` per burst of answers on a connection.
-//! - [`log_lines`]: log lines gathered per turn of work on an event loop.
-//! - [`serve_grpc`]: the connections of each event loop, each served
-//!   with the HTTP/2 settings and limits (README, "Flags").
+//!   with the HTTP/2 limits, a GOAWAY when it has been idle too long, and
+//!   the limit on requests open across all connections.
+//! - [`serve_grpc`]: every established connection, served with the HTTP/2
+//!   settings and limits (README, "Flags").
 //!
 //! The server's own certificate is not here: `server_identity` issues and
 //! renews it, and the listener only asks its resolver.
 //!
-//! # An audit line is written before its answer
-//!
-//! Every certificate issued writes an audit line (`meshca::audit`). On an
-//! event loop, log lines are gathered in a buffer of the thread instead of
-//! costing a `write` each; the guarantee that a client holding a
-//! certificate finds its line in the log rests on four places, all in this
-//! module:
-//!
-//! 1. [`batched_io`] writes the thread's gathered lines before it writes
-//!    any answer bytes to a client connection;
-//! 2. a request run for another loop ([`event_loops`]' hand-off) writes its
-//!    lines on the loop that ran it before its answer goes back to the loop
-//!    that owns the connection;
-//! 3. a loop writes its lines when it runs out of work and parks, and when
-//!    it stops;
-//! 4. [`log_lines`] writes when the buffer would pass a pipe's atomic write
-//!    size.
-//!
-//! Off the event loops (the monitoring thread, start-up) lines go out one
-//! `write` each. A process killed outright can lose lines not yet written,
-//! never the line of a certificate that has left the CA.
+//! An audit line (`meshca::audit`) is written by the handler before it
+//! returns the answer, so a client holding a certificate finds its line in
+//! the log. (BENCHMARKS.md, "Event loops against tonic's own serving", has
+//! why there are no event loops, batched writes or gathered log lines.)
 
-pub(crate) mod batched_io;
 pub(crate) mod connection;
-pub(crate) mod event_loops;
 pub(crate) mod listener;
-pub(crate) mod log_lines;
 pub(crate) mod tls_policy;
 
 use std::convert::Infallible;
@@ -62,11 +38,9 @@ use tower::Service;
 use crate::metrics::IstioCounter;
 pub(crate) use connection::OpenRequests;
 use connection::{CountStreamsLayer, StreamActivity};
-pub(crate) use event_loops::{EventLoops, SpareLoops};
 pub(crate) use listener::{
     bind_with_backlog, tls_incoming, AcceptLimits, Accepted, LISTEN_BACKLOG,
 };
-pub use log_lines::{stderr as log_writer, LogLineWriter};
 pub(crate) use tls_policy::server_config;
 
 /// Largest gRPC request message accepted (a CSR is at most 32 KiB of PEM).
@@ -146,38 +120,11 @@ impl<S> GrpcService for S where
 {
 }
 
-/// Serves `grpc` and `health` on every event loop of `loops`, each loop
-/// serving the connections the accept loop placed on it, until `drain`
-/// turns true; then no connection is taken up any more and each is asked
-/// to go away once its requests in flight are answered. Completes when
-/// every connection has closed.
+/// Serves `grpc` and `health` on every connection of `incoming` until
+/// `drain` turns true; then no connection is taken up any more and each is
+/// asked to go away once its requests in flight are answered. Completes
+/// when every connection has closed.
 pub(crate) async fn serve_grpc<S: GrpcService, H: GrpcService>(
-    loops: &EventLoops,
-    incoming: Vec<ReceiverStream<Accepted>>,
-    settings: Http2Settings,
-    grpc: S,
-    health: H,
-    drain: tokio::sync::watch::Receiver<bool>,
-    shared: SharedByConnections,
-) -> Result<(), tokio::task::JoinError> {
-    let servers = incoming
-        .into_iter()
-        .zip(loops.handles())
-        .map(|(incoming, handle)| {
-            handle.spawn(serve_loop(
-                incoming,
-                settings,
-                grpc.clone(),
-                health.clone(),
-                drain.clone(),
-                shared.clone(),
-            ))
-        });
-    futures::future::try_join_all(servers).await.map(|_| ())
-}
-
-/// One event loop's part of [`serve_grpc`].
-async fn serve_loop<S: GrpcService, H: GrpcService>(
     mut incoming: ReceiverStream<Accepted>,
     settings: Http2Settings,
     grpc: S,
