@@ -1,7 +1,9 @@
 //! Kubernetes pod certificates (`certificates.k8s.io/v1beta1`
 //! `PodCertificateRequest`, `ClusterTrustBundle`): the rules kube-apiserver
 //! applies to them, written once so that the CA's signer and the tests'
-//! fake API server apply the same ones.
+//! fake API server apply the same key rules. (The fake checks names with
+//! its own copy of the API's rules, so a difference between
+//! [`validate_signer_name`] and the API shows in its tests.)
 //!
 //! - [`validate_signer_name`]: a signer name (`example.com/path`);
 //! - [`trust_bundle_name_prefix`]: the name prefix a `ClusterTrustBundle`
