@@ -130,7 +130,9 @@ pub(crate) struct Metrics {
 /// Labels of `meshca_pod_certificate_request_count`.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct PodCertificateLabels {
-    /// `Issued`, `Denied`, `Failed`, or `GaveUp` (left for later).
+    /// `Issued`, `Denied`, `Failed`, `GaveUp` (a round of attempts failed;
+    /// tried again later) or `Skipped` (a stale watch event of a request
+    /// already answered).
     pub(crate) result: String,
     /// The condition's reason.
     pub(crate) reason: String,
@@ -333,7 +335,7 @@ impl Metrics {
         );
         r.register(
             "meshca_pod_certificate_request_count",
-            "PodCertificateRequests answered (--pod-certificate-signer), by result (Issued, Denied, Failed; GaveUp: left for a later listing after repeated errors) and reason",
+            "PodCertificateRequests answered (--pod-certificate-signer), by result (Issued, Denied, Failed; GaveUp: a round of attempts failed, tried again later; Skipped: a stale watch event of a request already answered, not signed again) and reason",
             self.pod_certificate_requests.clone(),
         );
         r.register(
@@ -380,7 +382,8 @@ impl Metrics {
             .inc();
     }
 
-    /// Counts a PodCertificateRequest left unanswered after repeated errors.
+    /// Counts a round of attempts at a PodCertificateRequest that ended
+    /// without an answer (it is tried again later).
     pub(crate) fn pod_certificate_error(&self, reason: &str) {
         self.pod_certificate_answered("GaveUp", reason);
     }

@@ -744,6 +744,12 @@ pub async fn run(
     on_bound: impl FnOnce(BoundAddrs) + Send,
 ) -> Result<(), ServeError> {
     let cluster = connect_to_cluster(&config).await?;
+    if config.cluster.pod_certificate_signer.is_some() && cluster.is_none() {
+        return Err(ServeError::Kubernetes(
+            "--pod-certificate-signer needs the Kubernetes API (--kubeconfig, or running in a pod) to watch PodCertificateRequests"
+                .into(),
+        ));
+    }
     let kube = cluster.as_ref().map(|c| c.client.clone());
     let (material, root_in_secret) = load_ca_material(&config, cluster.as_ref()).await?;
     let authority = start_authority(&config, material);

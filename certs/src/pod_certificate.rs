@@ -1,7 +1,9 @@
 //! Kubernetes pod certificates (`certificates.k8s.io/v1beta1`
 //! `PodCertificateRequest`, `ClusterTrustBundle`): the rules kube-apiserver
 //! applies to them, written once so that the CA's signer and the tests'
-//! fake API server apply the same ones.
+//! fake API server apply the same key rules. (The fake checks names with
+//! its own copy of the API's rules, so a difference between
+//! [`validate_signer_name`] and the API shows in its tests.)
 //!
 //! - [`validate_signer_name`]: a signer name (`example.com/path`);
 //! - [`trust_bundle_name_prefix`]: the name prefix a `ClusterTrustBundle`
@@ -274,9 +276,15 @@ fn verify_rsa_pss_any_salt(spki_der: &[u8], message: &[u8], proof: &[u8]) -> boo
     })
 }
 
-/// Checks a signer name as kube-apiserver does: `DOMAIN/PATH`, the domain
-/// DNS-1123 labels with at least one dot, the path DNS-1123 labels
-/// separated by dots.
+/// Longest signer name the API accepts: a DNS-1123 subdomain (253), `/`,
+/// and a path as long as a label, `.` and a subdomain (63 + 1 + 253).
+pub const MAX_SIGNER_NAME_LENGTH: usize = 253 + 1 + 63 + 1 + 253;
+
+/// Checks a signer name as kube-apiserver does (`ValidateSignerName`):
+/// `DOMAIN/PATH`; the domain at most 253 characters of DNS-1123 labels,
+/// with at least one dot; the path pieces between dots DNS-1123
+/// subdomains (so up to 253 characters each, room for a resource name);
+/// the whole name at most [`MAX_SIGNER_NAME_LENGTH`].
 pub fn validate_signer_name(name: &str) -> Result<(), String> {
     let Some((domain, path)) = name.split_once('/') else {
         return Err(format!(
@@ -294,23 +302,25 @@ pub fn validate_signer_name(name: &str) -> Result<(), String> {
         ));
     }
     let labels: Vec<&str> = domain.split('.').collect();
+    if let Some(label) = labels.iter().find(|l| !is_dns1123_label(l)) {
+        return Err(format!(
+            "signer name {name:?}: {label:?} is not a DNS-1123 label (lower case letters, digits and '-', starting and ending with a letter or digit, at most 63)"
+        ));
+    }
     if labels.len() < 2 {
         return Err(format!(
             "the domain of signer name {name:?} must have at least two segments separated by dots"
         ));
     }
-    for label in labels
-        .iter()
-        .chain(path.split('.').collect::<Vec<_>>().iter())
-    {
-        if !is_dns1123_label(label) {
-            return Err(format!(
-                "signer name {name:?}: {label:?} is not a DNS-1123 label (lower case letters, digits and '-', starting and ending with a letter or digit, at most 63)"
-            ));
-        }
+    if let Some(piece) = path.split('.').find(|p| !is_dns1123_subdomain(p)) {
+        return Err(format!(
+            "signer name {name:?}: path piece {piece:?} is not a DNS-1123 subdomain (lower case letters, digits and '-', starting and ending with a letter or digit, at most 253)"
+        ));
     }
-    if path.len() > 253 + 63 + 1 {
-        return Err(format!("the path of signer name {name:?} is too long"));
+    if name.len() > MAX_SIGNER_NAME_LENGTH {
+        return Err(format!(
+            "signer name {name:?} is longer than {MAX_SIGNER_NAME_LENGTH} characters"
+        ));
     }
     Ok(())
 }
@@ -328,10 +338,11 @@ pub fn trust_bundle_name_prefix(signer_name: &str) -> String {
     format!("{}:", signer_name.replace('/', ":"))
 }
 
-fn is_dns1123_label(label: &str) -> bool {
-    let bytes = label.as_bytes();
+/// Lower case letters, digits and '-', starting and ending with a letter
+/// or digit (no length limit of its own).
+fn is_dns1123_piece(piece: &str) -> bool {
+    let bytes = piece.as_bytes();
     !bytes.is_empty()
-        && bytes.len() <= 63
         && bytes
             .iter()
             .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-')
@@ -339,9 +350,15 @@ fn is_dns1123_label(label: &str) -> bool {
         && bytes[bytes.len() - 1] != b'-'
 }
 
-/// Whether `name` is a DNS-1123 subdomain (the rule for object names).
+fn is_dns1123_label(label: &str) -> bool {
+    label.len() <= 63 && is_dns1123_piece(label)
+}
+
+/// Whether `name` is a DNS-1123 subdomain (the rule for object names):
+/// at most 253 characters, pieces separated by dots. As in the API's
+/// `IsDNS1123Subdomain`, a piece has no length limit of its own.
 pub fn is_dns1123_subdomain(name: &str) -> bool {
-    name.len() <= 253 && name.split('.').all(is_dns1123_label)
+    name.len() <= 253 && name.split('.').all(is_dns1123_piece)
 }
 
 #[cfg(test)]
@@ -430,6 +447,43 @@ mod tests {
         ));
     }
 
+    /// ECDSA P-384 over SHA-256 of the UID (what Go's `ecdsa.SignASN1`
+    /// over `sha256.Sum256(uid)` makes), DER.
+    fn p384_proof(key: &PrivateKey, uid: &str) -> Vec<u8> {
+        use p384::ecdsa::signature::hazmat::PrehashSigner;
+        use p384::pkcs8::DecodePrivateKey;
+        use rsa::sha2::{Digest, Sha256};
+        let signing = p384::ecdsa::SigningKey::from_pkcs8_der(&key.to_pkcs8_der()).unwrap();
+        let signature: p384::ecdsa::Signature = signing
+            .sign_prehash(&Sha256::digest(uid.as_bytes()))
+            .unwrap();
+        signature.to_der().as_bytes().to_vec()
+    }
+
+    #[test]
+    fn p384_proof_of_possession_is_ecdsa_over_sha256_of_the_uid() {
+        let key = PrivateKey::generate(KeyAlgorithm::EcdsaP384).unwrap();
+        let spki = key.public_key_spki_der();
+        let proof = p384_proof(&key, "pod-uid-1");
+        let read = read_pod_key(&[], &spki, &proof, "pod-uid-1").unwrap();
+        assert_eq!(read.kind(), KeyKind::EcdsaP384);
+        assert_eq!(read.spki_der(), spki.as_slice());
+        assert_eq!(
+            read_pod_key(&[], &spki, &proof, "pod-uid-2").unwrap_err(),
+            PodKeyError::BadProof {
+                field: "spec.proofOfPossession"
+            }
+        );
+        // SHA-384 (the curve's usual hash) is not what the API checks.
+        let sha384 = rcgen::SigningKey::sign(key.key_pair(), b"pod-uid-1").unwrap();
+        assert_eq!(
+            read_pod_key(&[], &spki, &sha384, "pod-uid-1").unwrap_err(),
+            PodKeyError::BadProof {
+                field: "spec.proofOfPossession"
+            }
+        );
+    }
+
     #[test]
     fn rsa_pss_proofs_with_any_salt_length_verify() {
         use rsa::pkcs8::DecodePrivateKey;
@@ -456,6 +510,27 @@ mod tests {
     fn signer_names_follow_the_api_rules() {
         assert!(validate_signer_name("meshca.io/spiffe").is_ok());
         assert!(validate_signer_name("example.com/a.b").is_ok());
+        // Path pieces are subdomains, as in the API: longer than a label
+        // (63), up to 253.
+        let long_piece = "a".repeat(200);
+        assert!(validate_signer_name(&format!("example.com/ns.{long_piece}")).is_ok());
+        assert!(validate_signer_name(&format!("example.com/{}", "a".repeat(253))).is_ok());
+        assert!(validate_signer_name(&format!("example.com/{}", "a".repeat(254))).is_err());
+        // The length limit is on the whole name.
+        let domain = format!(
+            "{}.{}.{}.example.com",
+            "d".repeat(63),
+            "e".repeat(63),
+            "f".repeat(63)
+        );
+        let at_limit = format!(
+            "{domain}/{}.{}",
+            "p".repeat(253),
+            "q".repeat(MAX_SIGNER_NAME_LENGTH - domain.len() - 1 - 253 - 1)
+        );
+        assert_eq!(at_limit.len(), MAX_SIGNER_NAME_LENGTH);
+        assert!(validate_signer_name(&at_limit).is_ok());
+        assert!(validate_signer_name(&format!("{at_limit}q")).is_err());
         for bad in [
             "spiffe",
             "meshca/spiffe",
@@ -463,6 +538,8 @@ mod tests {
             "meshca.io/a/b",
             "Meshca.io/spiffe",
             "meshca.io/-x",
+            "meshca.io/a..b",
+            "meshca.io/A",
         ] {
             assert!(validate_signer_name(bad).is_err(), "{bad}");
         }

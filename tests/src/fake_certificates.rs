@@ -7,10 +7,13 @@
 //!
 //! One knowing gap: a P-521 key is accepted at creation without checking
 //! its signature (`ring` has no P-521), where the real API server checks it.
+//!
+//! The name rules (signer names, DNS-1123 names) are written here on their
+//! own, from the API's source, not taken from meshca: a difference between
+//! meshca's start-time check and the API then shows in a test.
 
 use meshca_certs::pod_certificate::{
-    self, is_dns1123_subdomain, is_kubernetes_signer, read_pod_key, trust_bundle_name_prefix,
-    validate_signer_name, PodKeyError,
+    self, is_kubernetes_signer, read_pod_key, trust_bundle_name_prefix, PodKeyError,
 };
 use meshca_certs::PrivateKey;
 use serde_json::Value;
@@ -19,6 +22,75 @@ use time::OffsetDateTime;
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 const TERMINAL: [&str; 3] = ["Issued", "Denied", "Failed"];
+
+/// One piece of a DNS-1123 name: `[a-z0-9]([-a-z0-9]*[a-z0-9])?`.
+fn api_name_piece(piece: &str) -> bool {
+    let mut chars = piece.chars();
+    let alnum = |c: char| c.is_ascii_digit() || c.is_ascii_lowercase();
+    match (chars.next(), chars.next_back()) {
+        (None, _) => false,
+        (Some(only), None) => alnum(only),
+        (Some(first), Some(last)) => {
+            alnum(first) && alnum(last) && chars.all(|c| alnum(c) || c == '-')
+        }
+    }
+}
+
+/// The API's `IsDNS1123Label`: one piece, at most 63 characters.
+fn api_label(label: &str) -> bool {
+    label.len() <= 63 && api_name_piece(label)
+}
+
+/// The API's `IsDNS1123Subdomain`: pieces separated by dots, at most 253
+/// characters in all (no limit per piece).
+fn api_subdomain(name: &str) -> bool {
+    name.len() <= 253 && name.split('.').all(api_name_piece)
+}
+
+/// The API's `ValidateSignerName` (certificates validation): one `/`; the
+/// domain at most 253 characters of DNS-1123 labels with at least one
+/// dot; the path's dot-separated pieces DNS-1123 subdomains; the whole
+/// name at most 253 + 1 + 253 + 63 + 1 characters.
+pub(crate) fn api_signer_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("Required value".into());
+    }
+    let segments: Vec<&str> = name.split('/').collect();
+    let [domain, path] = segments.as_slice() else {
+        return Err(format!(
+            "Invalid value: {name:?}: must be a fully qualified domain and path of the form 'example.com/signer-name'"
+        ));
+    };
+    let mut errors = Vec::new();
+    if domain.len() > 253 {
+        errors.push("Too long: may not be more than 253 bytes".to_string());
+    }
+    let labels: Vec<&str> = domain.split('.').collect();
+    if let Some(label) = labels.iter().find(|l| !api_label(l)) {
+        errors.push(format!(
+            "Invalid value: {domain:?}: validating label {label:?}: a lowercase RFC 1123 label"
+        ));
+    }
+    if labels.len() < 2 {
+        errors.push(format!(
+            "Invalid value: {domain:?}: should be a domain with at least two segments separated by dots"
+        ));
+    }
+    if let Some(piece) = path.split('.').find(|p| !api_subdomain(p)) {
+        errors.push(format!(
+            "Invalid value: {path:?}: validating label {piece:?}: a lowercase RFC 1123 subdomain"
+        ));
+    }
+    let max = 253 + (253 + 63 + 1) + 1;
+    if name.len() > max {
+        errors.push(format!("Too long: may not be more than {max} bytes"));
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(errors.join("; "))
+    }
+}
 
 fn bytes_field(value: &Value) -> Result<Vec<u8>, String> {
     use base64::Engine;
@@ -38,7 +110,7 @@ fn text<'a>(value: &'a Value, field: &str) -> &'a str {
 /// `ValidatePodCertificateRequestCreate`); clears its status.
 pub(crate) fn create_pod_certificate_request(object: &mut Value) -> Result<(), String> {
     let name = object["metadata"]["name"].as_str().unwrap_or_default();
-    if !is_dns1123_subdomain(name) {
+    if !api_subdomain(name) {
         return Err(format!("metadata.name: Invalid value: {name:?}"));
     }
     if object["spec"]["maxExpirationSeconds"].is_null() {
@@ -50,12 +122,12 @@ pub(crate) fn create_pod_certificate_request(object: &mut Value) -> Result<(), S
     }
     let spec = &object["spec"];
     let signer = text(spec, "signerName");
-    validate_signer_name(signer).map_err(|e| format!("spec.signerName: {e}"))?;
+    api_signer_name(signer).map_err(|e| format!("spec.signerName: {e}"))?;
     if let Some(annotations) = spec["unverifiedUserAnnotations"].as_object() {
         for key in annotations.keys() {
             let ok = key
                 .split_once('/')
-                .is_some_and(|(prefix, rest)| is_dns1123_subdomain(prefix) && !rest.is_empty());
+                .is_some_and(|(prefix, rest)| api_subdomain(prefix) && !rest.is_empty());
             if !ok {
                 return Err(format!(
                     "spec.unverifiedUserAnnotations: Invalid value: {key:?}: keys must be domain-prefixed"
@@ -64,7 +136,7 @@ pub(crate) fn create_pod_certificate_request(object: &mut Value) -> Result<(), S
         }
     }
     for field in ["podName", "serviceAccountName", "nodeName"] {
-        if !is_dns1123_subdomain(text(spec, field)) {
+        if !api_subdomain(text(spec, field)) {
             return Err(format!("spec.{field}: Invalid value"));
         }
     }
@@ -317,20 +389,20 @@ pub(crate) fn cluster_trust_bundle(object: &Value, old: Option<&Value>) -> Resul
     let name = object["metadata"]["name"].as_str().unwrap_or_default();
     let signer = text(&object["spec"], "signerName");
     if signer.is_empty() {
-        if name.contains(':') || !is_dns1123_subdomain(name) {
+        if name.contains(':') || !api_subdomain(name) {
             return Err(format!("metadata.name: Invalid value: {name:?}: ClusterTrustBundle without signer name must not have \":\" in its name"));
         }
     } else {
         let prefix = trust_bundle_name_prefix(signer);
         match name.strip_prefix(&prefix) {
-            Some(rest) if is_dns1123_subdomain(rest) => {}
+            Some(rest) if api_subdomain(rest) => {}
             _ => {
                 return Err(format!(
                 "metadata.name: Invalid value: {name:?}: ClusterTrustBundle for signerName {signer} must be named with prefix {prefix}"
             ))
             }
         }
-        validate_signer_name(signer).map_err(|e| format!("spec.signerName: {e}"))?;
+        api_signer_name(signer).map_err(|e| format!("spec.signerName: {e}"))?;
     }
     if let Some(old) = old {
         if text(&old["spec"], "signerName") != signer {
@@ -396,14 +468,26 @@ pub fn stub_csr_der(key: &PrivateKey) -> Vec<u8> {
 }
 
 /// The kubelet's proof of possession: `key`'s signature over the pod UID
-/// (ECDSA P-256 over SHA-256, Ed25519 over the bytes, RSA-PSS SHA-256 with
-/// Go's default salt length). `None` for keys it cannot make one for here
-/// (P-384 needs ECDSA over SHA-256 on P-384, which `ring` does not sign).
+/// (ECDSA over SHA-256 on either curve, as Go's `ecdsa.SignASN1` over
+/// `sha256.Sum256(uid)`; Ed25519 over the bytes; RSA-PSS SHA-256 with
+/// Go's default salt length). `None` for other key types.
 pub fn proof_of_possession(key: &PrivateKey, pod_uid: &str) -> Option<Vec<u8>> {
     use meshca_certs::KeyKind;
     match key.kind() {
         KeyKind::EcdsaP256 | KeyKind::Ed25519 => {
             rcgen::SigningKey::sign(key.key_pair(), pod_uid.as_bytes()).ok()
+        }
+        KeyKind::EcdsaP384 => {
+            // ring signs P-384 only over SHA-384: RustCrypto signs the
+            // SHA-256 digest the API verifies.
+            use p384::ecdsa::signature::hazmat::PrehashSigner;
+            use p384::pkcs8::DecodePrivateKey;
+            use rsa::sha2::{Digest, Sha256};
+            let signing = p384::ecdsa::SigningKey::from_pkcs8_der(&key.to_pkcs8_der()).ok()?;
+            let signature: p384::ecdsa::Signature = signing
+                .sign_prehash(&Sha256::digest(pod_uid.as_bytes()))
+                .ok()?;
+            Some(signature.to_der().as_bytes().to_vec())
         }
         KeyKind::Rsa(bits) => {
             use rsa::pkcs8::DecodePrivateKey;
@@ -471,5 +555,451 @@ impl PodRequest<'_> {
             "metadata": {"namespace": self.namespace, "name": self.name},
             "spec": spec,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The fake's validators, one rule broken at a time: each is refused
+    //! with the API's own wording, and the valid object is accepted (so a
+    //! validator that refused everything would fail too).
+
+    use super::*;
+    use meshca_certs::profile::{self_signed_root, SigningCa, SubjectKey, SubjectName, Validity};
+    use meshca_certs::{KeyAlgorithm, SpiffeId};
+
+    fn key() -> PrivateKey {
+        PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap()
+    }
+
+    fn ca() -> (SigningCa, String) {
+        let key = key();
+        let root = self_signed_root(
+            &key,
+            &SubjectName {
+                common_name: Some("fake-certificates-test".into()),
+                ..Default::default()
+            },
+            Validity::backdated(OffsetDateTime::now_utc(), time::Duration::days(1)),
+        )
+        .unwrap();
+        let pem = root.to_pem();
+        (SigningCa::new(root.der, key).unwrap(), pem)
+    }
+
+    /// A request as stored after creation (defaults applied).
+    fn created(key: &PrivateKey) -> Value {
+        let mut object = PodRequest {
+            namespace: "default",
+            name: "req",
+            signer: "meshca.io/spiffe",
+            pod: ("pod", "uid-1", "web", "node-a"),
+            max_expiration_seconds: None,
+        }
+        .to_json(key, KeyEncoding::StubCsr);
+        create_pod_certificate_request(&mut object).unwrap();
+        object
+    }
+
+    fn rfc3339(t: OffsetDateTime) -> Value {
+        serde_json::json!(t.format(&Rfc3339).unwrap())
+    }
+
+    fn condition(kind: &str, now: OffsetDateTime) -> Value {
+        serde_json::json!({
+            "type": kind, "status": "True", "reason": kind, "message": "",
+            "lastTransitionTime": rfc3339(now),
+        })
+    }
+
+    /// An Issued status for `key`, valid from `nb` to `na`, refreshing at
+    /// `refresh`.
+    fn issued(
+        ca: &SigningCa,
+        key: &PrivateKey,
+        nb: OffsetDateTime,
+        na: OffsetDateTime,
+        refresh: OffsetDateTime,
+    ) -> Value {
+        let leaf = ca
+            .issue_workload(
+                &SubjectKey::of(key).unwrap(),
+                &SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web").unwrap(),
+                Validity {
+                    not_before: nb,
+                    not_after: na,
+                },
+            )
+            .unwrap();
+        serde_json::json!({
+            "certificateChain": meshca_certs::bundle::encode_cert_pem(&leaf.der),
+            "notBefore": rfc3339(nb),
+            "notAfter": rfc3339(na),
+            "beginRefreshAt": rfc3339(refresh),
+            "conditions": [condition("Issued", nb)],
+        })
+    }
+
+    fn with_status(old: &Value, status: Value) -> Value {
+        let mut new = old.clone();
+        new["status"] = status;
+        new
+    }
+
+    fn now() -> OffsetDateTime {
+        let t = OffsetDateTime::now_utc();
+        t.replace_nanosecond(0).unwrap()
+    }
+
+    #[track_caller]
+    fn refused(result: Result<(), String>, wording: &str) {
+        match result {
+            Ok(()) => panic!("accepted; wanted {wording:?}"),
+            Err(e) => assert!(e.contains(wording), "{e:?} does not say {wording:?}"),
+        }
+    }
+
+    #[test]
+    fn an_issued_status_breaking_one_rule_is_refused() {
+        let (ca, _) = ca();
+        let key = key();
+        let old = created(&key);
+        let now = now();
+        let nb = now - time::Duration::minutes(2);
+        let day = time::Duration::days(1);
+        let status = |nb, na, refresh| with_status(&old, issued(&ca, &key, nb, na, refresh));
+        let check = |new: &Value| pod_certificate_request_status(new, &old, now);
+
+        check(&status(nb, nb + day, nb + day / 2)).unwrap();
+        refused(
+            check(&status(
+                nb,
+                nb + time::Duration::minutes(59),
+                nb + time::Duration::minutes(20),
+            )),
+            "lifetime must be >= 1 hour",
+        );
+        refused(
+            check(&status(
+                nb,
+                nb + day + time::Duration::seconds(1),
+                nb + day / 2,
+            )),
+            "must be <= spec.maxExpirationSeconds (86400)",
+        );
+        let early = now - time::Duration::minutes(6);
+        refused(
+            check(&status(early, early + day, early + day / 2)),
+            "within 5 minutes of kube-apiserver's current time",
+        );
+        let late = now + time::Duration::minutes(6);
+        refused(
+            check(&status(late, late + day, late + day / 2)),
+            "within 5 minutes of kube-apiserver's current time",
+        );
+        refused(
+            check(&status(nb, nb + day, nb + time::Duration::minutes(9))),
+            "at least 10 minutes after status.notBefore",
+        );
+        refused(
+            check(&status(nb, nb + day, nb + day - time::Duration::minutes(9))),
+            "at least 10 minutes before status.notAfter",
+        );
+        let mut other_nb = status(nb, nb + day, nb + day / 2);
+        other_nb["status"]["notBefore"] = rfc3339(nb + time::Duration::seconds(1));
+        refused(check(&other_nb), "NotBefore time encoded in the leaf");
+        let mut other_na = status(nb, nb + day, nb + day / 2);
+        other_na["status"]["notAfter"] = rfc3339(nb + day - time::Duration::seconds(1));
+        refused(check(&other_na), "NotAfter time encoded in the leaf");
+        // Issued to another key than the request's.
+        let other_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let to_other = with_status(&old, issued(&ca, &other_key, nb, nb + day, nb + day / 2));
+        refused(check(&to_other), "not issued to the requested public key");
+        // Not a certificate in the chain.
+        let mut garbage = status(nb, nb + day, nb + day / 2);
+        garbage["status"]["certificateChain"] =
+            serde_json::json!("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n");
+        refused(check(&garbage), "does not parse as valid X.509");
+        let mut not_certificate = status(nb, nb + day, nb + day / 2);
+        not_certificate["status"]["certificateChain"] = serde_json::json!(format!(
+            "{}-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+            not_certificate["status"]["certificateChain"]
+                .as_str()
+                .unwrap()
+        ));
+        refused(
+            check(&not_certificate),
+            "must consist entirely of CERTIFICATE PEM blocks",
+        );
+        let mut no_refresh = status(nb, nb + day, nb + day / 2);
+        no_refresh["status"]
+            .as_object_mut()
+            .unwrap()
+            .remove("beginRefreshAt");
+        refused(check(&no_refresh), "status.beginRefreshAt: Required value");
+    }
+
+    #[test]
+    fn conditions_follow_the_api_rules() {
+        let key = key();
+        let old = created(&key);
+        let now = now();
+        let check =
+            |status: Value| pod_certificate_request_status(&with_status(&old, status), &old, now);
+        check(serde_json::json!({"conditions": [condition("Denied", now)]})).unwrap();
+        check(serde_json::json!({"conditions": [condition("Failed", now)]})).unwrap();
+        refused(
+            check(
+                serde_json::json!({"conditions": [condition("Denied", now), condition("Failed", now)]}),
+            ),
+            "at most one condition",
+        );
+        refused(
+            check(serde_json::json!({"conditions": [condition("Approved", now)]})),
+            "Unsupported value: \"Approved\"",
+        );
+        let mut not_true = condition("Denied", now);
+        not_true["status"] = serde_json::json!("False");
+        refused(
+            check(serde_json::json!({"conditions": [not_true]})),
+            "status: Unsupported value",
+        );
+        let mut bad_reason = condition("Denied", now);
+        bad_reason["reason"] = serde_json::json!("not a reason!");
+        refused(
+            check(serde_json::json!({"conditions": [bad_reason]})),
+            "a condition reason must start with alphabetic character",
+        );
+        let mut no_time = condition("Denied", now);
+        no_time["lastTransitionTime"] = serde_json::json!("");
+        refused(
+            check(serde_json::json!({"conditions": [no_time]})),
+            "lastTransitionTime: Required value",
+        );
+        // Denied or Failed carry the condition only.
+        refused(
+            check(serde_json::json!({
+                "conditions": [condition("Denied", now)],
+                "notBefore": rfc3339(now),
+            })),
+            "non-condition status fields must be empty when denying or failing",
+        );
+        // No terminal condition: nothing else may change.
+        refused(
+            check(serde_json::json!({"notBefore": rfc3339(now)})),
+            "status is immutable unless transitioning",
+        );
+    }
+
+    #[test]
+    fn an_answered_request_is_never_answered_again() {
+        let key = key();
+        let now = now();
+        let old = with_status(
+            &created(&key),
+            serde_json::json!({"conditions": [condition("Denied", now)]}),
+        );
+        let again = with_status(
+            &old,
+            serde_json::json!({"conditions": [condition("Failed", now)]}),
+        );
+        refused(
+            pod_certificate_request_status(&again, &old, now),
+            "immutable after PodCertificateRequest is issued, denied, or failed",
+        );
+        // The same status written again is no change.
+        pod_certificate_request_status(&old, &old, now).unwrap();
+    }
+
+    #[test]
+    fn a_request_breaking_one_creation_rule_is_refused() {
+        let key = key();
+        let base = || {
+            PodRequest {
+                namespace: "default",
+                name: "req",
+                signer: "meshca.io/spiffe",
+                pod: ("pod", "uid-1", "web", "node-a"),
+                max_expiration_seconds: None,
+            }
+            .to_json(&key, KeyEncoding::StubCsr)
+        };
+        let mut ok = base();
+        create_pod_certificate_request(&mut ok).unwrap();
+        assert_eq!(
+            ok["spec"]["maxExpirationSeconds"], 86400,
+            "defaulted to 24 hours"
+        );
+        let broken = |edit: &dyn Fn(&mut Value)| {
+            let mut object = base();
+            edit(&mut object);
+            create_pod_certificate_request(&mut object)
+        };
+        refused(
+            broken(&|o| o["spec"]["signerName"] = serde_json::json!("spiffe")),
+            "spec.signerName",
+        );
+        refused(
+            broken(&|o| o["spec"]["maxExpirationSeconds"] = serde_json::json!(3599)),
+            "must be in the range [3600, 7862400]",
+        );
+        refused(
+            broken(&|o| {
+                o["spec"]["signerName"] = serde_json::json!("kubernetes.io/pods");
+                o["spec"]["maxExpirationSeconds"] = serde_json::json!(86401);
+            }),
+            "must be in the range [3600, 86400]",
+        );
+        refused(
+            broken(&|o| o["spec"]["podUID"] = serde_json::json!("")),
+            "spec.podUID: Invalid value: must not be empty",
+        );
+        refused(
+            broken(&|o| o["spec"]["nodeName"] = serde_json::json!("Node_A")),
+            "spec.nodeName",
+        );
+        refused(
+            broken(&|o| o["spec"]["unverifiedUserAnnotations"] = serde_json::json!({"role": "db"})),
+            "keys must be domain-prefixed",
+        );
+        let proof_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        refused(
+            broken(&|o| {
+                let other = PodRequest {
+                    namespace: "default",
+                    name: "req",
+                    signer: "meshca.io/spiffe",
+                    pod: ("pod", "uid-2", "web", "node-a"),
+                    max_expiration_seconds: None,
+                }
+                .to_json(&proof_key, KeyEncoding::ProofOfPossession);
+                o["spec"]["stubPKCS10Request"] = Value::Null;
+                o["spec"]["pkixPublicKey"] = other["spec"]["pkixPublicKey"].clone();
+                o["spec"]["proofOfPossession"] = other["spec"]["proofOfPossession"].clone();
+            }),
+            "could not verify proof-of-possession signature",
+        );
+        let rsa2048 = PrivateKey::generate(KeyAlgorithm::Rsa2048).unwrap();
+        refused(
+            broken(&|o| {
+                o["spec"]["stubPKCS10Request"] =
+                    serde_json::json!(base64_of(&stub_csr_der(&rsa2048)))
+            }),
+            "unsupported key type",
+        );
+    }
+
+    fn base64_of(bytes: &[u8]) -> String {
+        use base64::Engine;
+        base64::engine::general_purpose::STANDARD.encode(bytes)
+    }
+
+    #[test]
+    fn a_cluster_trust_bundle_breaking_one_rule_is_refused() {
+        let (ca, root_pem) = ca();
+        let bundle = |name: &str, roots: &str| {
+            serde_json::json!({
+                "metadata": {"name": name},
+                "spec": {"signerName": "meshca.io/spiffe", "trustBundle": roots},
+            })
+        };
+        let good = bundle("meshca.io:spiffe:trust-bundle", &root_pem);
+        cluster_trust_bundle(&good, None).unwrap();
+        refused(
+            cluster_trust_bundle(&bundle("trust-bundle", &root_pem), None),
+            "must be named with prefix meshca.io:spiffe:",
+        );
+        refused(
+            cluster_trust_bundle(
+                &bundle(
+                    "meshca.io:spiffe:trust-bundle",
+                    &format!("{root_pem}{root_pem}"),
+                ),
+                None,
+            ),
+            "duplicate trust anchor",
+        );
+        let leaf_key = key();
+        let leaf = ca
+            .issue_server(
+                &SubjectKey::of(&leaf_key).unwrap(),
+                &["example.com".into()],
+                &[],
+                Validity::backdated(OffsetDateTime::now_utc(), time::Duration::hours(1)),
+            )
+            .unwrap();
+        refused(
+            cluster_trust_bundle(
+                &bundle(
+                    "meshca.io:spiffe:trust-bundle",
+                    &meshca_certs::bundle::encode_cert_pem(&leaf.der),
+                ),
+                None,
+            ),
+            "does not have the CA bit set",
+        );
+        refused(
+            cluster_trust_bundle(&bundle("meshca.io:spiffe:trust-bundle", ""), None),
+            "at least one trust anchor",
+        );
+        let mut moved = good.clone();
+        moved["spec"]["signerName"] = serde_json::json!("meshca.io/other");
+        moved["metadata"]["name"] = serde_json::json!("meshca.io:other:trust-bundle");
+        refused(
+            cluster_trust_bundle(&moved, Some(&good)),
+            "spec.signerName: Invalid value: field is immutable",
+        );
+        let mut no_signer = good.clone();
+        no_signer["spec"]["signerName"] = Value::Null;
+        refused(
+            cluster_trust_bundle(&no_signer, None),
+            "without signer name must not have \":\"",
+        );
+    }
+
+    #[test]
+    fn signer_names_are_checked_as_the_api_does_and_as_meshca_does() {
+        let domain = format!(
+            "{}.{}.{}.example.com",
+            "d".repeat(63),
+            "e".repeat(63),
+            "f".repeat(63)
+        );
+        let longest = format!("{domain}/{}.{}", "p".repeat(253), "q".repeat(113));
+        assert_eq!(longest.len(), 571);
+        let accepted = [
+            "meshca.io/spiffe".to_string(),
+            "example.com/a.b".to_string(),
+            format!("example.com/ns.{}", "a".repeat(200)),
+            format!("example.com/{}", "a".repeat(253)),
+            longest.clone(),
+        ];
+        let refused_names = [
+            String::new(),
+            "spiffe".into(),
+            "meshca/spiffe".into(),
+            "meshca.io/".into(),
+            "meshca.io/a/b".into(),
+            "Meshca.io/spiffe".into(),
+            "meshca.io/-x".into(),
+            "meshca.io/a..b".into(),
+            format!("{}.io/x", "a".repeat(64)),
+            format!("example.com/{}", "a".repeat(254)),
+            format!("{longest}q"),
+        ];
+        for name in &accepted {
+            assert!(api_signer_name(name).is_ok(), "the API accepts {name:?}");
+        }
+        for name in &refused_names {
+            assert!(api_signer_name(name).is_err(), "the API refuses {name:?}");
+        }
+        // meshca's start-time check agrees with the API on every one.
+        for name in accepted.iter().chain(&refused_names) {
+            assert_eq!(
+                meshca_certs::pod_certificate::validate_signer_name(name).is_ok(),
+                api_signer_name(name).is_ok(),
+                "{name:?}"
+            );
+        }
     }
 }

@@ -5,8 +5,11 @@
 //! semantics: get, list, streamed watch from a resourceVersion, create
 //! (409 AlreadyExists), update with optimistic concurrency (409 Conflict on
 //! a stale resourceVersion), merge patch, delete, field selectors. It counts
-//! calls, can answer slowly, can hold creates to force a race, and can be
-//! stopped and restarted on the same port. `PodCertificateRequest`s (with
+//! calls, can answer slowly, can hold creates to force a race, can fail
+//! chosen calls (500) until told to stop, can let "another writer" answer a
+//! PodCertificateRequest just before meshca's status update lands (a 409
+//! for certain), can send a stale watch event, and can be stopped and
+//! restarted on the same port. `PodCertificateRequest`s (with
 //! their `status` subresource) and `ClusterTrustBundle`s are checked as
 //! kube-apiserver checks them (see `fake_certificates`).
 
@@ -228,6 +231,13 @@ struct Shared {
     latency_ms: AtomicU64,
     /// Creates of this plural wait until this many are waiting, then all proceed.
     create_gate: Mutex<Option<(String, Arc<tokio::sync::Barrier>)>>,
+    /// Calls `(plural, verb)` answered 500 until cleared.
+    failing: Mutex<Vec<(String, String)>>,
+    /// How many calls were failed on purpose.
+    failed: AtomicUsize,
+    /// Statuses "another writer" puts on a PodCertificateRequest
+    /// `(namespace, name)` right before the next status update of it.
+    interlopers: Mutex<HashMap<(String, String), serde_json::Value>>,
 }
 
 /// The fake API server.
@@ -476,6 +486,57 @@ impl FakeKube {
                 Arc::new(tokio::sync::Barrier::new(count)),
             ));
         }
+    }
+
+    /// Answers every call of `verb` on `plural` (`plural/status` for the
+    /// status subresource; verbs as in [`FakeKube::calls`]) with 500
+    /// InternalError until [`FakeKube::stop_failing`]. The call is still
+    /// counted.
+    pub fn fail_calls(&self, plural: &str, verb: &str) {
+        if let Ok(mut failing) = self.shared.failing.lock() {
+            failing.push((plural.to_string(), verb.to_string()));
+        }
+    }
+
+    /// Ends every [`FakeKube::fail_calls`].
+    pub fn stop_failing(&self) {
+        if let Ok(mut failing) = self.shared.failing.lock() {
+            failing.clear();
+        }
+    }
+
+    /// How many calls were failed by [`FakeKube::fail_calls`].
+    pub fn failed_calls(&self) -> usize {
+        self.shared.failed.load(Ordering::SeqCst)
+    }
+
+    /// The next status update of PodCertificateRequest `namespace/name`
+    /// finds that another writer has just put `status` on it (stored
+    /// without validation, a new resourceVersion, watchers told), so the
+    /// update carries a stale resourceVersion and gets 409 Conflict.
+    pub fn answer_before_next_status_update(
+        &self,
+        namespace: &str,
+        name: &str,
+        status: serde_json::Value,
+    ) {
+        if let Ok(mut interlopers) = self.shared.interlopers.lock() {
+            interlopers.insert((namespace.to_string(), name.to_string()), status);
+        }
+    }
+
+    /// Sends watchers of `plural` a MODIFIED event carrying `object` as
+    /// given (e.g. an older version), without storing it: a stale event,
+    /// as a watch may deliver after a reconnect or a relist.
+    pub fn send_stale_event(&self, plural: &str, object: &serde_json::Value) {
+        let mut objects = self.shared.objects.lock().expect("objects");
+        let line = watch_line("MODIFIED", object);
+        objects.watchers.retain(|w| {
+            if w.plural != plural || !matches_filter(object, w.namespace.as_deref(), &w.selector) {
+                return true;
+            }
+            w.tx.send(line.clone()).is_ok()
+        });
     }
 
     /// A projected service-account token signed with the cluster's key
@@ -772,6 +833,20 @@ async fn resource(
             "poisoned",
         );
     };
+    let (call_plural, verb) = call_of(method, &target, query);
+    let fail = shared
+        .failing
+        .lock()
+        .is_ok_and(|f| f.iter().any(|(p, v)| *p == call_plural && v == verb));
+    if fail {
+        objects.count(&call_plural, verb);
+        shared.failed.fetch_add(1, Ordering::SeqCst);
+        return status_error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalError",
+            "an error on the server (injected by the test) has prevented the request from succeeding",
+        );
+    }
     let key = |name: &str| (target.plural.clone(), namespace.clone(), name.to_string());
     match (method, target.name.as_deref()) {
         ("GET", None) => {
@@ -870,9 +945,23 @@ async fn resource(
             let Some(mut object) = parse_body() else {
                 return status_error(StatusCode::BAD_REQUEST, "BadRequest", "not JSON");
             };
-            let Some(current) = objects.items.get(&key(name)).cloned() else {
+            let Some(mut current) = objects.items.get(&key(name)).cloned() else {
                 return not_found(name);
             };
+            let interloper = if status_only && target.plural == "podcertificaterequests" {
+                shared
+                    .interlopers
+                    .lock()
+                    .ok()
+                    .and_then(|mut i| i.remove(&(namespace.clone(), name.to_string())))
+            } else {
+                None
+            };
+            if let Some(status) = interloper {
+                let mut answered = current.clone();
+                answered["status"] = status;
+                current = objects.event(&target.plural, "MODIFIED", answered);
+            }
             let sent = object["metadata"]["resourceVersion"]
                 .as_str()
                 .unwrap_or_default();
@@ -925,6 +1014,27 @@ async fn resource(
             "the server does not allow this method on the requested resource",
         ),
     }
+}
+
+/// The name a call is counted under: `(plural or plural/status, verb)`.
+fn call_of(method: &str, target: &Target, query: &str) -> (String, &'static str) {
+    let verb = match (method, target.name.is_some()) {
+        ("GET", true) => "get",
+        ("GET", false) if matches!(query_param(query, "watch"), Some("true") | Some("1")) => {
+            "watch"
+        }
+        ("GET", false) => "list",
+        ("POST", _) => "create",
+        ("PUT", _) => "update",
+        ("PATCH", _) => "patch",
+        ("DELETE", _) => "delete",
+        _ => "other",
+    };
+    let plural = match target.subresource.as_deref() {
+        Some(sub) => format!("{}/{sub}", target.plural),
+        None => target.plural.clone(),
+    };
+    (plural, verb)
 }
 
 /// kube-apiserver's creation-time checks (and defaults) of the kinds it

@@ -147,6 +147,9 @@ fn check_issued(
     assert_eq!((kind.as_str(), reason.as_str()), ("Issued", "Issued"));
 }
 
+/// An ECDSA P-521 stub PKCS#10 request (DER), signed by its key.
+const P521_STUB_CSR: &[u8] = include_bytes!("../data/p521-stub-csr.der");
+
 fn b64(bytes: &[u8]) -> String {
     use base64::Engine;
     base64::engine::general_purpose::STANDARD.encode(bytes)
@@ -175,6 +178,7 @@ async fn every_key_type_in_both_encodings_is_issued_and_verifies_to_the_cluster_
         ("p256-stub", &p256, KeyEncoding::StubCsr),
         ("p256-proof", &p256, KeyEncoding::ProofOfPossession),
         ("p384-stub", &p384, KeyEncoding::StubCsr),
+        ("p384-proof", &p384, KeyEncoding::ProofOfPossession),
         ("rsa3072-stub", &rsa3072, KeyEncoding::StubCsr),
         ("rsa3072-proof", &rsa3072, KeyEncoding::ProofOfPossession),
         ("ed25519-stub", &ed, KeyEncoding::StubCsr),
@@ -307,6 +311,31 @@ async fn requests_that_must_not_be_signed_are_denied_with_the_reason() {
         elsewhere.to_json(&key, KeyEncoding::StubCsr),
     )
     .unwrap();
+    // The pod runs as another service account than the request says.
+    kube.add_pod("default", "pod-other-sa", "uid-other-sa", "db", NODE);
+    let other_sa = PodRequest {
+        name: "other-sa",
+        pod: ("pod-other-sa", "uid-other-sa", "web", NODE),
+        ..elsewhere.clone()
+    };
+    kube.create_object(
+        "podcertificaterequests",
+        other_sa.to_json(&key, KeyEncoding::StubCsr),
+    )
+    .unwrap();
+    // The pod was deleted and created again under the same name: the
+    // request's pod (the old UID) is gone.
+    kube.add_pod("default", "pod-recreated", "uid-recreated-new", "web", NODE);
+    let recreated = PodRequest {
+        name: "recreated",
+        pod: ("pod-recreated", "uid-recreated-old", "web", NODE),
+        ..elsewhere.clone()
+    };
+    kube.create_object(
+        "podcertificaterequests",
+        recreated.to_json(&key, KeyEncoding::StubCsr),
+    )
+    .unwrap();
     // An unverifiedUserAnnotations key meshca does not know.
     kube.add_pod("default", "pod-annotated", "uid-annotated", "web", NODE);
     let mut annotated = PodRequest {
@@ -337,51 +366,29 @@ async fn requests_that_must_not_be_signed_are_denied_with_the_reason() {
     assert!(refused.contains("proof-of-possession"), "{refused}");
     kube.put_object("podcertificaterequests", forged);
 
-    let mut expected: BTreeMap<&str, (&str, &str)> = BTreeMap::from([
+    let expected: BTreeMap<&str, (&str, &str)> = BTreeMap::from([
         ("pod-gone", ("Denied", "PodNotFound")),
         ("elsewhere", ("Denied", "PodMismatch")),
+        ("other-sa", ("Denied", "PodMismatch")),
+        ("recreated", ("Denied", "PodNotFound")),
         ("annotated", ("Denied", "UnknownUserAnnotation")),
         ("forged", ("Denied", "InvalidProofOfPossession")),
+        ("p521", ("Denied", "UnsupportedKeyType")),
     ]);
 
-    // A P-521 key: the API accepts it, meshca does not sign it.
-    if have_openssl() {
-        let work = tempfile::tempdir().unwrap();
-        let key_path = work.path().join("p521.pem");
-        let csr_path = work.path().join("p521.der");
-        run_ok(std::process::Command::new("openssl").args([
-            "genpkey",
-            "-algorithm",
-            "EC",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-521",
-            "-out",
-            key_path.to_str().unwrap(),
-        ]));
-        run_ok(std::process::Command::new("openssl").args([
-            "req",
-            "-new",
-            "-key",
-            key_path.to_str().unwrap(),
-            "-subj",
-            "/",
-            "-outform",
-            "DER",
-            "-out",
-            csr_path.to_str().unwrap(),
-        ]));
-        let der = std::fs::read(&csr_path).unwrap();
-        kube.add_pod("default", "pod-p521", "uid-p521", "web", NODE);
-        let mut p521 = PodRequest {
-            name: "p521",
-            pod: ("pod-p521", "uid-p521", "web", NODE),
-            ..elsewhere.clone()
-        }
-        .to_json(&key, KeyEncoding::StubCsr);
-        p521["spec"]["stubPKCS10Request"] = serde_json::json!(b64(&der));
-        kube.create_object("podcertificaterequests", p521).unwrap();
-        expected.insert("p521", ("Denied", "UnsupportedKeyType"));
+    // A P-521 key: the API accepts it, meshca does not sign it. The stub
+    // CSR is a fixture (made once with `openssl genpkey -algorithm EC
+    // -pkeyopt ec_paramgen_curve:P-521` and `openssl req -new -subj /
+    // -outform DER`; the key was thrown away), so this runs everywhere.
+    kube.add_pod("default", "pod-p521", "uid-p521", "web", NODE);
+    let mut p521 = PodRequest {
+        name: "p521",
+        pod: ("pod-p521", "uid-p521", "web", NODE),
+        ..elsewhere.clone()
     }
+    .to_json(&key, KeyEncoding::StubCsr);
+    p521["spec"]["stubPKCS10Request"] = serde_json::json!(b64(P521_STUB_CSR));
+    kube.create_object("podcertificaterequests", p521).unwrap();
     // An RSA 2048 key never reaches a signer: the API refuses it.
     let rsa2048 = PrivateKey::generate(KeyAlgorithm::Rsa2048).unwrap();
     let refused = kube
@@ -414,20 +421,35 @@ async fn requests_that_must_not_be_signed_are_denied_with_the_reason() {
         );
         if *name == "p521" {
             assert!(
-                message.contains("ECDSA P-256"),
-                "names a supported type: {message}"
+                message.contains("ECDSA P-521") && message.contains("ECDSA P-256"),
+                "names the key and a supported type: {message}"
             );
         }
     }
-    let log = server.log();
+    let (_, _, message) = answer(&kube, "other-sa").unwrap();
     assert!(
-        log.contains("denied pod certificate") && log.contains("PodNotFound"),
-        "{log}"
+        message.contains("service account \"db\", not \"web\""),
+        "{message}"
     );
+    let (_, _, message) = answer(&kube, "recreated").unwrap();
+    assert!(
+        message.contains("has UID uid-recreated-new, not uid-recreated-old"),
+        "{message}"
+    );
+    // Every denial is audited with the identity the request claimed.
+    let log = server.log();
+    for name in expected.keys() {
+        assert!(
+            log.lines().any(|l| l.contains("denied pod certificate")
+                && l.contains(&format!("request={name} "))
+                && l.contains("identity=spiffe://cluster.local/ns/default/sa/web ")),
+            "denial of {name} audited with the claimed identity:\n{log}"
+        );
+    }
     let metrics = http_get(server.monitoring, "/metrics").unwrap().1;
     assert!(
         metrics.contains(
-            "meshca_pod_certificate_request_count{result=\"Denied\",reason=\"PodNotFound\"} 1"
+            "meshca_pod_certificate_request_count{result=\"Denied\",reason=\"PodNotFound\"} 2"
         ),
         "{metrics}"
     );
@@ -442,6 +464,7 @@ async fn the_cluster_trust_bundle_is_set_back_and_recreated() {
     let is_right = |kube: &FakeKube| {
         cluster_trust_bundle(kube).is_some_and(|ctb| {
             ctb["spec"]["signerName"] == SIGNER
+                && ctb["metadata"]["labels"]["meshca.io/trust-domain"] == "cluster.local"
                 && ctb["spec"]["trustBundle"]
                     .as_str()
                     .map(parse_certs_pem)
@@ -474,6 +497,31 @@ async fn the_cluster_trust_bundle_is_set_back_and_recreated() {
     })
     .await;
 
+    // The trust-domain label removed (pods' projections may select on
+    // it), another label added: the label set back, the other kept.
+    let mut unlabelled = cluster_trust_bundle(&kube).unwrap();
+    unlabelled["metadata"]["labels"] = serde_json::json!({"team": "mesh"});
+    kube.put_object("clustertrustbundles", unlabelled);
+    assert!(!is_right(&kube));
+    wait_until("the label set back", Duration::from_secs(20), || {
+        is_right(&kube)
+    })
+    .await;
+    assert_eq!(
+        cluster_trust_bundle(&kube).unwrap()["metadata"]["labels"]["team"],
+        "mesh",
+        "another label is kept"
+    );
+    // The label edited to another trust domain: set back.
+    let mut relabelled = cluster_trust_bundle(&kube).unwrap();
+    relabelled["metadata"]["labels"]["meshca.io/trust-domain"] = serde_json::json!("other.domain");
+    kube.put_object("clustertrustbundles", relabelled);
+    assert!(!is_right(&kube));
+    wait_until("the label edit set back", Duration::from_secs(20), || {
+        is_right(&kube)
+    })
+    .await;
+
     // Deleted: recreated.
     kube.delete_object("clustertrustbundles", "", BUNDLE_NAME);
     wait_until(
@@ -483,6 +531,332 @@ async fn the_cluster_trust_bundle_is_set_back_and_recreated() {
     )
     .await;
     assert!(kube.calls("clustertrustbundles", "create") >= 2);
+}
+
+fn metrics_of(server: &MeshcaServer) -> String {
+    http_get(server.monitoring, "/metrics").unwrap().1
+}
+
+fn log_lines_with(log: &str, parts: &[&str]) -> usize {
+    log.lines()
+        .filter(|l| parts.iter().all(|p| l.contains(p)))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_writers_answer_stands_and_meshcas_is_discarded() {
+    let dir = tempfile::tempdir().unwrap();
+    let kube = FakeKube::start(dir.path()).await;
+    let server = start_off_runtime(dir.path().join("data"), args(&kube, &[])).await;
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    // Another writer (an operator, another signer) denies the request just
+    // before meshca's status update lands: meshca's update carries a stale
+    // resourceVersion and gets 409 Conflict.
+    let now = OffsetDateTime::now_utc().format(&Rfc3339).unwrap();
+    kube.answer_before_next_status_update(
+        "default",
+        "contested",
+        serde_json::json!({"conditions": [{
+            "type": "Denied", "status": "True", "reason": "DeniedByPolicy",
+            "message": "denied by another writer", "lastTransitionTime": now,
+        }]}),
+    );
+    create_for_pod(&kube, "contested", "web", &key, KeyEncoding::StubCsr, None);
+    wait_until(
+        "the discarded answer logged",
+        Duration::from_secs(30),
+        || server.log().contains("pod certificate answer discarded"),
+    )
+    .await;
+
+    // The other writer's answer stands, untouched.
+    let (kind, reason, message) = answer(&kube, "contested").unwrap();
+    assert_eq!(
+        (kind.as_str(), reason.as_str(), message.as_str()),
+        ("Denied", "DeniedByPolicy", "denied by another writer")
+    );
+    assert!(request(&kube, "contested")["status"]["certificateChain"].is_null());
+    assert_eq!(
+        kube.calls("podcertificaterequests/status", "update"),
+        1,
+        "meshca's one update (refused with 409), never written again"
+    );
+    // One discarded line, with the certificate that reached nobody and the
+    // identity it was for.
+    let log = server.log();
+    assert_eq!(
+        log_lines_with(&log, &["pod certificate answer discarded"]),
+        1,
+        "{log}"
+    );
+    assert_eq!(
+        log_lines_with(
+            &log,
+            &[
+                "pod certificate answer discarded",
+                "request=contested ",
+                "identity=spiffe://cluster.local/ns/default/sa/web ",
+                "reason=\"Issued\"",
+                "answered by another writer",
+            ]
+        ),
+        1,
+        "{log}"
+    );
+    let metrics = metrics_of(&server);
+    assert!(
+        !metrics.contains("meshca_pod_certificate_request_count{result=\"Issued\""),
+        "nothing counted Issued: {metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_api_calls_failed_is_signed_once_the_api_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let kube = FakeKube::start(dir.path()).await;
+    let server = start_off_runtime(dir.path().join("data"), args(&kube, &[])).await;
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    // Every read of a pod fails: the request cannot be checked.
+    kube.fail_calls("pods", "get");
+    create_for_pod(&kube, "patient", "web", &key, KeyEncoding::StubCsr, None);
+    let gave_up =
+        "meshca_pod_certificate_request_count{result=\"GaveUp\",reason=\"RetriesExhausted\"} 1";
+    wait_until(
+        "a whole round of attempts failed",
+        Duration::from_secs(60),
+        || metrics_of(&server).contains(gave_up),
+    )
+    .await;
+    assert!(kube.failed_calls() >= 6, "{} failed", kube.failed_calls());
+    assert!(answer(&kube, "patient").is_none());
+    // The API recovers; the same leader (no new listing, no leader
+    // change) signs the request in its next round.
+    kube.stop_failing();
+    wait_until(
+        "issued after the API recovered",
+        Duration::from_secs(60),
+        || answer(&kube, "patient").is_some(),
+    )
+    .await;
+    check_issued(&kube, "patient", &key, "web", 86400);
+    let metrics = metrics_of(&server);
+    for line in [
+        gave_up,
+        "meshca_pod_certificate_request_count{result=\"Issued\",reason=\"Issued\"} 1",
+        "meshca_pod_certificate_requests_waiting 0",
+        "\nmeshca_leader 1\n",
+    ] {
+        assert!(metrics.contains(line), "{line}: {metrics}");
+    }
+    assert_eq!(
+        kube.calls("podcertificaterequests", "list"),
+        1,
+        "no new listing"
+    );
+    // Parked between its rounds, with the reason logged.
+    assert!(
+        server
+            .log()
+            .contains("PodCertificateRequest still unanswered; trying again later"),
+        "{}",
+        server.log()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_watch_event_of_an_answered_request_signs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let kube = FakeKube::start(dir.path()).await;
+    let server = start_off_runtime(dir.path().join("data"), args(&kube, &[])).await;
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    kube.add_pod("default", "pod-stale", "uid-stale", "web", NODE);
+    let unanswered = kube
+        .create_object(
+            "podcertificaterequests",
+            PodRequest {
+                namespace: "default",
+                name: "stale",
+                signer: SIGNER,
+                pod: ("pod-stale", "uid-stale", "web", NODE),
+                max_expiration_seconds: None,
+            }
+            .to_json(&key, KeyEncoding::StubCsr),
+        )
+        .unwrap();
+    wait_until("issued", Duration::from_secs(30), || {
+        answer(&kube, "stale").is_some()
+    })
+    .await;
+    check_issued(&kube, "stale", &key, "web", 86400);
+    // The watch delivers the request's older, unanswered version again.
+    kube.send_stale_event("podcertificaterequests", &unanswered);
+    let skipped =
+        "meshca_pod_certificate_request_count{result=\"Skipped\",reason=\"AlreadyAnswered\"} 1";
+    wait_until("the stale event skipped", Duration::from_secs(30), || {
+        metrics_of(&server).contains(skipped)
+    })
+    .await;
+    let log = server.log();
+    assert_eq!(
+        log_lines_with(&log, &["issued pod certificate", "request=stale "]),
+        1,
+        "signed once: {log}"
+    );
+    assert!(!log.contains("discarded"), "{log}");
+    assert_eq!(kube.calls("podcertificaterequests/status", "update"), 1);
+}
+
+fn certs_cli(args: &[&str]) {
+    let out = std::process::Command::new(&binaries().meshca_certs)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "meshca-certs {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn certs_in(path: &std::path::Path) -> Vec<Vec<u8>> {
+    parse_certs_pem(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn bundle_roots(kube: &FakeKube) -> BTreeSet<Vec<u8>> {
+    cluster_trust_bundle(kube)
+        .and_then(|ctb| parse_certs_pem(ctb["spec"]["trustBundle"].as_str()?).ok())
+        .unwrap_or_default()
+        .into_iter()
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_plugged_in_intermediate_is_the_chain_after_the_leaf() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path().join("pki");
+    let root = pki.join("root");
+    certs_cli(&["root-ca", "--out", root.to_str().unwrap()]);
+    certs_cli(&[
+        "intermediate-ca",
+        "--root",
+        root.to_str().unwrap(),
+        "--cluster",
+        "east",
+        "--out",
+        pki.to_str().unwrap(),
+    ]);
+    let east = pki.join("east");
+    let kube = FakeKube::start(dir.path()).await;
+    let _server = start_off_runtime(
+        dir.path().join("data"),
+        args(&kube, &["--ca-dir", east.to_str().unwrap()]),
+    )
+    .await;
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP384).unwrap();
+    create_for_pod(
+        &kube,
+        "via-intermediate",
+        "web",
+        &key,
+        KeyEncoding::ProofOfPossession,
+        None,
+    );
+    wait_until("issued", Duration::from_secs(30), || {
+        answer(&kube, "via-intermediate").is_some() && cluster_trust_bundle(&kube).is_some()
+    })
+    .await;
+    // Verified to the ClusterTrustBundle, no root in the chain.
+    check_issued(&kube, "via-intermediate", &key, "web", 86400);
+    let chain = parse_certs_pem(
+        request(&kube, "via-intermediate")["status"]["certificateChain"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let intermediate = certs_in(&east.join("ca-cert.pem")).remove(0);
+    assert_eq!(chain.len(), 2, "[leaf, intermediate]");
+    assert_eq!(chain[1], intermediate);
+    assert!(CertSummary::from_der(&chain[1]).unwrap().is_ca);
+    let roots: BTreeSet<Vec<u8>> = certs_in(&east.join("root-cert.pem")).into_iter().collect();
+    assert_eq!(
+        bundle_roots(&kube),
+        roots,
+        "the ClusterTrustBundle holds the root"
+    );
+    assert!(!roots.contains(&intermediate));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cluster_trust_bundle_holds_both_roots_during_a_root_rotation() {
+    use meshca_tests::root_rotation::{ask_root_rotation, bundle_configmap, rotation_state};
+    let dir = tempfile::tempdir().unwrap();
+    let kube = FakeKube::start(dir.path()).await;
+    let _server = start_off_runtime(
+        dir.path().join("data"),
+        args(&kube, &["--root-rotation-grace", "6s"]),
+    )
+    .await;
+    let configmap_roots = |kube: &FakeKube| -> BTreeSet<Vec<u8>> {
+        bundle_configmap(kube, "default")
+            .and_then(|pem| parse_certs_pem(&pem).ok())
+            .unwrap_or_default()
+            .into_iter()
+            .collect()
+    };
+    wait_until("the ClusterTrustBundle", Duration::from_secs(20), || {
+        rotation_state(&kube).is_some() && bundle_roots(&kube).len() == 1
+    })
+    .await;
+    let old_root = rotation_state(&kube).unwrap().signing_root;
+    assert_eq!(bundle_roots(&kube), BTreeSet::from([old_root.clone()]));
+
+    assert!(ask_root_rotation(&kube));
+    wait_until(
+        "both roots in the ClusterTrustBundle, as in the ConfigMap",
+        Duration::from_secs(30),
+        || bundle_roots(&kube).len() == 2 && bundle_roots(&kube) == configmap_roots(&kube),
+    )
+    .await;
+    assert!(bundle_roots(&kube).contains(&old_root));
+    // Switched: the new root signs; the old one stays in the bundle.
+    wait_until("the new root signing", Duration::from_secs(30), || {
+        rotation_state(&kube).is_some_and(|s| s.phase == "switched")
+    })
+    .await;
+    let new_root = rotation_state(&kube).unwrap().signing_root;
+    assert_ne!(new_root, old_root);
+    assert_eq!(
+        bundle_roots(&kube),
+        BTreeSet::from([old_root.clone(), new_root.clone()])
+    );
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    create_for_pod(
+        &kube,
+        "after-switch",
+        "web",
+        &key,
+        KeyEncoding::StubCsr,
+        None,
+    );
+    wait_until("issued", Duration::from_secs(30), || {
+        answer(&kube, "after-switch").is_some()
+    })
+    .await;
+    check_issued(&kube, "after-switch", &key, "web", 86400);
+    // Signed under the new root: a pod trusting only the old root would
+    // not verify it, which is why both stay in the bundle.
+    let chain = parse_certs_pem(
+        request(&kube, "after-switch")["status"]["certificateChain"]
+            .as_str()
+            .unwrap(),
+    )
+    .unwrap();
+    let only =
+        |root: &[u8]| TrustBundle::from_pem(&meshca_certs::bundle::encode_cert_pem(root)).unwrap();
+    let id = SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web").unwrap();
+    let now = std::time::SystemTime::now();
+    assert!(meshca_certs::verify::verify_svid(&chain, &only(&new_root), now, Some(&id)).is_ok());
+    assert!(meshca_certs::verify::verify_svid(&chain, &only(&old_root), now, Some(&id)).is_err());
 }
 
 /// Creates `count` pods and one request each, all at once.
@@ -650,6 +1024,12 @@ fn a_signer_name_the_api_would_refuse_stops_the_start() {
             expected,
         );
     }
+    // No Kubernetes API: nothing to sign from, refused rather than off.
+    MeshcaServer::refuses_to_start(
+        &dir.path().join("data"),
+        &["--pod-certificate-signer", SIGNER],
+        "--pod-certificate-signer needs the Kubernetes API",
+    );
     MeshcaServer::refuses_to_start(
         &dir.path().join("data"),
         &[

@@ -6,9 +6,11 @@
 //! The object is named with the signer's prefix, as the API requires
 //! (`meshca.io/spiffe` → `meshca.io:spiffe:trust-bundle`), carries
 //! `spec.signerName`, and holds the same roots as the `istio-ca-root-cert`
-//! ConfigMaps (both roots during a rotation). Driven by a watch: created
-//! when missing, set back when edited, recreated when deleted, rewritten
-//! when the bundle changes. Only the leader runs this; every update is
+//! ConfigMaps (both roots during a rotation), labelled with the trust
+//! domain ([`TRUST_DOMAIN_LABEL`], which pods' `clusterTrustBundle`
+//! projections may select on). Driven by a watch: created when missing,
+//! set back when edited (roots or label; other labels are kept), recreated
+//! when deleted, rewritten when the bundle changes. Only the leader runs this; every update is
 //! checked against the resourceVersion it read.
 
 use std::collections::BTreeMap;
@@ -68,7 +70,7 @@ pub(crate) async fn publish_cluster_trust_bundle(
         let touched = tokio::select! {
             event = events.next() => match event {
                 Some(Ok(Event::Apply(ctb))) | Some(Ok(Event::InitApply(ctb))) => {
-                    !is_current(&ctb, &authority.bundle().to_pem(), &signer_name)
+                    !is_current(&ctb, &authority.bundle().to_pem(), &signer_name, &trust_domain)
                 }
                 Some(Ok(Event::Delete(_))) | Some(Ok(Event::InitDone)) => true,
                 Some(Ok(Event::Init)) => false,
@@ -106,9 +108,23 @@ pub(crate) async fn publish_cluster_trust_bundle(
     }
 }
 
-/// Whether `ctb` carries exactly `bundle` for `signer_name`.
-fn is_current(ctb: &ClusterTrustBundle, bundle: &str, signer_name: &str) -> bool {
-    ctb.spec.trust_bundle == bundle && ctb.spec.signer_name.as_deref() == Some(signer_name)
+/// Whether `ctb` carries exactly `bundle` for `signer_name`, labelled
+/// with `trust_domain`.
+fn is_current(
+    ctb: &ClusterTrustBundle,
+    bundle: &str,
+    signer_name: &str,
+    trust_domain: &str,
+) -> bool {
+    ctb.spec.trust_bundle == bundle
+        && ctb.spec.signer_name.as_deref() == Some(signer_name)
+        && ctb
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|labels| labels.get(TRUST_DOMAIN_LABEL))
+            .map(String::as_str)
+            == Some(trust_domain)
 }
 
 /// What a reconcile did.
@@ -153,9 +169,16 @@ async fn reconcile(
                     Err(e) => return Err(e),
                 }
             }
-            Some(ctb) if is_current(&ctb, bundle, signer_name) => return Ok(Written::Unchanged),
+            Some(ctb) if is_current(&ctb, bundle, signer_name, trust_domain) => {
+                return Ok(Written::Unchanged)
+            }
             Some(mut ctb) => {
                 ctb.metadata.managed_fields = None;
+                // The label set back; labels others added are kept.
+                ctb.metadata
+                    .labels
+                    .get_or_insert_with(BTreeMap::new)
+                    .insert(TRUST_DOMAIN_LABEL.to_string(), trust_domain.to_string());
                 // signerName is immutable in the API and fixed by the name's
                 // prefix: only the roots are set back.
                 ctb.spec.signer_name = Some(signer_name.into());
@@ -178,6 +201,40 @@ async fn reconcile(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn bundle(labels: Option<BTreeMap<String, String>>) -> ClusterTrustBundle {
+        ClusterTrustBundle {
+            metadata: ObjectMeta {
+                name: Some(bundle_name("meshca.io/spiffe")),
+                labels,
+                ..Default::default()
+            },
+            spec: ClusterTrustBundleSpec {
+                signer_name: Some("meshca.io/spiffe".into()),
+                trust_bundle: "roots".into(),
+            },
+        }
+    }
+
+    #[test]
+    fn current_only_with_the_trust_domain_label() {
+        let label = |value: &str| {
+            Some(BTreeMap::from([
+                (TRUST_DOMAIN_LABEL.to_string(), value.to_string()),
+                ("team".to_string(), "mesh".to_string()),
+            ]))
+        };
+        let current = |ctb: &ClusterTrustBundle| {
+            is_current(ctb, "roots", "meshca.io/spiffe", "cluster.local")
+        };
+        assert!(current(&bundle(label("cluster.local"))));
+        assert!(!current(&bundle(None)), "label removed");
+        assert!(!current(&bundle(Some(BTreeMap::new()))), "labels emptied");
+        assert!(!current(&bundle(label("other.domain"))), "label edited");
+        let mut other_roots = bundle(label("cluster.local"));
+        other_roots.spec.trust_bundle = "other".into();
+        assert!(!current(&other_roots));
+    }
 
     #[test]
     fn named_with_the_signer_prefix() {

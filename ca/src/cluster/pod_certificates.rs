@@ -27,9 +27,16 @@
 //! Requests wait in a bounded queue ([`QUEUE_CAPACITY`]); when it is full
 //! the watch is not read further, so a mass restart is taken at the pace
 //! the CA and the API answer, never dropped. At most [`CONCURRENCY`]
-//! requests are in progress at once.
+//! requests are in progress at once. A request still unanswered after
+//! [`MAX_ATTEMPTS`] attempts (the API failing, the CA unable to sign) is
+//! parked and queued again after [`REQUEUE_FIRST`], doubling up to
+//! [`REQUEUE_MAX`], until it is answered or deleted; at most
+//! [`PARKED_CAPACITY`] are parked (beyond that, one waits for the next
+//! listing). The UIDs of the last [`RECENTLY_ANSWERED`] requests answered
+//! are remembered, so a stale watch event of one of them (an older
+//! version, read after the answer was written) never signs it again.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -52,11 +59,21 @@ use crate::metrics::Metrics;
 pub(crate) const QUEUE_CAPACITY: usize = 1024;
 /// Requests checked, signed and written at the same time, at most.
 pub(crate) const CONCURRENCY: usize = 32;
-/// Attempts at one request before it is left for the next leader or the
-/// next listing (API errors, the CA unable to sign).
-const MAX_ATTEMPTS: u32 = 6;
+/// Attempts at one request in a round (API errors, the CA unable to
+/// sign); then it is parked and queued again later.
+pub(crate) const MAX_ATTEMPTS: u32 = 6;
 /// The first wait after a failed attempt; doubled each time.
 const FIRST_RETRY: Duration = Duration::from_millis(500);
+/// How long a request that failed a round waits before the next one;
+/// doubled each round up to [`REQUEUE_MAX`].
+pub(crate) const REQUEUE_FIRST: Duration = Duration::from_secs(10);
+/// The longest wait between two rounds of one request.
+pub(crate) const REQUEUE_MAX: Duration = Duration::from_secs(300);
+/// Requests waiting for their next round, at most (a request beyond it is
+/// left to the next listing or leader).
+pub(crate) const PARKED_CAPACITY: usize = QUEUE_CAPACITY;
+/// UIDs of answered requests remembered to skip stale watch events.
+pub(crate) const RECENTLY_ANSWERED: usize = 4 * QUEUE_CAPACITY;
 
 /// Condition types of a request that is answered.
 const TERMINAL: [&str; 3] = ["Issued", "Denied", "Failed"];
@@ -122,6 +139,72 @@ fn denied(reason: &'static str, message: impl Into<String>) -> Outcome {
     }
 }
 
+/// A request to answer, and how many rounds it failed before.
+struct Queued {
+    request: PodCertificateRequest,
+    round: u32,
+}
+
+/// How [`answer`] ended.
+enum Finished {
+    /// Answered (by us or another writer), or deleted: done with it.
+    Done,
+    /// Every attempt of the round failed: to be tried again later.
+    GaveUp(Box<PodCertificateRequest>),
+}
+
+/// The UIDs of the last `capacity` requests answered, oldest forgotten
+/// first.
+#[derive(Debug)]
+pub(crate) struct RecentlyAnswered {
+    order: VecDeque<String>,
+    uids: HashSet<String>,
+    capacity: usize,
+}
+
+impl RecentlyAnswered {
+    /// An empty set remembering at most `capacity` UIDs.
+    pub(crate) fn new(capacity: usize) -> Self {
+        Self {
+            order: VecDeque::with_capacity(capacity.min(1024)),
+            uids: HashSet::new(),
+            capacity,
+        }
+    }
+
+    /// Remembers `uid`, forgetting the oldest beyond the capacity.
+    pub(crate) fn insert(&mut self, uid: &str) {
+        if self.capacity == 0 || !self.uids.insert(uid.to_string()) {
+            return;
+        }
+        self.order.push_back(uid.to_string());
+        while self.order.len() > self.capacity {
+            if let Some(old) = self.order.pop_front() {
+                self.uids.remove(&old);
+            }
+        }
+    }
+
+    /// Whether `uid` was answered recently.
+    pub(crate) fn contains(&self, uid: &str) -> bool {
+        self.uids.contains(uid)
+    }
+
+    /// How many UIDs are remembered.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.order.len()
+    }
+}
+
+/// The wait before round `round` (1 for the first requeue).
+pub(crate) fn requeue_delay(round: u32) -> Duration {
+    let doublings = round.saturating_sub(1).min(16);
+    REQUEUE_FIRST
+        .saturating_mul(1u32 << doublings)
+        .min(REQUEUE_MAX)
+}
+
 /// Why one attempt did not end with an answer written; tried again.
 #[derive(Debug, thiserror::Error)]
 enum Transient {
@@ -174,13 +257,19 @@ pub(crate) async fn sign_pod_certificates(
         watcher::Config::default().fields(&format!("spec.signerName={}", config.signer_name)),
     )
     .default_backoff();
-    let (queue_tx, queue_rx) = tokio::sync::mpsc::channel::<PodCertificateRequest>(QUEUE_CAPACITY);
+    let (queue_tx, queue_rx) = tokio::sync::mpsc::channel::<Queued>(QUEUE_CAPACITY);
+    let (park_tx, park_rx) = tokio::sync::mpsc::channel::<Queued>(PARKED_CAPACITY);
     let queued: Arc<Mutex<HashSet<(String, String)>>> = Arc::default();
+    let recent = Arc::new(Mutex::new(RecentlyAnswered::new(RECENTLY_ANSWERED)));
     tracing::info!(signer = %config.signer_name, "signing PodCertificateRequests");
 
     let read_watch = {
-        let queued = queued.clone();
-        let metrics = metrics.clone();
+        let (queued, recent, metrics, queue_tx) = (
+            queued.clone(),
+            recent.clone(),
+            metrics.clone(),
+            queue_tx.clone(),
+        );
         async move {
             futures::pin_mut!(events);
             while let Some(event) = events.next().await {
@@ -195,6 +284,15 @@ pub(crate) async fn sign_pod_certificates(
                 if is_answered(&request) {
                     continue;
                 }
+                let uid = request.metadata.uid.as_deref().unwrap_or_default();
+                if !uid.is_empty() && recent.lock().is_ok_and(|r| r.contains(uid)) {
+                    // An older version of a request answered since (a
+                    // stale event): never signed twice.
+                    let (namespace, name) = object_key(&request);
+                    tracing::debug!(namespace = %namespace, request = %name, "stale event of an answered PodCertificateRequest; skipped");
+                    metrics.pod_certificate_answered("Skipped", "AlreadyAnswered");
+                    continue;
+                }
                 let key = object_key(&request);
                 let fresh = queued.lock().map(|mut q| q.insert(key)).unwrap_or(false);
                 if !fresh {
@@ -203,26 +301,58 @@ pub(crate) async fn sign_pod_certificates(
                 metrics.pod_certificate_requests_waiting.inc();
                 // Waits while the queue is full: the watch is read no
                 // further until the signer catches up.
-                if queue_tx.send(request).await.is_err() {
+                if queue_tx.send(Queued { request, round: 0 }).await.is_err() {
                     return;
                 }
             }
         }
     };
 
+    let requeue = requeue_parked(park_rx, queue_tx);
+
     let work = tokio_stream::wrappers::ReceiverStream::new(queue_rx).for_each_concurrent(
         CONCURRENCY,
-        |request| {
-            let (client, authority, metrics, config, queued) = (
+        |Queued { request, round }| {
+            let (client, authority, metrics, config, queued, recent, park_tx) = (
                 client.clone(),
                 authority.clone(),
                 metrics.clone(),
                 config.clone(),
                 queued.clone(),
+                recent.clone(),
+                park_tx.clone(),
             );
             async move {
                 let key = object_key(&request);
-                answer(&client, &authority, &metrics, &config, request).await;
+                let uid = request.metadata.uid.clone().unwrap_or_default();
+                match answer(&client, &authority, &metrics, &config, request, round).await {
+                    Finished::Done => {
+                        // Remembered before it leaves the queued set, so
+                        // no stale event slips in between.
+                        if let (false, Ok(mut r)) = (uid.is_empty(), recent.lock()) {
+                            r.insert(&uid);
+                        }
+                    }
+                    Finished::GaveUp(request) => {
+                        let round = round.saturating_add(1);
+                        let delay = requeue_delay(round);
+                        let (namespace, name) = key.clone();
+                        match park_tx.try_send(Queued {
+                            request: *request,
+                            round,
+                        }) {
+                            Ok(()) => {
+                                tracing::warn!(namespace = %namespace, request = %name, attempts = MAX_ATTEMPTS, retry_in = ?delay, "PodCertificateRequest still unanswered; trying again later");
+                                // Still queued and waiting: the watch does
+                                // not queue it a second time.
+                                return;
+                            }
+                            Err(_) => {
+                                tracing::warn!(namespace = %namespace, request = %name, attempts = MAX_ATTEMPTS, parked = PARKED_CAPACITY, "PodCertificateRequest still unanswered and too many are waiting to be tried again; the next listing or leader picks it up");
+                            }
+                        }
+                    }
+                }
                 if let Ok(mut q) = queued.lock() {
                     q.remove(&key);
                 }
@@ -230,7 +360,34 @@ pub(crate) async fn sign_pod_certificates(
             }
         },
     );
-    futures::join!(read_watch, work);
+    futures::join!(read_watch, requeue, work);
+}
+
+/// Queues parked requests again once their wait is over; at most
+/// [`PARKED_CAPACITY`] wait here (the rest wait in the channel, itself
+/// bounded).
+async fn requeue_parked(
+    mut parked: tokio::sync::mpsc::Receiver<Queued>,
+    queue: tokio::sync::mpsc::Sender<Queued>,
+) {
+    let mut sleeping = futures::stream::FuturesUnordered::new();
+    loop {
+        tokio::select! {
+            next = parked.recv(), if sleeping.len() < PARKED_CAPACITY => {
+                let Some(item) = next else { return };
+                let delay = requeue_delay(item.round);
+                sleeping.push(async move {
+                    tokio::time::sleep(delay).await;
+                    item
+                });
+            }
+            Some(item) = sleeping.next(), if !sleeping.is_empty() => {
+                if queue.send(item).await.is_err() {
+                    return;
+                }
+            }
+        }
+    }
 }
 
 fn object_key(request: &PodCertificateRequest) -> (String, String) {
@@ -255,28 +412,48 @@ pub(crate) fn is_answered(request: &PodCertificateRequest) -> bool {
 
 /// Answers one request: retries API errors with a doubling wait, re-reads
 /// on a conflict, and stops once the request is answered (by us or anyone).
+/// A request in a later round (`round` > 0) is read again first: it may
+/// have changed while it was parked.
 async fn answer(
     client: &kube::Client,
     authority: &Authority,
     metrics: &Metrics,
     config: &PodSignerConfig,
     mut request: PodCertificateRequest,
-) {
+    round: u32,
+) -> Finished {
     let (namespace, name) = object_key(&request);
     let api: Api<PodCertificateRequest> = Api::namespaced(client.clone(), &namespace);
+    let trust_domain = &config.trust_domain;
     let mut wait = FIRST_RETRY;
     let mut prepared: Option<(Outcome, PodCertificateRequestStatus)> = None;
+    let mut reread = round > 0;
     for attempt in 1..=MAX_ATTEMPTS {
+        if reread {
+            match api.get_opt(&name).await {
+                Ok(Some(fresh)) => {
+                    request = fresh;
+                    reread = false;
+                }
+                Ok(None) => return Finished::Done,
+                Err(e) => {
+                    tracing::warn!(namespace = %namespace, request = %name, attempt, error = %e, "reading a PodCertificateRequest failed; retrying");
+                    pause(&mut wait, attempt).await;
+                    continue;
+                }
+            }
+        }
         if is_answered(&request) {
             tracing::debug!(namespace = %namespace, request = %name, "already answered; left alone");
             if let Some((outcome, _)) = &prepared {
                 discarded(
                     &request,
                     outcome,
+                    trust_domain,
                     "the request was answered by another writer",
                 );
             }
-            return;
+            return Finished::Done;
         }
         let now = OffsetDateTime::now_utc();
         // A status signed in an earlier attempt is written again if it is
@@ -293,13 +470,12 @@ async fn answer(
                 Ok((outcome, status)) => {
                     // Audited when decided, before the write: a write that
                     // lands while this task is cancelled still has its line.
-                    audit(&request, &outcome);
+                    audit(&request, &outcome, trust_domain);
                     (outcome, status)
                 }
                 Err(e) => {
                     tracing::warn!(namespace = %namespace, request = %name, attempt, error = %e, "PodCertificateRequest not answered yet; retrying");
-                    tokio::time::sleep(wait).await;
-                    wait = (wait * 2).min(Duration::from_secs(30));
+                    pause(&mut wait, attempt).await;
                     continue;
                 }
             },
@@ -313,7 +489,7 @@ async fn answer(
         {
             Ok(_) => {
                 metrics.pod_certificate_answered(outcome.condition_type(), outcome.reason());
-                return;
+                return Finished::Done;
             }
             Err(kube::Error::Api(e)) if e.code == 409 => {
                 // Someone else wrote: read again; never overwrite.
@@ -322,20 +498,19 @@ async fn answer(
                     Ok(Some(fresh)) => request = fresh,
                     Ok(None) => {
                         if let Some((outcome, _)) = &prepared {
-                            discarded(&request, outcome, "the request was deleted");
+                            discarded(&request, outcome, trust_domain, "the request was deleted");
                         }
-                        return;
+                        return Finished::Done;
                     }
                     Err(e) => {
                         tracing::warn!(namespace = %namespace, request = %name, error = %e, "re-reading a PodCertificateRequest after a conflict failed; retrying");
-                        tokio::time::sleep(wait).await;
-                        wait = (wait * 2).min(Duration::from_secs(30));
+                        pause(&mut wait, attempt).await;
                     }
                 }
             }
             Err(kube::Error::Api(e)) if e.code == 404 => {
-                discarded(&request, &outcome, "the request was deleted");
-                return;
+                discarded(&request, &outcome, trust_domain, "the request was deleted");
+                return Finished::Done;
             }
             Err(kube::Error::Api(e))
                 if e.code == 422 && matches!(outcome, Outcome::Issued { .. }) =>
@@ -343,36 +518,66 @@ async fn answer(
                 // The API refused our status: a defect here. Tell the
                 // kubelet with a Failed condition rather than leave it waiting.
                 tracing::error!(namespace = %namespace, request = %name, error = %e.message, "kube-apiserver refused the issued status");
-                discarded(&request, &outcome, "kube-apiserver refused the status");
+                discarded(
+                    &request,
+                    &outcome,
+                    trust_domain,
+                    "kube-apiserver refused the status",
+                );
                 let failed = Outcome::Failed {
                     reason: "InternalError",
                     message: "the signer produced a status the API refused; see meshca's log"
                         .into(),
                 };
-                audit(&request, &failed);
+                audit(&request, &failed, trust_domain);
                 prepared = Some((failed.clone(), answer_status(&failed, &request, now)));
             }
             Err(e) => {
                 prepared = Some((outcome, status));
                 tracing::warn!(namespace = %namespace, request = %name, attempt, error = %e, "writing a PodCertificateRequest status failed; retrying");
-                tokio::time::sleep(wait).await;
-                wait = (wait * 2).min(Duration::from_secs(30));
+                pause(&mut wait, attempt).await;
             }
         }
     }
     if let Some((outcome, _)) = &prepared {
-        discarded(&request, outcome, "gave up after repeated errors");
+        discarded(
+            &request,
+            outcome,
+            trust_domain,
+            "gave up after repeated errors",
+        );
     }
     metrics.pod_certificate_error("RetriesExhausted");
-    tracing::warn!(namespace = %namespace, request = %name, attempts = MAX_ATTEMPTS, "gave up on a PodCertificateRequest for now; the next leader or listing picks it up");
+    Finished::GaveUp(Box::new(request))
+}
+
+/// Waits `wait` before the next attempt and doubles it (up to 30 s); no
+/// wait after the last attempt of a round.
+async fn pause(wait: &mut Duration, attempt: u32) {
+    if attempt < MAX_ATTEMPTS {
+        tokio::time::sleep(*wait).await;
+        *wait = (*wait * 2).min(Duration::from_secs(30));
+    }
+}
+
+/// The identity a request asks for: `spiffe://<td>/ns/<ns>/sa/<sa>` of its
+/// namespace and `spec.serviceAccountName` (what an audit line names even
+/// when nothing was issued).
+fn claimed_identity(request: &PodCertificateRequest, trust_domain: &TrustDomain) -> String {
+    let namespace = request.metadata.namespace.as_deref().unwrap_or_default();
+    let service_account = &request.spec.service_account_name;
+    SpiffeId::for_workload(trust_domain, namespace, service_account)
+        .map(|id| id.to_string())
+        .unwrap_or_else(|_| format!("spiffe://{trust_domain}/ns/{namespace}/sa/{service_account}"))
 }
 
 /// The audit line of an answer, written when it is decided (before the
-/// status is written).
-fn audit(request: &PodCertificateRequest, outcome: &Outcome) {
+/// status is written). A denial or failure names the identity claimed.
+fn audit(request: &PodCertificateRequest, outcome: &Outcome, trust_domain: &TrustDomain) {
     let (namespace, name) = object_key(request);
     let spec = &request.spec;
     let pod = format!("{namespace}/{}", spec.pod_name);
+    let claimed = claimed_identity(request, trust_domain);
     match outcome {
         Outcome::Issued { identity, serial } => tracing::info!(
             target: "meshca::audit",
@@ -389,7 +594,7 @@ fn audit(request: &PodCertificateRequest, outcome: &Outcome) {
             request = %name,
             pod = %pod,
             node = %spec.node_name,
-            identity = "",
+            identity = %claimed,
             serial = "",
             reason = %reason,
             detail = %message,
@@ -400,7 +605,7 @@ fn audit(request: &PodCertificateRequest, outcome: &Outcome) {
             request = %name,
             pod = %pod,
             node = %spec.node_name,
-            identity = "",
+            identity = %claimed,
             serial = "",
             reason = %reason,
             detail = %message,
@@ -411,17 +616,23 @@ fn audit(request: &PodCertificateRequest, outcome: &Outcome) {
 
 /// The audit line of an answer that was decided but never written: the
 /// certificate in it (if any) reached nobody.
-fn discarded(request: &PodCertificateRequest, outcome: &Outcome, why: &str) {
+fn discarded(
+    request: &PodCertificateRequest,
+    outcome: &Outcome,
+    trust_domain: &TrustDomain,
+    why: &str,
+) {
     let (namespace, name) = object_key(request);
-    let serial = match outcome {
-        Outcome::Issued { serial, .. } => serial.as_str(),
-        _ => "",
+    let (identity, serial) = match outcome {
+        Outcome::Issued { identity, serial } => (identity.clone(), serial.as_str()),
+        _ => (claimed_identity(request, trust_domain), ""),
     };
     tracing::info!(
         target: "meshca::audit",
         request = %name,
         pod = %format!("{namespace}/{}", request.spec.pod_name),
         node = %request.spec.node_name,
+        identity = %identity,
         serial = %serial,
         reason = outcome.reason(),
         why,
@@ -706,6 +917,54 @@ mod tests {
             Duration::from_secs(3600)
         );
         assert_eq!(lifetime(Some(7 * 86400), day), day);
+    }
+
+    #[test]
+    fn requeue_waits_double_up_to_the_cap() {
+        assert_eq!(requeue_delay(1), REQUEUE_FIRST);
+        assert_eq!(requeue_delay(2), REQUEUE_FIRST * 2);
+        assert_eq!(requeue_delay(3), REQUEUE_FIRST * 4);
+        for round in [6, 30, u32::MAX] {
+            assert_eq!(requeue_delay(round), REQUEUE_MAX, "round {round}");
+        }
+    }
+
+    #[test]
+    fn recently_answered_is_bounded_and_forgets_the_oldest() {
+        let mut recent = RecentlyAnswered::new(3);
+        for uid in ["a", "b", "c", "a"] {
+            recent.insert(uid);
+        }
+        assert_eq!(recent.len(), 3, "a second insert of a UID is one entry");
+        recent.insert("d");
+        assert_eq!(recent.len(), 3);
+        assert!(!recent.contains("a"), "the oldest is forgotten");
+        assert!(recent.contains("b") && recent.contains("c") && recent.contains("d"));
+        for i in 0..100 {
+            recent.insert(&format!("uid-{i}"));
+        }
+        assert_eq!(recent.len(), 3);
+    }
+
+    #[test]
+    fn a_denial_names_the_identity_claimed() {
+        let request = PodCertificateRequest {
+            metadata: kube::api::ObjectMeta {
+                namespace: Some("shop".into()),
+                name: Some("req".into()),
+                ..Default::default()
+            },
+            spec: k8s_openapi::api::certificates::v1beta1::PodCertificateRequestSpec {
+                service_account_name: "cart".into(),
+                ..Default::default()
+            },
+            status: None,
+        };
+        let td = TrustDomain::new("cluster.local").unwrap();
+        assert_eq!(
+            claimed_identity(&request, &td),
+            "spiffe://cluster.local/ns/shop/sa/cart"
+        );
     }
 
     #[test]
