@@ -523,6 +523,43 @@ pub fn have_kubectl() -> bool {
     tool_available("kubectl", &["version", "--client"])
 }
 
+/// Runs `meshca-certs` with `args`, panicking with its error output if it
+/// fails.
+pub fn certs_cli(args: &[&str]) {
+    let out = Command::new(&binaries().meshca_certs)
+        .args(args)
+        .output()
+        .expect("running meshca-certs");
+    assert!(
+        out.status.success(),
+        "meshca-certs {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Makes a plugged-in CA the way an operator does with `meshca-certs`: an
+/// intermediate for `cluster` under the root in `root`, written to
+/// `pki/<cluster>` in Istio's `cacerts` layout (`extra`: more flags of
+/// `intermediate-ca`). Returns that directory.
+pub fn intermediate_ca(pki: &Path, root: &Path, cluster: &str, extra: &[&str]) -> PathBuf {
+    let (root, out) = (
+        root.to_str().expect("UTF-8 path"),
+        pki.to_str().expect("UTF-8 path"),
+    );
+    let mut args = vec![
+        "intermediate-ca",
+        "--root",
+        root,
+        "--cluster",
+        cluster,
+        "--out",
+        out,
+    ];
+    args.extend_from_slice(extra);
+    certs_cli(&args);
+    pki.join(cluster)
+}
+
 /// Runs a command, panicking with its output if it fails.
 pub fn run_ok(command: &mut Command) -> String {
     let output = command.output().expect("running command");

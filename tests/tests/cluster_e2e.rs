@@ -482,18 +482,6 @@ impl MountedSecret {
     }
 }
 
-fn certs_cli(args: &[&str]) {
-    let out = std::process::Command::new(&binaries().meshca_certs)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "meshca-certs {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ca_dir_swap_under_load_loses_nothing_and_a_bad_set_is_refused() {
     let dir = tempfile::tempdir().unwrap();
@@ -501,15 +489,7 @@ async fn ca_dir_swap_under_load_loses_nothing_and_a_bad_set_is_refused() {
     let root = pki.join("root");
     certs_cli(&["root-ca", "--out", root.to_str().unwrap()]);
     for cluster in ["one", "two"] {
-        certs_cli(&[
-            "intermediate-ca",
-            "--root",
-            root.to_str().unwrap(),
-            "--cluster",
-            cluster,
-            "--out",
-            pki.to_str().unwrap(),
-        ]);
+        intermediate_ca(&pki, &root, cluster, &[]);
     }
     // A bad set: cluster two's certificate with cluster one's key.
     let bad = pki.join("bad");
@@ -647,17 +627,7 @@ async fn ready_fails_and_signing_stops_inside_the_expiry_margin() {
     let pki = dir.path().join("pki");
     let root = pki.join("root");
     certs_cli(&["root-ca", "--out", root.to_str().unwrap()]);
-    certs_cli(&[
-        "intermediate-ca",
-        "--root",
-        root.to_str().unwrap(),
-        "--cluster",
-        "c1",
-        "--out",
-        pki.to_str().unwrap(),
-        "--days",
-        "1",
-    ]);
+    intermediate_ca(&pki, &root, "c1", &["--days", "1"]);
     let server = MeshcaServer::start(
         &dir.path().join("data"),
         &[

@@ -706,18 +706,6 @@ async fn a_stale_watch_event_of_an_answered_request_signs_nothing() {
     assert_eq!(kube.calls("podcertificaterequests/status", "update"), 1);
 }
 
-fn certs_cli(args: &[&str]) {
-    let out = std::process::Command::new(&binaries().meshca_certs)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "meshca-certs {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn certs_in(path: &std::path::Path) -> Vec<Vec<u8>> {
     parse_certs_pem(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
@@ -736,16 +724,7 @@ async fn a_plugged_in_intermediate_is_the_chain_after_the_leaf() {
     let pki = dir.path().join("pki");
     let root = pki.join("root");
     certs_cli(&["root-ca", "--out", root.to_str().unwrap()]);
-    certs_cli(&[
-        "intermediate-ca",
-        "--root",
-        root.to_str().unwrap(),
-        "--cluster",
-        "east",
-        "--out",
-        pki.to_str().unwrap(),
-    ]);
-    let east = pki.join("east");
+    let east = intermediate_ca(&pki, &root, "east", &[]);
     let kube = FakeKube::start(dir.path()).await;
     let _server = start_off_runtime(
         dir.path().join("data"),

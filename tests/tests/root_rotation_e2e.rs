@@ -400,18 +400,6 @@ async fn workloads_that_trust_their_answers_survive_a_root_rotation() {
     assert!(seen.checks > 300, "{} checks", seen.checks);
 }
 
-fn certs_cli(args: &[&str]) {
-    let out = std::process::Command::new(&binaries().meshca_certs)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "meshca-certs {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn first_cert_in(path: &Path) -> Vec<u8> {
     parse_certs_pem(&std::fs::read_to_string(path).unwrap())
         .unwrap()
@@ -425,17 +413,8 @@ async fn a_plugged_in_root_cert_with_two_roots_is_answered_whole() {
     let (old, new) = (pki.join("old"), pki.join("new"));
     certs_cli(&["root-ca", "--out", old.to_str().unwrap()]);
     certs_cli(&["root-ca", "--out", new.to_str().unwrap()]);
-    certs_cli(&[
-        "intermediate-ca",
-        "--root",
-        old.to_str().unwrap(),
-        "--cluster",
-        "east",
-        "--out",
-        pki.to_str().unwrap(),
-    ]);
+    let east = intermediate_ca(&pki, &old, "east", &[]);
     // An operator's own rotation: the new root listed first, beside the old.
-    let east = pki.join("east");
     let old_root = first_cert_in(&old.join("root-cert.pem"));
     let new_root = first_cert_in(&new.join("root-cert.pem"));
     std::fs::write(
