@@ -11,6 +11,28 @@ use crate::fake_kube::FakeKube;
 /// than what clients renewing at half of their lifetime need.
 pub const UNSAFE_GRACE_WARNING: &str = "root rotation would not be safe for clients";
 
+/// `meshca serve` flags for a root rotation short enough for a test,
+/// against `kube`: both roots announced 6 s, leaves living 4 s (renewed at
+/// most every 2 s), the old root retired 4 s + 6 s after the switch. Far
+/// below what clients renewing at half of a 24 h lifetime need: meshca
+/// warns at start ([`UNSAFE_GRACE_WARNING`]).
+pub fn fast_rotation_flags(kube: &FakeKube) -> Vec<String> {
+    [
+        "--kubeconfig",
+        kube.kubeconfig.to_str().expect("UTF-8 path"),
+        "--leader-lease-duration",
+        "3s",
+        "--root-rotation-grace",
+        "6s",
+        "--workload-cert-ttl",
+        "4s",
+        "--max-workload-cert-ttl",
+        "4s",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 /// The rotation as the Secret says now.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RotationState {

@@ -29,7 +29,8 @@ use meshca_certs::{KeyAlgorithm, SpiffeId, TrustBundle};
 use meshca_client::{output, CaClient, CaClientConfig, RequestOptions};
 use meshca_tests::fake_kube::{FakeKube, FakeUser};
 use meshca_tests::root_rotation::{
-    ask_root_rotation, bundle_configmap, rotation_state, UNSAFE_GRACE_WARNING as WARNING,
+    ask_root_rotation, bundle_configmap, fast_rotation_flags, rotation_state,
+    UNSAFE_GRACE_WARNING as WARNING,
 };
 use meshca_tests::*;
 
@@ -182,25 +183,7 @@ async fn workloads_that_trust_their_answers_survive_a_root_rotation() {
             (sa, &*Box::leak(token.into_boxed_str()))
         })
         .collect();
-    // Short enough for a test: both roots announced 6 s, leaves live 4 s
-    // (renewed at most every 2 s), the old root retired 4 s + 6 s after
-    // the switch. Far below what clients renewing at half of a 24 h
-    // lifetime need: meshca says so at start.
-    let flags: Vec<String> = [
-        "--kubeconfig",
-        kube.kubeconfig.to_str().unwrap(),
-        "--leader-lease-duration",
-        "3s",
-        "--root-rotation-grace",
-        "6s",
-        "--workload-cert-ttl",
-        "4s",
-        "--max-workload-cert-ttl",
-        "4s",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let flags = fast_rotation_flags(&kube);
     // Whichever becomes the leader, the other follows the Secret.
     let a = start_off_runtime(dir.path().join("a"), flags.clone()).await;
     let b = start_off_runtime(dir.path().join("b"), flags).await;

@@ -576,24 +576,9 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
     let dir = tempfile::tempdir().unwrap();
     let kube = FakeKube::start(dir.path()).await;
     let token = kube.add_review_token("web", FakeUser::service_account("default", "web"));
-    // Short enough for a test: the new root announced 6 s, leaves live
-    // 4 s, the old root retired 4 s + 6 s after the switch.
     let server = start_off_runtime(
         dir.path().join("data"),
-        [
-            "--kubeconfig",
-            kube.kubeconfig.to_str().unwrap(),
-            "--leader-lease-duration",
-            "3s",
-            "--root-rotation-grace",
-            "6s",
-            "--workload-cert-ttl",
-            "4s",
-            "--max-workload-cert-ttl",
-            "4s",
-        ]
-        .map(String::from)
-        .to_vec(),
+        meshca_tests::root_rotation::fast_rotation_flags(&kube),
     )
     .await;
     let deadline = Instant::now() + Duration::from_secs(120);
