@@ -111,6 +111,9 @@ pub(crate) struct Metrics {
     /// gRPC connections sent a GOAWAY to make room for a new one while
     /// `--max-connections` were open.
     pub(crate) grpc_connections_evicted: IstioCounter,
+    /// gRPC connections cut off in their TLS handshake to make room for a
+    /// new one while `--max-connections` were open.
+    pub(crate) grpc_stalled_handshakes_cut: IstioCounter,
     /// CreateCertificate requests waiting for a slot.
     pub(crate) requests_waiting: Gauge<i64>,
     /// Requests refused at once: `--max-open-requests` were open.
@@ -173,6 +176,7 @@ impl Default for Metrics {
             grpc_connections_refused: Default::default(),
             grpc_idle_connections_closed: Default::default(),
             grpc_connections_evicted: Default::default(),
+            grpc_stalled_handshakes_cut: Default::default(),
             requests_waiting: Default::default(),
             token_reviews_waiting: Default::default(),
             open_requests_refused: Default::default(),
@@ -312,6 +316,11 @@ impl Metrics {
             "meshca_grpc_connections_evicted_count",
             "gRPC connections sent an HTTP/2 GOAWAY to make room for a new one while --max-connections were open (each idle at least --evict-idle-connections-after)",
             self.grpc_connections_evicted.clone(),
+        );
+        r.register(
+            "meshca_grpc_stalled_handshakes_cut_count",
+            "gRPC connections cut off in a TLS handshake that had lasted 2 s or more, to make room for a new one while --max-connections were open",
+            self.grpc_stalled_handshakes_cut.clone(),
         );
         r.register(
             "meshca_requests_waiting",

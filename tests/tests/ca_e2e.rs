@@ -1286,6 +1286,64 @@ async fn at_the_cap_the_connection_idle_longest_makes_room_for_a_new_one() {
     );
 }
 
+// Two worker threads: `metric_once` blocks its thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_the_cap_a_connection_that_never_starts_tls_makes_room_for_a_new_one() {
+    use tokio::io::AsyncReadExt;
+    let (_dir, server) = server_with(&[
+        "--max-connections",
+        "2",
+        "--evict-idle-connections-after",
+        "0",
+    ]);
+    let token = server.token("default", "web");
+    // Every seat held by raw TCP connections that never send a byte.
+    let mut oldest = tokio::net::TcpStream::connect(server.grpc).await.unwrap();
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 1),
+        1
+    );
+    let mut younger = tokio::net::TcpStream::connect(server.grpc).await.unwrap();
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 2),
+        2
+    );
+    // A handshake is stalled after 2 s of the server's own clock.
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+
+    // A newcomer gets a seat and its certificate, not a refusal, even
+    // with idle eviction off.
+    let mut client = server.client().await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    client
+        .create_certificate(with_token(request, &token))
+        .await
+        .expect("the newcomer is served");
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_stalled_handshakes_cut_count", |v| v
+            == 1),
+        1
+    );
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections_refused_count", |_| true),
+        0
+    );
+    // The oldest was cut off; the younger still holds its seat.
+    let mut got = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), oldest.read_to_end(&mut got))
+        .await
+        .expect("the server closes the stalled connection")
+        .ok();
+    assert!(got.is_empty(), "nothing is sent to a cut-off connection");
+    let mut one = [0u8; 1];
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), younger.read(&mut one))
+            .await
+            .is_err(),
+        "only one stalled connection is cut off"
+    );
+}
+
 #[tokio::test]
 async fn a_client_that_never_finishes_its_handshake_is_dropped() {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

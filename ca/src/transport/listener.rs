@@ -64,6 +64,14 @@ pub(crate) const MAX_EVICTIONS_IN_FLIGHT: usize = 16;
 /// held by others learns it at once.
 pub(crate) const SEAT_WAIT: Duration = Duration::from_millis(250);
 
+/// At the cap, a connection still in its TLS handshake after this long
+/// gives its seat to a newcomer (it is cut off). A handshake takes a few
+/// round trips; one that lasts this long is a client that connected and
+/// sends nothing, or next to nothing, and without this a few hundred raw
+/// TCP connections, each reopened when `--tls-handshake-timeout` closes
+/// it, would hold every seat.
+pub(crate) const STALLED_HANDSHAKE: Duration = Duration::from_secs(2);
+
 /// What a connection holds for as long as it lives: its seat among the
 /// open connections, and the sender whose drop tells [`Accepted::closed`]
 /// it is gone.
@@ -224,6 +232,15 @@ impl ConnectionState {
         self.established.store(true, Ordering::Release);
     }
 
+    /// Since when it has been in its TLS handshake, if it still is and
+    /// has not been evicted.
+    fn handshaking_since(&self) -> Option<tokio::time::Instant> {
+        if self.established.load(Ordering::Acquire) || self.evicted.load(Ordering::Acquire) {
+            return None;
+        }
+        Some(self.activity.made())
+    }
+
     /// Since when it has been established and without an open stream.
     fn idle_since(&self) -> Option<tokio::time::Instant> {
         if !self.established.load(Ordering::Acquire) || self.evicted.load(Ordering::Acquire) {
@@ -287,27 +304,45 @@ impl OpenConnections {
             >= max
     }
 
-    /// Asks the connection that has been idle longest, if at least
-    /// `min_idle`, to go away (its seat then counts as free). False when
-    /// none is idle that long, or [`MAX_EVICTIONS_IN_FLIGHT`] are leaving.
-    fn evict_idle(&self, min_idle: Duration) -> bool {
+    /// Makes room for a newcomer at the cap: cuts off the connection in
+    /// its TLS handshake longest, if for at least [`STALLED_HANDSHAKE`];
+    /// failing that, asks the connection idle longest, if for at least
+    /// `min_idle` (`None`: never), to go away. Its seat then counts as
+    /// free. False when neither exists, or [`MAX_EVICTIONS_IN_FLIGHT`]
+    /// are leaving.
+    fn make_room(&self, min_idle: Option<Duration>) -> Option<Evicted> {
         if self.leaving.load(Ordering::Acquire) >= MAX_EVICTIONS_IN_FLIGHT {
-            return false;
+            return None;
         }
         let now = tokio::time::Instant::now();
         let states = self.lock_states();
-        let longest = states
-            .values()
-            .filter_map(|state| state.idle_since().map(|since| (since, state)))
-            .filter(|(since, _)| now.saturating_duration_since(*since) >= min_idle)
-            .min_by_key(|(since, _)| *since);
-        let Some((_, state)) = longest else {
-            return false;
+        let oldest = |since: fn(&ConnectionState) -> Option<tokio::time::Instant>,
+                      min: Duration| {
+            states
+                .values()
+                .filter_map(|state| since(state).map(|since| (since, state)))
+                .filter(|(since, _)| now.saturating_duration_since(*since) >= min)
+                .min_by_key(|(since, _)| *since)
+                .map(|(_, state)| state)
         };
+        let (state, evicted) =
+            if let Some(state) = oldest(ConnectionState::handshaking_since, STALLED_HANDSHAKE) {
+                (state, Evicted::StalledHandshake)
+            } else if let Some(state) =
+                min_idle.and_then(|min| oldest(ConnectionState::idle_since, min))
+            {
+                (state, Evicted::Idle)
+            } else {
+                return None;
+            };
         state.evicted.store(true, Ordering::Release);
         self.leaving.fetch_add(1, Ordering::AcqRel);
-        state.evict.notify_one();
-        true
+        match evicted {
+            // No HTTP/2 yet to say GOAWAY with: its handshake fails now.
+            Evicted::StalledHandshake => state.kill.kill(),
+            Evicted::Idle => state.evict.notify_one(),
+        }
+        Some(evicted)
     }
 
     /// Waits up to `wait` for fewer than `max` seats to be taken.
@@ -330,6 +365,15 @@ impl OpenConnections {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// Which connection [`OpenConnections::make_room`] took the seat of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Evicted {
+    /// One in its TLS handshake for [`STALLED_HANDSHAKE`] or longer: cut off.
+    StalledHandshake,
+    /// One idle long enough: told to go away (GOAWAY).
+    Idle,
 }
 
 /// One open connection's place in [`OpenConnections`]; counted until dropped.
@@ -366,6 +410,7 @@ struct AcceptCounters {
     handshake_failures: IstioCounter,
     handshake_timeouts: IstioCounter,
     refused: IstioCounter,
+    stalled_handshakes: IstioCounter,
 }
 
 /// Accepts TCP connections on `listener` and runs each one's TLS handshake
@@ -388,6 +433,7 @@ pub(crate) fn tls_incoming(
         handshake_failures: metrics.tls_handshake_failures.clone(),
         handshake_timeouts: metrics.tls_handshake_timeouts.clone(),
         refused: metrics.grpc_connections_refused.clone(),
+        stalled_handshakes: metrics.grpc_stalled_handshakes_cut.clone(),
     };
     tokio::spawn(async move {
         // Set once a connection was closed for want of a seat; cleared
@@ -410,13 +456,18 @@ pub(crate) fn tls_incoming(
             // Seats are taken only here, so the count cannot grow between
             // the check and the seat.
             if connections.full(limits.max_connections) {
-                let room = limits
-                    .evict_idle_after
-                    .is_some_and(|min_idle| connections.evict_idle(min_idle))
-                    || (!refusing
-                        && connections
-                            .wait_for_seat(limits.max_connections, SEAT_WAIT)
-                            .await);
+                let room = match connections.make_room(limits.evict_idle_after) {
+                    Some(Evicted::StalledHandshake) => {
+                        counters.stalled_handshakes.inc();
+                        true
+                    }
+                    // Counted by the gRPC server when it sends the GOAWAY.
+                    Some(Evicted::Idle) => true,
+                    None => false,
+                } || (!refusing
+                    && connections
+                        .wait_for_seat(limits.max_connections, SEAT_WAIT)
+                        .await);
                 if !room {
                     refusing = true;
                     counters.refused.inc();
@@ -534,37 +585,74 @@ mod tests {
     async fn at_the_cap_the_connection_idle_longest_makes_room() {
         let connections = OpenConnections::new(Gauge::default());
         let min_idle = Duration::from_secs(10);
-        let (first, second, handshaking) =
-            (connections.seat(), connections.seat(), connections.seat());
+        let (first, second, third) = (connections.seat(), connections.seat(), connections.seat());
         first.state().set_established();
+        third.state().set_established();
+        let third_busy = third.state().activity.open();
         tokio::time::advance(Duration::from_secs(5)).await;
         second.state().set_established();
         assert!(connections.full(3));
-        // Nobody idle long enough yet; a connection still in its handshake
-        // never is.
-        assert!(!connections.evict_idle(min_idle));
+        // Nobody idle long enough yet.
+        assert_eq!(connections.make_room(Some(min_idle)), None);
         tokio::time::advance(Duration::from_secs(20)).await;
         // Both idle long enough: a stream on the first makes it busy, so
         // the second goes, although it has been idle for less time.
         let busy = first.state().activity.open();
-        assert!(connections.evict_idle(min_idle));
+        assert_eq!(connections.make_room(Some(min_idle)), Some(Evicted::Idle));
         assert!(!connections.full(3), "the evicted seat counts as leaving");
         assert_eq!(connections.open(), 3, "until its connection closes");
         let second_state = second.state().clone();
         let mut evicted = std::pin::pin!(second_state.evict.notified());
         assert!(futures::poll!(evicted.as_mut()).is_ready());
-        // Nobody else may go: the first is busy, the second already leaving.
-        assert!(!connections.evict_idle(min_idle));
+        assert!(
+            !second_state.kill.killed.load(Ordering::Acquire),
+            "told, not cut off"
+        );
+        // Nobody else may go: the others are busy, the second already leaving.
+        assert_eq!(connections.make_room(Some(min_idle)), None);
+        // Without idle eviction, an idle connection is never chosen.
+        drop(busy);
+        tokio::time::advance(Duration::from_secs(60)).await;
+        assert_eq!(connections.make_room(None), None);
         drop(second);
         assert_eq!(connections.open(), 2);
         assert!(!connections.full(3));
-        // The first's stream closes: idle from now, not from its handshake.
-        drop(busy);
-        let _third = connections.seat();
-        assert!(!connections.evict_idle(min_idle));
-        tokio::time::advance(Duration::from_secs(11)).await;
-        assert!(connections.evict_idle(min_idle));
-        drop(handshaking);
+        // The first's stream closed 60 s ago: idle long enough now.
+        assert_eq!(connections.make_room(Some(min_idle)), Some(Evicted::Idle));
+        drop(third_busy);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn at_the_cap_a_stalled_handshake_is_cut_off_first() {
+        let connections = OpenConnections::new(Gauge::default());
+        let idle = connections.seat();
+        idle.state().set_established();
+        tokio::time::advance(Duration::from_secs(60)).await;
+        let (older, younger) = (connections.seat(), connections.seat());
+        tokio::time::advance(STALLED_HANDSHAKE - Duration::from_millis(1)).await;
+        // Handshakes younger than the limit are left alone; with idle
+        // eviction off, nobody makes room.
+        assert_eq!(connections.make_room(None), None);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        // Both handshakes are stalled now: the older is cut off first,
+        // even though an idle connection could also make room.
+        assert_eq!(
+            connections.make_room(Some(Duration::from_secs(10))),
+            Some(Evicted::StalledHandshake)
+        );
+        assert!(older.state().kill.killed.load(Ordering::Acquire));
+        assert!(!younger.state().kill.killed.load(Ordering::Acquire));
+        assert!(!idle.state().kill.killed.load(Ordering::Acquire));
+        assert_eq!(connections.make_room(None), Some(Evicted::StalledHandshake));
+        assert!(younger.state().kill.killed.load(Ordering::Acquire));
+        // Then the idle one, by GOAWAY.
+        assert_eq!(
+            connections.make_room(Some(Duration::from_secs(10))),
+            Some(Evicted::Idle)
+        );
+        assert_eq!(connections.leaving.load(Ordering::Acquire), 3);
+        drop((idle, older, younger));
+        assert_eq!(connections.leaving.load(Ordering::Acquire), 0);
     }
 
     #[tokio::test(start_paused = true)]
@@ -579,9 +667,12 @@ mod tests {
             .collect();
         tokio::time::advance(Duration::from_secs(60)).await;
         for _ in 0..MAX_EVICTIONS_IN_FLIGHT {
-            assert!(connections.evict_idle(Duration::ZERO));
+            assert!(connections.make_room(Some(Duration::ZERO)).is_some());
         }
-        assert!(!connections.evict_idle(Duration::ZERO), "the bound");
+        assert!(
+            !connections.make_room(Some(Duration::ZERO)).is_some(),
+            "the bound"
+        );
         drop(seats);
         assert_eq!(connections.open(), 0);
         assert_eq!(connections.leaving.load(Ordering::Acquire), 0);
