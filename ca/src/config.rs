@@ -41,11 +41,13 @@ pub const MEMORY_AT_REST: u64 = 16 << 20;
 /// just done and its first request (BENCHMARKS.md, "A connection per
 /// sidecar, with eviction and a seat wait"), rounded up.
 pub const MEMORY_PER_CONNECTION: u64 = 96 << 10;
-/// Resident memory of one open request (its HTTP/2 stream, tonic's decoder,
-/// its task, its place in a queue), measured in a mass restart over 64
-/// shared connections (BENCHMARKS.md, "A connection per sidecar, final
-/// code"), rounded up.
-pub const MEMORY_PER_OPEN_REQUEST: u64 = 8 << 10;
+/// Resident memory of one open request at its worst: 8 KiB measured for
+/// its HTTP/2 stream, its task and its place in a queue in a mass restart
+/// over 64 shared connections (BENCHMARKS.md, "A connection per sidecar,
+/// final code"), plus, for a caller that authenticated and then sends a
+/// largest message slowly, one message in tonic's decoder and one stream
+/// window unread in h2 (8 KiB each), rounded up (README, "Memory").
+pub const MEMORY_PER_OPEN_REQUEST: u64 = 25 << 10;
 
 /// The most resident memory `max_connections` connections and
 /// `max_open_requests` open requests can make the server use: the sum of
@@ -57,11 +59,12 @@ pub const fn memory_bound(max_connections: u64, max_open_requests: u64) -> u64 {
 }
 
 /// gRPC requests (HTTP/2 streams) open at once across every connection
-/// unless `--max-open-requests` says otherwise: 64 node agents' or shared
-/// connections' worth of `--max-concurrent-streams`. Each open request
-/// holds memory from its HEADERS on, whether or not its message arrives
-/// (README, "Flags", has the memory formula).
-pub const DEFAULT_MAX_OPEN_REQUESTS: u32 = 8192;
+/// unless `--max-open-requests` says otherwise: 32 node agents' or shared
+/// connections' worth of `--max-concurrent-streams`, and what
+/// [`memory_bound`] keeps inside the Deployment's limit at the worst cost
+/// of a request (README, "Memory"). A request beyond it is refused at its
+/// HEADERS, before anything is read, and its client comes back.
+pub const DEFAULT_MAX_OPEN_REQUESTS: u32 = 4096;
 
 /// HTTP/2 streams (requests) one connection may have open at once unless
 /// `--max-concurrent-streams` says otherwise. A node agent such as ztunnel
@@ -719,7 +722,7 @@ mod tests {
             c.evict_idle_connections_after,
             Some(Duration::from_secs(10))
         );
-        assert_eq!(c.max_open_requests, 8192);
+        assert_eq!(c.max_open_requests, 4096);
         assert_eq!(c.tls_handshake_timeout, Duration::from_secs(10));
     }
 

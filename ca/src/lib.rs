@@ -46,6 +46,7 @@ pub mod admission;
 pub mod authn;
 pub mod authority;
 pub(crate) mod authz;
+pub(crate) mod caller_gate;
 pub mod cluster;
 pub mod config;
 pub(crate) mod metrics;

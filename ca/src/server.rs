@@ -28,6 +28,7 @@ use crate::authn::{
 use crate::authority::Authority;
 use crate::authz::node_agent::{watch_pods, NodeAgentPolicy, PodIndex};
 use crate::authz::Authorizer;
+use crate::caller_gate::CallerGate;
 use crate::cluster::leader::{self, candidate_identity, LeaderElector, LeaderTiming};
 use crate::cluster::root_secret::{RotationPhase, RotationPolicy};
 use crate::cluster::{self, bundle_publisher, ClusterError, SecretLoad};
@@ -701,8 +702,11 @@ async fn serve_until_drained(
     metrics: &Metrics,
     mut draining: tokio::sync::watch::Receiver<bool>,
 ) {
-    let grpc = IstioCertificateServiceServer::new(service)
-        .max_decoding_message_size(transport::MAX_REQUEST_BYTES);
+    let grpc = CallerGate::new(
+        IstioCertificateServiceServer::new(service.clone())
+            .max_decoding_message_size(transport::MAX_REQUEST_BYTES),
+        service,
+    );
     let settings = Http2Settings {
         max_concurrent_streams: config.max_concurrent_streams,
         request_timeout: config.request_timeout,

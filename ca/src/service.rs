@@ -95,20 +95,18 @@ impl CaService {
         self
     }
 
-    async fn handle(
+    /// Who is calling, from what the request's HEADERS carry (the
+    /// `clusterid` and `authorization` headers) and the connection's client
+    /// certificate chain: the cluster check and authentication, counted
+    /// and logged (at most once per interval per kind). The caller gate
+    /// runs this before the request's message is read.
+    pub(crate) async fn who_is_calling(
         &self,
-        request: Request<IstioCertificateRequest>,
-    ) -> Result<Response<IstioCertificateResponse>, Status> {
-        let started = Instant::now();
+        headers: &http::HeaderMap,
+        peer_chain: Option<Arc<Vec<rustls_pki_types::CertificateDer<'static>>>>,
+    ) -> Result<Caller, Status> {
         let logs = &self.refusal_logs;
-        let overloaded = |what: &str| {
-            self.metrics.sign_error("overloaded");
-            Status::resource_exhausted(format!("the CA is overloaded: {what}; retry with backoff"))
-        };
-
-        // Who is calling, before anything costs a slot.
-        let metadata = request.metadata();
-        if let Some(cluster) = metadata.get(CLUSTER_ID_HEADER) {
+        if let Some(cluster) = headers.get(CLUSTER_ID_HEADER) {
             let cluster = cluster.to_str().unwrap_or("<non-ascii>");
             if !cluster.is_empty() && cluster != self.cluster_id {
                 self.metrics.authentication_failure_count.inc();
@@ -123,22 +121,49 @@ impl CaService {
             }
         }
         let credentials = Credentials {
-            bearer: bearer_token(metadata),
-            peer_chain: request.peer_certs(),
+            bearer: bearer_token(headers),
+            peer_chain,
         };
-        let caller = match self.authn.authenticate(&credentials).await {
-            Ok(caller) => caller,
-            Err(AuthnError::Overloaded(what)) => return Err(overloaded(&what)),
+        match self.authn.authenticate(&credentials).await {
+            Ok(caller) => Ok(caller),
+            Err(AuthnError::Overloaded(what)) => {
+                self.metrics.sign_error("overloaded");
+                Err(Status::resource_exhausted(format!(
+                    "the CA is overloaded: {what}; retry with backoff"
+                )))
+            }
             Err(e) => {
                 self.metrics.authentication_failure_count.inc();
                 tracing::debug!(error = %e, "authentication failed");
                 if let Some(unlogged) = logs.authentication.record() {
                     tracing::info!(error = %e, unlogged, "authentication failed");
                 }
-                return Err(match e {
+                Err(match e {
                     AuthnError::Unavailable(_) => Status::unavailable(e.to_string()),
                     _ => Status::unauthenticated(e.to_string()),
-                });
+                })
+            }
+        }
+    }
+
+    async fn handle(
+        &self,
+        request: Request<IstioCertificateRequest>,
+    ) -> Result<Response<IstioCertificateResponse>, Status> {
+        let started = Instant::now();
+        let logs = &self.refusal_logs;
+        let overloaded = |what: &str| {
+            self.metrics.sign_error("overloaded");
+            Status::resource_exhausted(format!("the CA is overloaded: {what}; retry with backoff"))
+        };
+
+        // Who is calling, before anything costs a slot: known already when
+        // the request came through the caller gate (at its HEADERS).
+        let caller = match request.extensions().get::<Caller>() {
+            Some(caller) => caller.clone(),
+            None => {
+                self.who_is_calling(request.metadata().as_ref(), request.peer_certs())
+                    .await?
             }
         };
 
@@ -278,8 +303,8 @@ impl IstioCertificateService for CaService {
 }
 
 /// The first `authorization` value of the form `Bearer <token>`.
-pub(crate) fn bearer_token(metadata: &MetadataMap) -> Option<String> {
-    metadata.get_all("authorization").iter().find_map(|value| {
+pub(crate) fn bearer_token(headers: &http::HeaderMap) -> Option<String> {
+    headers.get_all("authorization").iter().find_map(|value| {
         let value = value.to_str().ok()?;
         let (scheme, token) = value.split_once(' ')?;
         if !scheme.eq_ignore_ascii_case("bearer") {
@@ -362,13 +387,13 @@ mod tests {
 
     #[test]
     fn bearer_is_the_first_bearer_value() {
-        let mut md = MetadataMap::new();
+        let mut md = http::HeaderMap::new();
         md.append("authorization", "Basic abc".parse().unwrap());
         md.append("authorization", "Bearer tok1".parse().unwrap());
         md.append("authorization", "Bearer tok2".parse().unwrap());
         assert_eq!(bearer_token(&md).as_deref(), Some("tok1"));
-        assert_eq!(bearer_token(&MetadataMap::new()), None);
-        let mut md = MetadataMap::new();
+        assert_eq!(bearer_token(&http::HeaderMap::new()), None);
+        let mut md = http::HeaderMap::new();
         md.append("authorization", "Bearer ".parse().unwrap());
         assert_eq!(bearer_token(&md), None);
     }

@@ -1083,6 +1083,90 @@ async fn a_request_never_finished_is_cancelled_after_the_request_timeout() {
     );
 }
 
+/// Opens a CreateCertificate stream on `channel` that sends its HEADERS
+/// (with `token`, if any) and never its message; what the server answers.
+async fn headers_only(channel: tonic::transport::Channel, token: Option<String>) -> tonic::Status {
+    use meshca_proto::codec::CaCodec;
+    use meshca_proto::IstioCertificateResponse;
+    use tonic::codegen::http::uri::PathAndQuery;
+    let mut grpc = tonic::client::Grpc::new(channel);
+    grpc.ready().await.expect("channel ready");
+    let never = futures::stream::pending::<IstioCertificateRequest>();
+    let request = match &token {
+        Some(token) => with_token(never, token),
+        None => tonic::Request::new(never),
+    };
+    grpc.client_streaming::<_, IstioCertificateRequest, IstioCertificateResponse, _>(
+        request,
+        PathAndQuery::from_static("/istio.v1.auth.IstioCertificateService/CreateCertificate"),
+        CaCodec::<IstioCertificateRequest, IstioCertificateResponse>::default(),
+    )
+    .await
+    .expect_err("a request without its message cannot succeed")
+}
+
+#[tokio::test]
+async fn streams_that_send_only_headers_cannot_hold_every_open_request_place() {
+    let (_dir, server) = server_with(&["--max-open-requests", "8"]);
+    let token = server.token("default", "web");
+    let channel = server.channel().await;
+    let certificate = || async {
+        let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+        server
+            .client()
+            .await
+            .create_certificate(with_token(request, &token))
+            .await
+    };
+
+    // Four times the places in streams without credentials: each is
+    // answered at its HEADERS, without waiting for its message.
+    let unauthenticated = (0..32).map(|_| headers_only(channel.clone(), None));
+    let answered = tokio::time::timeout(
+        Duration::from_secs(10),
+        futures::future::join_all(unauthenticated),
+    )
+    .await
+    .expect("answered without their messages");
+    for status in answered {
+        assert_eq!(status.code(), Code::Unauthenticated, "{status:?}");
+    }
+    certificate().await.expect("no place is held by them");
+
+    // With a token and no message, a stream holds its place only until
+    // its message is overdue (5 s), not for --request-timeout (30 s).
+    let started = std::time::Instant::now();
+    let held: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(headers_only(channel.clone(), Some(token.clone()))))
+        .collect();
+    let full = async {
+        loop {
+            match certificate().await {
+                Err(status) if status.code() == Code::ResourceExhausted => return status,
+                _ => tokio::time::sleep(Duration::from_millis(50)).await,
+            }
+        }
+    };
+    let refused = tokio::time::timeout(Duration::from_secs(4), full)
+        .await
+        .expect("the eight held streams take every place");
+    assert!(
+        refused.message().contains("--max-open-requests"),
+        "{refused:?}"
+    );
+    for stream in held {
+        let status = stream.await.unwrap();
+        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+        assert!(status.message().contains("did not arrive"), "{status:?}");
+    }
+    let elapsed = started.elapsed();
+    assert!(
+        elapsed >= Duration::from_secs(4) && elapsed < Duration::from_secs(15),
+        "{elapsed:?}"
+    );
+    certificate().await.expect("the places are free again");
+}
+
 /// Reads HTTP/2 frames from `tls` until a GOAWAY (within `within`):
 /// the GOAWAY's error code and how many RST_STREAM frames came before it.
 /// `None` if the connection ended or the time ran out without one.

@@ -670,7 +670,7 @@ mod tests {
             assert!(connections.make_room(Some(Duration::ZERO)).is_some());
         }
         assert!(
-            !connections.make_room(Some(Duration::ZERO)).is_some(),
+            connections.make_room(Some(Duration::ZERO)).is_none(),
             "the bound"
         );
         drop(seats);
