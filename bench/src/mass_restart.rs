@@ -69,7 +69,23 @@ pub(crate) struct MassRestartArgs {
     pub(crate) json: bool,
 }
 
-/// Runs the scenario. `Ok(false)` when a request got no certificate.
+/// What kind of failure a connection attempt met, for the report.
+fn connect_failure_kind(e: &anyhow::Error) -> String {
+    let text = format!("{e:#}").to_lowercase();
+    let kind = if text.contains("timed out") {
+        "CONNECT_TIMEOUT"
+    } else if text.contains("reset") {
+        "CONNECTION_RESET"
+    } else if text.contains("refused") {
+        "CONNECTION_REFUSED"
+    } else if text.contains("eof") || text.contains("closed") {
+        "CLOSED_BY_SERVER"
+    } else {
+        "CONNECT_FAILED"
+    };
+    kind.to_string()
+}
+
 /// The wait before try `retries + 1` of identity `i`: 1 s doubling, with a
 /// jitter of ±20 % that differs between identities.
 fn backoff(retries: u32, i: usize) -> Duration {
@@ -78,6 +94,7 @@ fn backoff(retries: u32, i: usize) -> Duration {
     base.mul_f64(jitter)
 }
 
+/// Runs the scenario. `Ok(false)` when a request got no certificate.
 pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     let meshca = server_process::meshca_path(args.meshca.as_ref())?;
     let mut flags: Vec<String> = Vec::new();
@@ -214,6 +231,8 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     // accept (--max-connections), is tried again after a jittered,
     // doubling backoff (1 s, 2 s, 4 s…).
     let start = Instant::now();
+    // Why tries were given up and made again, by kind.
+    let retry_reasons: Arc<std::sync::Mutex<BTreeMap<String, u64>>> = Arc::default();
     let mut tasks = Vec::with_capacity(args.identities);
     for (i, p) in prepared.iter().enumerate() {
         let shared = clients[i % clients.len()].clone();
@@ -223,6 +242,14 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
             run_args.addr.clone(),
             root_pem.clone(),
         );
+        let retry_reasons = retry_reasons.clone();
+        let count_reason = move |reason: String| {
+            *retry_reasons
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(reason)
+                .or_default() += 1;
+        };
         tasks.push(tokio::spawn(async move {
             let t = Instant::now();
             let mut retries = 0u32;
@@ -230,18 +257,15 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
                 loop {
                     match load::connect_istio(&addr, &root_pem, 1).await {
                         Ok(mut own) => break own.remove(0),
-                        Err(_) if retries < MAX_RETRIES => {
+                        Err(e) if retries < MAX_RETRIES => {
+                            count_reason(connect_failure_kind(&e));
                             tokio::time::sleep(backoff(retries, i)).await;
                             retries += 1;
                         }
                         // Given up: counted by its kind.
                         Err(e) => {
-                            let kind = if format!("{e:#}").contains("timed out") {
-                                "CONNECT_TIMEOUT"
-                            } else {
-                                "CONNECT_FAILED"
-                            };
-                            return (t.elapsed(), t.elapsed(), retries, Err(kind.to_string()));
+                            let kind = connect_failure_kind(&e);
+                            return (t.elapsed(), t.elapsed(), retries, Err(kind));
                         }
                     }
                 }
@@ -257,6 +281,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
                         if (code == "ResourceExhausted" || code == "Unavailable")
                             && retries < MAX_RETRIES =>
                     {
+                        count_reason(code.to_string());
                         tokio::time::sleep(backoff(retries, i)).await;
                         retries += 1;
                     }
@@ -308,6 +333,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
         "token_reviews": kube.reviews(),
         "ok": ok,
         "errors": errors,
+        "retry_reasons": retry_reasons.lock().unwrap_or_else(|e| e.into_inner()).clone(),
         "requests_by_retries": retried.iter().map(|(k, v)| (k.to_string(), *v)).collect::<BTreeMap<String, u64>>(),
         "first_answer_ms": {"p50": ms(&first_answer, 0.5), "p99": ms(&first_answer, 0.99), "max": first_answer.max() as f64 / 1000.0},
         "drain_seconds": drained.as_secs_f64(),

@@ -111,6 +111,14 @@ impl Admission {
         self
     }
 
+    /// Lets at least `min_waiting` requests wait whatever the measured
+    /// pace (instead of [`QUEUE_PER_SLOT`] per slot; never above the
+    /// queue limit).
+    pub fn with_queue_floor(mut self, min_waiting: usize) -> Self {
+        self.min_waiting = min_waiting.min(self.max_waiting);
+        self
+    }
+
     /// A slot now, or after waiting in the queue; `None`: refused (the
     /// queue is full, or no slot came within [`QUEUE_WAIT`]).
     pub async fn admit(&self) -> Option<Slot<'_>> {
@@ -230,5 +238,27 @@ mod tests {
         assert_eq!(started.elapsed(), QUEUE_WAIT);
         drop(second);
         assert!(admission.admit().await.is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_queue_floor_lets_a_burst_wait_before_any_pace_is_measured() {
+        let waiting = Gauge::default();
+        // One slot: 8 may wait by default; with a floor of 20, 20 may.
+        let admission = Admission::new(1, waiting.clone()).with_queue_floor(20);
+        assert_eq!(admission.queue_length(), 20);
+        let held = admission.admit().await.unwrap();
+        let mut waiters: Vec<_> = (0..20).map(|_| Box::pin(admission.admit())).collect();
+        for w in &mut waiters {
+            assert!(futures::poll!(w.as_mut()).is_pending());
+        }
+        assert_eq!(waiting.get(), 20);
+        assert!(admission.admit().await.is_none(), "the 21st is refused");
+        drop(waiters);
+        drop(held);
+        // The floor never exceeds the queue limit.
+        let capped = Admission::new(1, Gauge::default())
+            .with_queue_limit(10)
+            .with_queue_floor(20);
+        assert_eq!(capped.queue_length(), 10);
     }
 }

@@ -48,6 +48,13 @@ pub const SERVICE_ACCOUNTS_GROUP: &str = "system:serviceaccounts";
 pub const POD_NAME_EXTRA: &str = "authentication.kubernetes.io/pod-name";
 /// `user.extra` key of the bound pod's UID.
 pub const POD_UID_EXTRA: &str = "authentication.kubernetes.io/pod-uid";
+/// Reviews that may wait for an API call, per call in flight, whatever
+/// the API server's measured pace. A mass restart with a connection per
+/// sidecar brings up to `--max-connections` (1,024) reviews at once,
+/// before any pace is measured; each waits at most
+/// [`crate::admission::QUEUE_WAIT`], and holds no more than its place
+/// among the open requests.
+pub const REVIEWS_WAITING_PER_CALL: usize = 32;
 /// Most refusals remembered at once.
 pub const MAX_REMEMBERED_REFUSALS: usize = 10_000;
 
@@ -150,14 +157,22 @@ fn lock(in_flight: &InFlight) -> std::sync::MutexGuard<'_, HashMap<TokenHash, Sh
     in_flight.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The API calls of `config`: at most `max_in_flight` at once; waiting,
+/// at least [`REVIEWS_WAITING_PER_CALL`] per call, at most `max_waiting`.
+fn review_calls(config: &TokenReviewConfig, waiting: Gauge<i64>) -> Admission {
+    let calls = config.max_in_flight.max(1);
+    Admission::new(calls, waiting)
+        .with_queue_limit(config.max_waiting)
+        .with_queue_floor(calls * REVIEWS_WAITING_PER_CALL)
+}
+
 impl TokenReviewAuthenticator {
     /// An authenticator using `client`.
     pub fn new(client: kube::Client, config: TokenReviewConfig) -> Self {
         let clock = system_clock();
         Self {
             api: Api::all(client),
-            calls: Admission::new(config.max_in_flight.max(1), Gauge::default())
-                .with_queue_limit(config.max_waiting),
+            calls: review_calls(&config, Gauge::default()),
             cache: VerifiedTokenCache::new(config.cache_ttl).with_clock(clock.clone()),
             refusals: RefusedTokenCache::with_capacity_limit(
                 config.refusal_cache_ttl,
@@ -185,8 +200,7 @@ impl TokenReviewAuthenticator {
 
     /// Counts reviews waiting for an API call on `waiting` (a metric).
     pub fn counting_waiting(mut self, waiting: Gauge<i64>) -> Self {
-        self.calls = Admission::new(self.config.max_in_flight.max(1), waiting)
-            .with_queue_limit(self.config.max_waiting);
+        self.calls = review_calls(&self.config, waiting);
         self
     }
 
