@@ -49,6 +49,7 @@ pub(crate) mod authz;
 pub(crate) mod caller_gate;
 pub mod cluster;
 pub mod config;
+pub(crate) mod heap_trim;
 pub(crate) mod metrics;
 pub mod rate_limit;
 pub(crate) mod rate_limited_log;

@@ -713,6 +713,11 @@ async fn serve_until_drained(
         max_connection_age: config.max_connection_age,
         max_connection_idle: config.max_connection_idle,
     };
+    let open_requests = transport::OpenRequests::new(
+        config.max_open_requests,
+        metrics.open_requests_refused.clone(),
+    );
+    crate::heap_trim::spawn(open_requests.clone());
     let server = transport::serve_grpc(
         incoming,
         settings,
@@ -722,10 +727,7 @@ async fn serve_until_drained(
         transport::SharedByConnections {
             idle_closes: metrics.grpc_idle_connections_closed.clone(),
             evictions: metrics.grpc_connections_evicted.clone(),
-            open_requests: transport::OpenRequests::new(
-                config.max_open_requests,
-                metrics.open_requests_refused.clone(),
-            ),
+            open_requests,
         },
     );
     tokio::pin!(server);

@@ -124,6 +124,8 @@ impl Drop for OpenStream {
 #[derive(Debug)]
 pub(crate) struct OpenRequests {
     open: AtomicUsize,
+    /// The most open at once since [`OpenRequests::take_peak`].
+    peak: AtomicUsize,
     max: usize,
     refused: crate::metrics::IstioCounter,
 }
@@ -133,6 +135,7 @@ impl OpenRequests {
     pub(crate) fn new(max: usize, refused: crate::metrics::IstioCounter) -> Arc<Self> {
         Arc::new(Self {
             open: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
             max: max.max(1),
             refused,
         })
@@ -142,6 +145,13 @@ impl OpenRequests {
     #[cfg(test)]
     pub(crate) fn open(&self) -> usize {
         self.open.load(Ordering::Acquire)
+    }
+
+    /// The most requests open at once since the last call, and how many
+    /// are open now.
+    pub(crate) fn take_peak(&self) -> (usize, usize) {
+        let open = self.open.load(Ordering::Acquire);
+        (self.peak.swap(open, Ordering::AcqRel).max(open), open)
     }
 
     /// A place for one more request, or `None` when `max` are open.
@@ -159,9 +169,10 @@ impl OpenRequests {
                 Ordering::Acquire,
             ) {
                 Ok(_) => {
+                    self.peak.fetch_max(open + 1, Ordering::AcqRel);
                     return Some(OpenRequest {
                         requests: self.clone(),
-                    })
+                    });
                 }
                 Err(now) => open = now,
             }
@@ -374,5 +385,19 @@ mod tests {
         second_connection.call(Request::new(())).await.unwrap();
         assert_eq!(handled.load(Ordering::SeqCst), 3);
         drop(two);
+    }
+
+    #[test]
+    fn the_peak_of_open_requests_is_taken_and_restarted() {
+        let all = OpenRequests::new(10, Default::default());
+        let places: Vec<_> = (0..3).map(|_| all.try_open().unwrap()).collect();
+        let mut places = places.into_iter();
+        let kept = places.next();
+        drop(places);
+        assert_eq!(all.take_peak(), (3, 1));
+        assert_eq!(all.take_peak(), (1, 1), "restarts from what is open");
+        drop(kept);
+        assert_eq!(all.take_peak(), (1, 0));
+        assert_eq!(all.take_peak(), (0, 0));
     }
 }
