@@ -62,5 +62,4 @@ pub(crate) mod service;
 pub mod store;
 pub(crate) mod transport;
 
-#[cfg(fuzzing)]
 pub use authz::node_agent::fuzz_pod_events;

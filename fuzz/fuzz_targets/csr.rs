@@ -1,13 +1,10 @@
 //! CSRs arrive from any authenticated caller: parsing and verifying one
 //! must never panic, whatever the bytes.
+//!
+//! The body is [`meshca_fuzz::csr`] (`fuzz/src/lib.rs`), which
+//! `cargo test --workspace` also runs over `fuzz/corpus/csr/`.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use meshca_certs::VerifiedCsr;
 
-fuzz_target!(|data: &[u8]| {
-    let _ = VerifiedCsr::from_der(data);
-    if let Ok(text) = std::str::from_utf8(data) {
-        let _ = VerifiedCsr::from_pem(text);
-    }
-});
+fuzz_target!(|data: &[u8]| meshca_fuzz::csr(data));

@@ -241,7 +241,6 @@ impl PodIndex {
     }
 
     /// How many pods are indexed.
-    #[cfg(any(test, fuzzing))]
     pub(crate) fn len(&self) -> usize {
         self.maps
             .read()
@@ -387,7 +386,9 @@ impl ImpersonationPolicy for NodeAgentPolicy {
 /// with `-` deletes the pod that follows; one starting with `=` replaces
 /// the index with the list that follows — and checks after each step that
 /// the index agrees with what it was told. Panics on a disagreement.
-#[cfg(fuzzing)]
+/// Built in every build (not only with `--cfg fuzzing`), so the main
+/// workspace's tests replay the committed corpus through it
+/// (`ca/tests/fuzz_corpus.rs`).
 pub fn fuzz_pod_events(data: &[u8]) {
     let index = PodIndex::default();
     for line in data.split(|b| *b == b'\n') {
