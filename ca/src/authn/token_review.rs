@@ -43,13 +43,13 @@ use crate::admission::Admission;
 use crate::rate_limited_log::RateLimitedLog;
 
 /// Group every service account is in.
-pub const SERVICE_ACCOUNTS_GROUP: &str = "system:serviceaccounts";
+pub(crate) const SERVICE_ACCOUNTS_GROUP: &str = "system:serviceaccounts";
 /// `user.extra` key of the bound pod's name.
-pub const POD_NAME_EXTRA: &str = "authentication.kubernetes.io/pod-name";
+pub(crate) const POD_NAME_EXTRA: &str = "authentication.kubernetes.io/pod-name";
 /// `user.extra` key of the bound pod's UID.
-pub const POD_UID_EXTRA: &str = "authentication.kubernetes.io/pod-uid";
+pub(crate) const POD_UID_EXTRA: &str = "authentication.kubernetes.io/pod-uid";
 /// Most refusals remembered at once.
-pub const MAX_REMEMBERED_REFUSALS: usize = 10_000;
+pub(crate) const MAX_REMEMBERED_REFUSALS: usize = 10_000;
 
 /// Settings of the TokenReview authenticator.
 #[derive(Debug, Clone)]
@@ -172,7 +172,8 @@ impl TokenReviewAuthenticator {
     }
 
     /// Reads the time from `clock` (token expiry and both caches).
-    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_clock(mut self, clock: SharedClock) -> Self {
         self.cache = VerifiedTokenCache::new(self.config.cache_ttl).with_clock(clock.clone());
         self.refusals = RefusedTokenCache::with_capacity_limit(
             self.config.refusal_cache_ttl,
@@ -184,7 +185,7 @@ impl TokenReviewAuthenticator {
     }
 
     /// Counts reviews waiting for an API call on `waiting` (a metric).
-    pub fn counting_waiting(mut self, waiting: Gauge<i64>) -> Self {
+    pub(crate) fn counting_waiting(mut self, waiting: Gauge<i64>) -> Self {
         self.calls = Admission::new(self.config.max_in_flight.max(1), waiting)
             .with_queue_limit(self.config.max_waiting);
         self
@@ -197,14 +198,15 @@ impl TokenReviewAuthenticator {
     }
 
     /// Reviews waiting for, or sharing, an API call now.
-    pub fn reviews_in_flight(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn reviews_in_flight(&self) -> usize {
         lock(&self.in_flight).len()
     }
 
     /// Authenticates one token: from the cache, refused locally when it is
     /// not plausible or was refused moments ago, by joining a review
     /// already in flight for it, or by a new review.
-    pub async fn review(&self, token: &str) -> ReviewResult {
+    pub(crate) async fn review(&self, token: &str) -> ReviewResult {
         if token.len() > MAX_TOKEN_LEN {
             return Err(AuthnError::MalformedToken);
         }
