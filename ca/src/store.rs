@@ -2,7 +2,7 @@
 //! the trust bundle come from (README: "Using your own CA", "Running in a
 //! cluster").
 //!
-//! - [`load_ca_dir`]: a plugged-in CA in Istio's `cacerts` layout
+//! - `load_ca_dir`: a plugged-in CA in Istio's `cacerts` layout
 //!   (`ca-cert.pem`, `ca-key.pem`, `cert-chain.pem`, `root-cert.pem`) or the
 //!   Kubernetes TLS-secret layout (`tls.crt`, `tls.key`, `ca.crt`), checked
 //!   before use: key matches certificate, CA bits, chain links to a root,

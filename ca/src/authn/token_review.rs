@@ -16,7 +16,7 @@
 //!   cancelled while it waits (client gone, deadline) leaves nothing behind.
 //! - Every API call has a timeout; at most `max_in_flight` calls run at
 //!   once, and the reviews waiting for one are bounded in number and in
-//!   time ([`Admission`]): beyond that, `RESOURCE_EXHAUSTED` at once.
+//!   time (`Admission`): beyond that, `RESOURCE_EXHAUSTED` at once.
 //! - An unreachable or slow API server is `UNAVAILABLE`, not
 //!   `UNAUTHENTICATED`. What the API server said is logged (rate limited),
 //!   never returned to the caller.
@@ -67,7 +67,7 @@ pub struct TokenReviewConfig {
     /// Most API calls in flight at once.
     pub max_in_flight: usize,
     /// Most reviews waiting for an API call, at the fastest measured pace
-    /// of the API server (see [`Admission`]); never fewer than 8 per call.
+    /// of the API server (see `Admission`); never fewer than 8 per call.
     pub max_waiting: usize,
 }
 
