@@ -21,9 +21,9 @@
 //! the log. (BENCHMARKS.md, "Event loops against tonic's own serving", has
 //! why there are no event loops, batched writes or gathered log lines.)
 
-pub(crate) mod connection;
-pub(crate) mod listener;
-pub(crate) mod tls_policy;
+mod connection;
+mod listener;
+mod tls_policy;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -52,17 +52,17 @@ pub(crate) const MAX_REQUEST_BYTES: usize = 64 * 1024;
 /// ENHANCE_YOUR_CALM. hyper's default; tonic would otherwise leave it
 /// unlimited, so a client sending malformed requests and never reading
 /// could keep the server busy resetting them for ever.
-pub(crate) const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
+const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
 
 /// Streams reset by the client before the server took them up that may
 /// wait on one connection before it gets a GOAWAY (the "rapid reset"
 /// attack). h2's default, set here so it does not change unnoticed.
-pub(crate) const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
 
 /// How long a connection told to go away (GOAWAY) may stay without an
 /// open stream before it is cut off: a client that honours the GOAWAY has
 /// closed by then.
-pub(crate) const GOAWAY_GRACE: Duration = Duration::from_secs(1);
+const GOAWAY_GRACE: Duration = Duration::from_secs(1);
 
 /// The HTTP/2 settings of every gRPC connection (README, "Flags").
 #[derive(Debug, Clone, Copy)]
