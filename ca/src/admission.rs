@@ -29,11 +29,12 @@ const PACE_WINDOW: Duration = Duration::from_millis(20);
 /// most [`QUEUE_WAIT`] each, in a queue whose length follows the CA's
 /// measured pace: as many as it finishes in half of [`QUEUE_WAIT`], never
 /// fewer than [`QUEUE_PER_SLOT`] per slot, never more than
-/// [`QUEUE_PER_SLOT_MAX`]. A CA that answers 12,000 requests a second
-/// (TokenReview with 64 API calls of 5 ms in flight) thus takes a burst of
-/// 10,000 at once instead of refusing three quarters of it, while one whose
-/// API answers slowly keeps a short queue and refuses the rest at once,
-/// with nothing left to time out.
+/// [`QUEUE_PER_SLOT_MAX`]. A CA that answers fast thus takes a mass
+/// restart's burst at once instead of refusing most of it to come back
+/// later, while one whose API answers slowly keeps a short queue and
+/// refuses the rest at once, with nothing left to time out (BENCHMARKS.md,
+/// "All goals, on the machine of 2026-11-30", has the mass restart before
+/// and after).
 #[derive(Debug)]
 pub(crate) struct Admission {
     limiter: Arc<Semaphore>,

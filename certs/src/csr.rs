@@ -72,8 +72,8 @@ pub enum CsrError {
 /// slower readers then decide. The body is decoded with the `base64`
 /// crate's engine rather than rustls' PEM reader: a CSR is public, so the
 /// constant-time decoder rustls uses for private keys buys nothing here and
-/// cost ~8,000 instructions per certificate (a twentieth of everything an
-/// issuance does besides the cryptography).
+/// costs instructions on every certificate (BENCHMARKS.md, "Fewer
+/// instructions around the crypto, message-sized buffers").
 fn single_block_der(pem_text: &str) -> Option<Vec<u8>> {
     use base64::Engine;
     let text = pem_text.trim_ascii();
