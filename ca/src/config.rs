@@ -60,7 +60,7 @@ pub const fn memory_bound(max_connections: u64, max_open_requests: u64) -> u64 {
 /// unless `--max-open-requests` says otherwise: 64 node agents' or shared
 /// connections' worth of `--max-concurrent-streams`. Each open request
 /// holds memory from its HEADERS on, whether or not its message arrives
-/// (README, "Flags", has the memory formula).
+/// (README, "Memory", has the memory formula).
 pub const DEFAULT_MAX_OPEN_REQUESTS: u32 = 8192;
 
 /// HTTP/2 streams (requests) one connection may have open at once unless
@@ -216,7 +216,7 @@ pub struct ServeArgs {
 
     /// gRPC requests (HTTP/2 streams) open at once across all connections;
     /// one beyond it is answered RESOURCE_EXHAUSTED before its message is
-    /// read. Sized from the memory limit (README, "Flags").
+    /// read. Sized from the memory limit (README, "Memory").
     #[arg(
         long,
         env = "MESHCA_MAX_OPEN_REQUESTS",

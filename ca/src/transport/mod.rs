@@ -11,7 +11,7 @@
 //!   with the HTTP/2 limits, a GOAWAY when it has been idle too long, and
 //!   the limit on requests open across all connections.
 //! - [`serve_grpc`]: every established connection, served with the HTTP/2
-//!   settings and limits (README, "Flags").
+//!   settings and limits (README, "`meshca serve` flags").
 //!
 //! The server's own certificate is not here: `server_identity` issues and
 //! renews it, and the listener only asks its resolver.
@@ -64,7 +64,8 @@ const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
 /// closed by then.
 const GOAWAY_GRACE: Duration = Duration::from_secs(1);
 
-/// The HTTP/2 settings of every gRPC connection (README, "Flags").
+/// The HTTP/2 settings of every gRPC connection (README, "`meshca serve`
+/// flags").
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Http2Settings {
     /// Streams one connection may have open at once.
@@ -89,8 +90,8 @@ pub(crate) struct SharedByConnections {
 }
 
 /// Rewrites tonic's `OUT_OF_RANGE` for an oversized request message into
-/// `INVALID_ARGUMENT` (README, "Errors"); the service itself never answers
-/// `OUT_OF_RANGE`.
+/// `INVALID_ARGUMENT` (the status codes in README, "Authentication
+/// limits"); the service itself never answers `OUT_OF_RANGE`.
 fn oversized_is_invalid_argument<B>(mut response: http::Response<B>) -> http::Response<B> {
     let headers = response.headers_mut();
     if headers.get("grpc-status").is_some_and(|v| v == "11") {
