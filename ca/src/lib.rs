@@ -55,8 +55,6 @@ pub(crate) mod metrics;
 pub(crate) mod rate_limit;
 pub(crate) mod rate_limited_log;
 pub(crate) mod reload;
-#[cfg(test)]
-mod renewal_pace_tests;
 pub mod server;
 pub(crate) mod server_identity;
 pub(crate) mod service;

@@ -291,6 +291,9 @@ pub(crate) fn bearer_token(metadata: &MetadataMap) -> Option<String> {
 }
 
 #[cfg(test)]
+mod renewal_pace_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use meshca_certs::TrustDomain;
