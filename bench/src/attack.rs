@@ -112,6 +112,11 @@ pub(crate) struct AttackArgs {
     /// Extra flags for `meshca serve`, e.g. `--meshca-arg=--max-connections=10000`.
     #[arg(long = "meshca-arg", allow_hyphen_values = true)]
     pub(crate) meshca_args: Vec<String>,
+    /// Run the server on these CPUs only (a `taskset` list, e.g. `0`);
+    /// run meshca-bench itself with `taskset` on the others, so that the
+    /// attackers' and real clients' work is not charged to the server.
+    #[arg(long)]
+    pub(crate) server_cpus: Option<String>,
     /// Print the report as one line of JSON.
     #[arg(long)]
     pub(crate) json: bool,
@@ -124,7 +129,13 @@ pub(crate) async fn run(args: AttackArgs) -> anyhow::Result<bool> {
         Scenario::CancelledJunk => Duration::from_millis(500),
         _ => Duration::from_millis(5),
     });
-    let server = Meshca::start(&meshca, api_latency, &args.meshca_args).await?;
+    let server = Meshca::start_on(
+        &meshca,
+        api_latency,
+        &args.meshca_args,
+        args.server_cpus.as_deref(),
+    )
+    .await?;
     let probe = Probe::prepare(&server)?;
     let rss = RssSampler::start(server.pid());
     let mut report = match args.scenario {
@@ -138,6 +149,7 @@ pub(crate) async fn run(args: AttackArgs) -> anyhow::Result<bool> {
     let mib = |b: u64| (b as f64 / 1048576.0 * 10.0).round() / 10.0;
     report["scenario"] = json!(format!("{:?}", args.scenario));
     report["meshca_args"] = json!(args.meshca_args);
+    report["server_cpus"] = json!(args.server_cpus);
     report["api_latency_ms"] = json!(api_latency.as_millis() as u64);
     report["server"] = json!({
         "rss_before_mib": mib(rss_before),

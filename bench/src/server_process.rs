@@ -82,6 +82,18 @@ impl Meshca {
         api_latency: Duration,
         args: &[String],
     ) -> anyhow::Result<Self> {
+        Self::start_on(meshca, api_latency, args, None).await
+    }
+
+    /// As [`Meshca::start`], with the server on the CPUs of `cpus` (a
+    /// `taskset` list such as `0` or `0-1`), so that it does not share
+    /// them with the load generator (run it with `taskset` on the others).
+    pub(crate) async fn start_on(
+        meshca: &PathBuf,
+        api_latency: Duration,
+        args: &[String],
+        cpus: Option<&str>,
+    ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir()?;
         let kube = FakeKube::start(dir.path()).await;
         kube.set_latency(api_latency);
@@ -90,7 +102,16 @@ impl Meshca {
         let log = std::fs::File::create(dir.path().join("meshca.log"))?;
         // A load generator asks for many certificates of few identities:
         // the per-identity issuance rate limit is off here.
-        let child = Command::new(meshca)
+        let mut command = match cpus {
+            Some(cpus) => {
+                // taskset execs meshca: the pid stays the server's.
+                let mut taskset = Command::new("taskset");
+                taskset.args(["-c", cpus]).arg(meshca);
+                taskset
+            }
+            None => Command::new(meshca),
+        };
+        let child = command
             .env("MESHCA_ISSUANCE_BURST", "0")
             .arg("serve")
             .args([

@@ -11,15 +11,15 @@ use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// How long a request waits for a signing slot before `RESOURCE_EXHAUSTED`.
-pub const QUEUE_WAIT: Duration = Duration::from_secs(2);
+pub(crate) const QUEUE_WAIT: Duration = Duration::from_secs(2);
 /// Requests that may wait for a slot, per slot, whatever the CA's pace;
 /// beyond the queue ([`Admission`]) a request is refused at once with
 /// `RESOURCE_EXHAUSTED`, so a burst (a mass restart) gets fast answers to
 /// back off on instead of a pile of timeouts.
-pub const QUEUE_PER_SLOT: usize = 8;
+pub(crate) const QUEUE_PER_SLOT: usize = 8;
 /// The queue never holds more than this many requests per slot, however
 /// fast the CA is (each waiting request holds its CSR and token).
-pub const QUEUE_PER_SLOT_MAX: usize = 64;
+pub(crate) const QUEUE_PER_SLOT_MAX: usize = 64;
 /// Shortest time over which the pace of finished requests is measured.
 const PACE_WINDOW: Duration = Duration::from_millis(20);
 
@@ -29,13 +29,14 @@ const PACE_WINDOW: Duration = Duration::from_millis(20);
 /// most [`QUEUE_WAIT`] each, in a queue whose length follows the CA's
 /// measured pace: as many as it finishes in half of [`QUEUE_WAIT`], never
 /// fewer than [`QUEUE_PER_SLOT`] per slot, never more than
-/// [`QUEUE_PER_SLOT_MAX`]. A CA that answers 12,000 requests a second
-/// (TokenReview with 64 API calls of 5 ms in flight) thus takes a burst of
-/// 10,000 at once instead of refusing three quarters of it, while one whose
-/// API answers slowly keeps a short queue and refuses the rest at once,
-/// with nothing left to time out.
+/// [`QUEUE_PER_SLOT_MAX`]. A CA that answers fast thus takes a mass
+/// restart's burst at once instead of refusing most of it to come back
+/// later, while one whose API answers slowly keeps a short queue and
+/// refuses the rest at once, with nothing left to time out (BENCHMARKS.md,
+/// "All goals, on the machine of 2026-11-30", has the mass restart before
+/// and after).
 #[derive(Debug)]
-pub struct Admission {
+pub(crate) struct Admission {
     limiter: Arc<Semaphore>,
     /// Requests waiting for a slot (exported as `meshca_requests_waiting`).
     waiting: Gauge<i64>,
@@ -56,7 +57,7 @@ struct PaceWindow {
 
 /// A request's slot: given back, and counted as finished, when dropped.
 #[derive(Debug)]
-pub struct Slot<'a> {
+pub(crate) struct Slot<'a> {
     _permit: OwnedSemaphorePermit,
     admission: &'a Admission,
 }
@@ -90,7 +91,7 @@ impl Drop for InQueue<'_> {
 impl Admission {
     /// `slots` requests at once (at least one); `waiting` follows the
     /// number of requests in the queue.
-    pub fn new(slots: usize, waiting: Gauge<i64>) -> Self {
+    pub(crate) fn new(slots: usize, waiting: Gauge<i64>) -> Self {
         let slots = slots.max(1);
         Self {
             limiter: Arc::new(Semaphore::new(slots)),
@@ -106,7 +107,7 @@ impl Admission {
     /// Lets up to `max_waiting` requests wait at the fastest measured pace
     /// (instead of [`QUEUE_PER_SLOT_MAX`] per slot; never below the floor
     /// of [`QUEUE_PER_SLOT`] per slot).
-    pub fn with_queue_limit(mut self, max_waiting: usize) -> Self {
+    pub(crate) fn with_queue_limit(mut self, max_waiting: usize) -> Self {
         self.max_waiting = max_waiting.max(self.min_waiting);
         self
     }
@@ -114,14 +115,14 @@ impl Admission {
     /// Lets at least `min_waiting` requests wait whatever the measured
     /// pace (instead of [`QUEUE_PER_SLOT`] per slot; never above the
     /// queue limit).
-    pub fn with_queue_floor(mut self, min_waiting: usize) -> Self {
+    pub(crate) fn with_queue_floor(mut self, min_waiting: usize) -> Self {
         self.min_waiting = min_waiting.min(self.max_waiting);
         self
     }
 
     /// A slot now, or after waiting in the queue; `None`: refused (the
     /// queue is full, or no slot came within [`QUEUE_WAIT`]).
-    pub async fn admit(&self) -> Option<Slot<'_>> {
+    pub(crate) async fn admit(&self) -> Option<Slot<'_>> {
         let permit = match self.limiter.clone().try_acquire_owned() {
             Ok(permit) => permit,
             Err(_) => {
@@ -147,7 +148,7 @@ impl Admission {
     /// How many may wait now: what the CA finishes in half of
     /// [`QUEUE_WAIT`] at its last measured pace, within the bounds.
     /// Only called when the floor is reached, i.e. in a burst.
-    pub fn queue_length(&self) -> usize {
+    pub(crate) fn queue_length(&self) -> usize {
         let pace = self.pace_per_second();
         let answerable = (pace * QUEUE_WAIT.as_secs_f64() / 2.0) as usize;
         answerable.clamp(self.min_waiting, self.max_waiting)

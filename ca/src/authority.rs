@@ -59,9 +59,9 @@ pub struct IssuedChain {
 
 /// The CA material in use and what is derived from it once.
 #[derive(Debug)]
-pub struct SigningState {
+pub(crate) struct SigningState {
     /// The material.
-    pub material: CaMaterial,
+    pub(crate) material: CaMaterial,
     tail_pem: Vec<String>,
 }
 
@@ -89,24 +89,24 @@ impl Authority {
 
     /// Stops signing (and reports not ready) once the signing certificate
     /// expires within `margin`.
-    pub fn with_expiry_margin(mut self, margin: Duration) -> Self {
+    pub(crate) fn with_expiry_margin(mut self, margin: Duration) -> Self {
         self.expiry_margin = to_time_duration(margin);
         self
     }
 
     /// A receiver that sees a new value each time the material is replaced.
-    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
+    pub(crate) fn subscribe(&self) -> tokio::sync::watch::Receiver<u64> {
         self.generation.subscribe()
     }
 
     /// Records that new material was offered and refused (`None`: the last
     /// offer was accepted). Shown by `/ready` and the metrics.
-    pub fn set_refused(&self, reason: Option<String>) {
+    pub(crate) fn set_refused(&self, reason: Option<String>) {
         self.refused.store(reason.map(Arc::new));
     }
 
     /// Why the last offered material was refused, if it was.
-    pub fn refused(&self) -> Option<Arc<String>> {
+    pub(crate) fn refused(&self) -> Option<Arc<String>> {
         self.refused.load_full()
     }
 
@@ -117,41 +117,36 @@ impl Authority {
 
     /// Swaps in new CA material; requests in flight finish with the old.
     /// Subscribers are told.
-    pub fn replace(&self, material: CaMaterial) {
+    pub(crate) fn replace(&self, material: CaMaterial) {
         self.state.store(Arc::new(Self::state_for(material)));
         self.refused.store(None);
         self.generation.send_modify(|g| *g += 1);
     }
 
     /// The material in use now.
-    pub fn current(&self) -> Arc<SigningState> {
+    pub(crate) fn current(&self) -> Arc<SigningState> {
         self.state.load_full()
     }
 
     /// The trust bundle in use now.
-    pub fn bundle(&self) -> TrustBundle {
+    pub(crate) fn bundle(&self) -> TrustBundle {
         self.state.load().material.bundle.clone()
-    }
-
-    /// The lifetime rules.
-    pub fn ttl_policy(&self) -> TtlPolicy {
-        self.ttl
     }
 
     /// Whether the CA can sign at `now`: its certificate is inside its
     /// validity and does not expire within the safety margin.
-    pub fn can_sign(&self, now: OffsetDateTime) -> bool {
+    pub(crate) fn can_sign(&self, now: OffsetDateTime) -> bool {
         check_ca_validity(&self.state.load().material.signing, now, self.expiry_margin).is_ok()
     }
 
     /// Why the CA cannot sign at `now`, if it cannot.
-    pub fn cannot_sign_reason(&self, now: OffsetDateTime) -> Option<SignError> {
+    pub(crate) fn cannot_sign_reason(&self, now: OffsetDateTime) -> Option<SignError> {
         check_ca_validity(&self.state.load().material.signing, now, self.expiry_margin).err()
     }
 
     /// The lifetime to give a workload certificate that asked for
     /// `requested_secs` (0 or less: the default).
-    pub fn workload_ttl(&self, requested_secs: i64) -> Result<Duration, SignError> {
+    pub(crate) fn workload_ttl(&self, requested_secs: i64) -> Result<Duration, SignError> {
         if requested_secs <= 0 {
             return Ok(self.ttl.default);
         }
@@ -182,7 +177,7 @@ impl Authority {
     /// notBefore, backdating included) at most `max_lifetime` when given:
     /// a renewal by client certificate gets no longer a lifetime than the
     /// certificate it presented.
-    pub fn sign_workload_within(
+    pub(crate) fn sign_workload_within(
         &self,
         subject: &SubjectKey,
         identity: &SpiffeId,
@@ -212,7 +207,7 @@ impl Authority {
 
     /// Issues the server's own TLS certificate: returns the chain as DER,
     /// `[leaf, intermediates...]` (no root), and the leaf's notAfter.
-    pub fn issue_server_cert(
+    pub(crate) fn issue_server_cert(
         &self,
         subject: &SubjectKey,
         dns: &[String],
@@ -256,17 +251,17 @@ fn to_time_duration(d: Duration) -> time::Duration {
 }
 
 /// Default workload certificate lifetime.
-pub const DEFAULT_WORKLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
+pub(crate) const DEFAULT_WORKLOAD_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Default longest workload certificate lifetime (Istio's 90 days).
-pub const DEFAULT_MAX_WORKLOAD_TTL: Duration = Duration::from_secs(90 * 24 * 3600);
+pub(crate) const DEFAULT_MAX_WORKLOAD_TTL: Duration = Duration::from_secs(90 * 24 * 3600);
 
 /// Workload certificate lifetime rules.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TtlPolicy {
     /// Used when a request asks for 0 or less.
-    pub default: Duration,
+    pub(crate) default: Duration,
     /// Requests above this are refused.
-    pub max: Duration,
+    pub(crate) max: Duration,
 }
 
 impl Default for TtlPolicy {

@@ -11,15 +11,15 @@ use meshca_certs::{parse_duration, TrustDomain};
 use crate::authority::TtlPolicy;
 
 /// Default gRPC+TLS address (istiod's port).
-pub const DEFAULT_LISTEN: &str = "127.0.0.1:15012";
+pub(crate) const DEFAULT_LISTEN: &str = "127.0.0.1:15012";
 /// Default monitoring address (istiod's port).
-pub const DEFAULT_MONITORING_LISTEN: &str = "127.0.0.1:15014";
+pub(crate) const DEFAULT_MONITORING_LISTEN: &str = "127.0.0.1:15014";
 /// Default data directory of the embedded mode.
-pub const DEFAULT_DATA_DIR: &str = "./meshca-data";
+pub(crate) const DEFAULT_DATA_DIR: &str = "./meshca-data";
 /// DNS names always on the server's own certificate.
-pub const DEFAULT_SERVER_DNS: [&str; 2] = ["istiod.istio-system.svc", "localhost"];
+pub(crate) const DEFAULT_SERVER_DNS: [&str; 2] = ["istiod.istio-system.svc", "localhost"];
 /// Default cluster ID, as Istio's.
-pub const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
+pub(crate) const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
 
 /// gRPC connections open at once unless `--max-connections` says
 /// otherwise. With [`DEFAULT_MAX_OPEN_REQUESTS`], what [`memory_bound`]
@@ -40,14 +40,14 @@ pub const MEMORY_AT_REST: u64 = 16 << 20;
 /// at its worst: in a storm of new connections, each with its handshake
 /// just done and its first request (BENCHMARKS.md, "A connection per
 /// sidecar, with eviction and a seat wait"), rounded up.
-pub const MEMORY_PER_CONNECTION: u64 = 96 << 10;
+pub(crate) const MEMORY_PER_CONNECTION: u64 = 96 << 10;
 /// Resident memory of one open request at its worst: 8 KiB measured for
 /// its HTTP/2 stream, its task and its place in a queue in a mass restart
 /// over 64 shared connections (BENCHMARKS.md, "A connection per sidecar,
 /// final code"), plus, for a caller that authenticated and then sends a
 /// largest message slowly, one message in tonic's decoder and one stream
 /// window unread in h2 (8 KiB each), rounded up (README, "Memory").
-pub const MEMORY_PER_OPEN_REQUEST: u64 = 25 << 10;
+pub(crate) const MEMORY_PER_OPEN_REQUEST: u64 = 25 << 10;
 
 /// The most resident memory `max_connections` connections and
 /// `max_open_requests` open requests can make the server use: the sum of
@@ -74,39 +74,39 @@ pub const DEFAULT_MAX_OPEN_REQUESTS: u32 = 4096;
 /// (BENCHMARKS.md has the peak memory and drain time for 64 to 256). 128
 /// is nginx's default and above the 100 RFC 9113 recommends as the least;
 /// a node (110 pods by Kubernetes' default) fits in it.
-pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 128;
+pub(crate) const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 128;
 
 /// Flags of `meshca serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
     /// gRPC+TLS address.
     #[arg(long, env = "MESHCA_LISTEN", default_value = DEFAULT_LISTEN)]
-    pub listen: SocketAddr,
+    pub(crate) listen: SocketAddr,
 
     /// Address of /metrics, /ready and /healthz.
     #[arg(long, env = "MESHCA_MONITORING_LISTEN", default_value = DEFAULT_MONITORING_LISTEN)]
-    pub monitoring_listen: SocketAddr,
+    pub(crate) monitoring_listen: SocketAddr,
 
     /// Embedded state: self-signed root, local token issuer, root-cert.pem.
     #[arg(long, env = "MESHCA_DATA_DIR", default_value = DEFAULT_DATA_DIR)]
-    pub data_dir: PathBuf,
+    pub(crate) data_dir: PathBuf,
 
     /// Plugged-in CA directory (ca-cert.pem ca-key.pem cert-chain.pem
     /// root-cert.pem, or tls.crt tls.key ca.crt).
     #[arg(long, env = "MESHCA_CA_DIR")]
-    pub ca_dir: Option<PathBuf>,
+    pub(crate) ca_dir: Option<PathBuf>,
 
     /// Trust domain of issued SPIFFE IDs.
     #[arg(long, env = "MESHCA_TRUST_DOMAIN", default_value = meshca_certs::spiffe::DEFAULT_TRUST_DOMAIN)]
-    pub trust_domain: TrustDomain,
+    pub(crate) trust_domain: TrustDomain,
 
     /// Default workload certificate lifetime (when a request asks for 0).
     #[arg(long, env = "MESHCA_WORKLOAD_CERT_TTL", default_value = "24h", value_parser = parse_duration)]
-    pub workload_cert_ttl: Duration,
+    pub(crate) workload_cert_ttl: Duration,
 
     /// Longest workload certificate lifetime a request may ask for.
     #[arg(long, env = "MESHCA_MAX_WORKLOAD_CERT_TTL", default_value = "90d", value_parser = parse_duration)]
-    pub max_workload_cert_ttl: Duration,
+    pub(crate) max_workload_cert_ttl: Duration,
 
     /// Accepted token audience; repeatable (env: comma-separated).
     #[arg(
@@ -115,46 +115,46 @@ pub struct ServeArgs {
         value_delimiter = ',',
         default_value = "istio-ca"
     )]
-    pub token_audiences: Vec<String>,
+    pub(crate) token_audiences: Vec<String>,
 
     /// JWKS file of an external token issuer (offline validation); needs --jwt-issuer.
     #[arg(long, env = "MESHCA_JWKS", requires = "jwt_issuer")]
-    pub jwks: Option<PathBuf>,
+    pub(crate) jwks: Option<PathBuf>,
 
     /// The `iss` of tokens validated offline: with --jwks from that file;
     /// without it, the keys come from the Kubernetes API's OIDC discovery.
     #[arg(long, env = "MESHCA_JWT_ISSUER")]
-    pub jwt_issuer: Option<String>,
+    pub(crate) jwt_issuer: Option<String>,
 
     /// How long a token that passed offline validation is accepted again
     /// without checking its signature (never past its `exp`; forgotten when
     /// the keys change); 0 checks every request. The Kubernetes API server
     /// caches its own token checks for 10 s the same way.
     #[arg(long, env = "MESHCA_JWT_CACHE_TTL", default_value = "10s", value_parser = parse_duration)]
-    pub jwt_cache_ttl: Duration,
+    pub(crate) jwt_cache_ttl: Duration,
 
     /// Kubernetes API access (TokenReview). In a pod, the in-cluster
     /// service account is used without this flag.
     #[arg(long, env = "MESHCA_KUBECONFIG")]
-    pub kubeconfig: Option<PathBuf>,
+    pub(crate) kubeconfig: Option<PathBuf>,
 
     /// How long a positive TokenReview result is reused (never past the
     /// token's expiry); 0 turns the cache off.
     #[arg(long, env = "MESHCA_TOKEN_REVIEW_CACHE_TTL", default_value = "30s", value_parser = parse_duration)]
-    pub token_review_cache_ttl: Duration,
+    pub(crate) token_review_cache_ttl: Duration,
 
     /// How long a token the Kubernetes API refused is refused again without
     /// asking (never past the token's expiry); 0 asks every time.
     #[arg(long, env = "MESHCA_TOKEN_REVIEW_REFUSAL_CACHE_TTL", default_value = "5s", value_parser = parse_duration)]
-    pub token_review_refusal_cache_ttl: Duration,
+    pub(crate) token_review_refusal_cache_ttl: Duration,
 
     /// Timeout of each Kubernetes API call.
     #[arg(long, env = "MESHCA_KUBE_API_TIMEOUT", default_value = "5s", value_parser = parse_duration)]
-    pub kube_api_timeout: Duration,
+    pub(crate) kube_api_timeout: Duration,
 
     /// Most Kubernetes API calls in flight at once.
     #[arg(long, env = "MESHCA_KUBE_API_MAX_IN_FLIGHT", default_value_t = 64)]
-    pub kube_api_max_in_flight: usize,
+    pub(crate) kube_api_max_in_flight: usize,
 
     /// A node agent (NAMESPACE/SERVICE_ACCOUNT, e.g. istio-system/ztunnel)
     /// that may get certificates for pods on its node; repeatable.
@@ -163,21 +163,21 @@ pub struct ServeArgs {
         env = "MESHCA_TRUSTED_NODE_AGENT",
         value_delimiter = ','
     )]
-    pub trusted_node_agents: Vec<String>,
+    pub(crate) trusted_node_agents: Vec<String>,
 
     /// Extra DNS SANs for the server's own TLS certificate; repeatable.
     #[arg(long = "server-dns", env = "MESHCA_SERVER_DNS", value_delimiter = ',')]
-    pub server_dns: Vec<String>,
+    pub(crate) server_dns: Vec<String>,
 
     /// This cluster's ID; requests naming another cluster in the
     /// `clusterid` header are refused.
     #[arg(long, env = "MESHCA_CLUSTER_ID", default_value = DEFAULT_CLUSTER_ID)]
-    pub cluster_id: String,
+    pub(crate) cluster_id: String,
 
     /// Most CreateCertificate requests handled at once; more wait briefly,
     /// then get RESOURCE_EXHAUSTED.
     #[arg(long, env = "MESHCA_MAX_CONCURRENT_REQUESTS", default_value_t = 256)]
-    pub max_concurrent_requests: usize,
+    pub(crate) max_concurrent_requests: usize,
 
     /// HTTP/2 streams (requests) one connection may have open at once;
     /// a client asking for more waits in its HTTP/2 layer until an answer
@@ -188,20 +188,20 @@ pub struct ServeArgs {
         default_value_t = DEFAULT_MAX_STREAMS_PER_CONNECTION,
         value_parser = clap::value_parser!(u32).range(1..)
     )]
-    pub max_concurrent_streams: u32,
+    pub(crate) max_concurrent_streams: u32,
 
     /// A connection older than this is asked to reconnect (HTTP/2 GOAWAY;
     /// its requests in flight finish first), so clients spread over the
     /// replicas after a rollout and idle connections do not stay open
     /// forever; 0: never. Istio's istiod uses 30m.
     #[arg(long, env = "MESHCA_MAX_CONNECTION_AGE", default_value = "30m", value_parser = parse_duration)]
-    pub max_connection_age: Duration,
+    pub(crate) max_connection_age: Duration,
 
     /// A connection with no open stream (request) for this long is asked
     /// to go away (HTTP/2 GOAWAY), gRPC's MAX_CONNECTION_IDLE; its client
     /// reconnects on its next call. 0: never.
     #[arg(long, env = "MESHCA_MAX_CONNECTION_IDLE", default_value = "5m", value_parser = parse_duration)]
-    pub max_connection_idle: Duration,
+    pub(crate) max_connection_idle: Duration,
 
     /// gRPC connections open at once (in their TLS handshake or
     /// established). When they are all open, a new connection takes the
@@ -215,18 +215,18 @@ pub struct ServeArgs {
         default_value_t = DEFAULT_MAX_CONNECTIONS,
         value_parser = clap::value_parser!(u32).range(1..)
     )]
-    pub max_connections: u32,
+    pub(crate) max_connections: u32,
 
     /// gRPC requests (HTTP/2 streams) open at once across all connections;
     /// one beyond it is answered RESOURCE_EXHAUSTED before its message is
-    /// read. Sized from the memory limit (README, "Flags").
+    /// read. Sized from the memory limit (README, "Memory").
     #[arg(
         long,
         env = "MESHCA_MAX_OPEN_REQUESTS",
         default_value_t = DEFAULT_MAX_OPEN_REQUESTS,
         value_parser = clap::value_parser!(u32).range(1..)
     )]
-    pub max_open_requests: u32,
+    pub(crate) max_open_requests: u32,
 
     /// While `--max-connections` are open, a new connection makes room by
     /// asking the connection that has had no open stream for longest to go
@@ -234,54 +234,54 @@ pub struct ServeArgs {
     /// so connections held idle (a flood, or sidecars that keep theirs
     /// between renewals) cannot lock new clients out. 0: never.
     #[arg(long, env = "MESHCA_EVICT_IDLE_CONNECTIONS_AFTER", default_value = "10s", value_parser = parse_duration)]
-    pub evict_idle_connections_after: Duration,
+    pub(crate) evict_idle_connections_after: Duration,
 
     /// A client that has not completed its TLS handshake this long after
     /// connecting is dropped.
     #[arg(long, env = "MESHCA_TLS_HANDSHAKE_TIMEOUT", default_value = "10s", value_parser = parse_positive_duration)]
-    pub tls_handshake_timeout: Duration,
+    pub(crate) tls_handshake_timeout: Duration,
 
     /// A request not answered within this time is ended with CANCELLED
     /// (a shorter `grpc-timeout` from the client wins), so a client that
     /// opens a request and never finishes sending it holds nothing for long.
     #[arg(long, env = "MESHCA_REQUEST_TIMEOUT", default_value = "30s", value_parser = parse_positive_duration)]
-    pub request_timeout: Duration,
+    pub(crate) request_timeout: Duration,
 
     /// Time allowed for in-flight requests to finish on SIGTERM/SIGINT.
     #[arg(long, env = "MESHCA_SHUTDOWN_GRACE", default_value = "15s", value_parser = parse_duration)]
-    pub shutdown_grace: Duration,
+    pub(crate) shutdown_grace: Duration,
 
     /// Refuse to sign, and fail /ready, when the signing certificate
     /// expires within this margin.
     #[arg(long, env = "MESHCA_CA_EXPIRY_MARGIN", default_value = "10m", value_parser = parse_duration)]
-    pub ca_expiry_margin: Duration,
+    pub(crate) ca_expiry_margin: Duration,
 
     /// How often the files of --ca-dir are checked for a change (a mounted
     /// Secret is updated by a symlink swap).
     #[arg(long, env = "MESHCA_CA_DIR_CHECK_INTERVAL", default_value = "2s", value_parser = parse_duration)]
-    pub ca_dir_check_interval: Duration,
+    pub(crate) ca_dir_check_interval: Duration,
 
     /// meshca's own namespace in the cluster: where the Secret
     /// `istio-ca-secret` and the leader-election Lease live. Default:
     /// $POD_NAMESPACE, else the kubeconfig's namespace.
     #[arg(long, env = "MESHCA_NAMESPACE")]
-    pub namespace: Option<String>,
+    pub(crate) namespace: Option<String>,
 
     /// Lifetime of a self-signed root made by meshca.
     #[arg(long, env = "MESHCA_SELF_SIGNED_ROOT_TTL", default_value = "3650d", value_parser = parse_duration)]
-    pub self_signed_root_ttl: Duration,
+    pub(crate) self_signed_root_ttl: Duration,
 
     /// In a cluster, the self-signed root is rotated once this fraction of
     /// its lifetime has passed (0 < f < 1).
     #[arg(long, env = "MESHCA_ROOT_ROTATION_AT", default_value_t = 0.8)]
-    pub root_rotation_at: f64,
+    pub(crate) root_rotation_at: f64,
 
     /// During a root rotation, how long both roots are published before
     /// signing switches to the new one (time for clients to pick up the
     /// bundle). Default: half of --workload-cert-ttl plus 1h (13h), so a
     /// client that learns roots only when it renews renews in time.
     #[arg(long, env = "MESHCA_ROOT_ROTATION_GRACE", value_parser = parse_duration)]
-    pub root_rotation_grace: Option<Duration>,
+    pub(crate) root_rotation_grace: Option<Duration>,
 
     /// Namespaces that get no `istio-ca-root-cert` ConfigMap; repeatable.
     #[arg(
@@ -290,45 +290,45 @@ pub struct ServeArgs {
         value_delimiter = ',',
         default_value = "kube-system,kube-public,kube-node-lease,local-path-storage"
     )]
-    pub bundle_exclude_namespaces: Vec<String>,
+    pub(crate) bundle_exclude_namespaces: Vec<String>,
 
     /// Leader-election Lease duration (the leader renews well before it ends).
     #[arg(long, env = "MESHCA_LEADER_LEASE_DURATION", default_value = "15s", value_parser = parse_duration)]
-    pub leader_lease_duration: Duration,
+    pub(crate) leader_lease_duration: Duration,
 
     /// Whether a caller may renew with a client certificate this CA issued
     /// (mTLS, no token). The new certificate is never longer-lived than the
     /// one presented; `false` requires a service-account token every time.
     #[arg(long, env = "MESHCA_ALLOW_CERT_RENEWAL", default_value_t = true, action = clap::ArgAction::Set)]
-    pub allow_cert_renewal: bool,
+    pub(crate) allow_cert_renewal: bool,
 
     /// Certificates one identity (per pod, when the caller's token names
     /// one) may get at once before the rate limit applies; 0 turns the
     /// per-identity rate limit off.
     #[arg(long, env = "MESHCA_ISSUANCE_BURST", default_value_t = crate::rate_limit::DEFAULT_BURST)]
-    pub issuance_burst: u32,
+    pub(crate) issuance_burst: u32,
 
     /// After the burst, one more certificate per identity per this
     /// interval; beyond it RESOURCE_EXHAUSTED with a retry hint.
     #[arg(long, env = "MESHCA_ISSUANCE_INTERVAL", default_value = "1s", value_parser = parse_positive_duration)]
-    pub issuance_interval: Duration,
+    pub(crate) issuance_interval: Duration,
 
     /// Identities the rate limit tracks at once (memory bound; an identity
     /// beyond it is not limited until others age out).
     #[arg(long, env = "MESHCA_ISSUANCE_RATE_LIMIT_KEYS", default_value_t = crate::rate_limit::DEFAULT_MAX_KEYS)]
-    pub issuance_rate_limit_keys: usize,
+    pub(crate) issuance_rate_limit_keys: usize,
 
     /// With --trusted-node-agent: when the pod watch has been failing this
     /// long, the pod index counts as stale and impersonation is refused
     /// with UNAVAILABLE until the watch recovers.
     #[arg(long, env = "MESHCA_POD_WATCH_FAILURE_LIMIT", default_value = "30s", value_parser = parse_positive_duration)]
-    pub pod_watch_failure_limit: Duration,
+    pub(crate) pod_watch_failure_limit: Duration,
 
     /// Sign Kubernetes PodCertificateRequests of this signer name (e.g.
     /// meshca.io/spiffe) and publish its ClusterTrustBundle (leader only).
     /// Off when not given.
     #[arg(long, env = "MESHCA_POD_CERTIFICATE_SIGNER")]
-    pub pod_certificate_signer: Option<String>,
+    pub(crate) pod_certificate_signer: Option<String>,
 
     /// Log format: text or json.
     #[arg(long, env = "MESHCA_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
@@ -389,101 +389,101 @@ pub enum ConfigError {
 #[derive(Debug, Clone)]
 pub struct Config {
     /// gRPC+TLS address.
-    pub listen: SocketAddr,
+    pub(crate) listen: SocketAddr,
     /// Monitoring address.
-    pub monitoring_listen: SocketAddr,
+    pub(crate) monitoring_listen: SocketAddr,
     /// Data directory.
-    pub data_dir: PathBuf,
+    pub(crate) data_dir: PathBuf,
     /// Plugged-in CA directory, if any.
-    pub ca_dir: Option<PathBuf>,
+    pub(crate) ca_dir: Option<PathBuf>,
     /// Trust domain.
-    pub trust_domain: TrustDomain,
+    pub(crate) trust_domain: TrustDomain,
     /// Default and maximum workload certificate lifetimes.
-    pub ttl: TtlPolicy,
+    pub(crate) ttl: TtlPolicy,
     /// Accepted token audiences.
-    pub token_audiences: Vec<String>,
+    pub(crate) token_audiences: Vec<String>,
     /// External JWKS and its issuer.
-    pub external_jwt: Option<(PathBuf, String)>,
+    pub(crate) external_jwt: Option<(PathBuf, String)>,
     /// Issuer whose keys come from the Kubernetes API's OIDC discovery.
-    pub discovered_jwt_issuer: Option<String>,
+    pub(crate) discovered_jwt_issuer: Option<String>,
     /// How long a token that passed offline validation is reused.
-    pub jwt_cache_ttl: Duration,
+    pub(crate) jwt_cache_ttl: Duration,
     /// All DNS names of the server certificate.
-    pub server_dns: Vec<String>,
+    pub(crate) server_dns: Vec<String>,
     /// Kubernetes API access.
-    pub kubernetes: KubernetesConfig,
+    pub(crate) kubernetes: KubernetesConfig,
     /// Trusted node agents (namespace, service account).
-    pub trusted_node_agents: Vec<(String, String)>,
+    pub(crate) trusted_node_agents: Vec<(String, String)>,
     /// This cluster's ID.
-    pub cluster_id: String,
+    pub(crate) cluster_id: String,
     /// Concurrency limit of CreateCertificate.
-    pub max_concurrent_requests: usize,
+    pub(crate) max_concurrent_requests: usize,
     /// HTTP/2 streams one connection may have open at once.
-    pub max_concurrent_streams: u32,
+    pub(crate) max_concurrent_streams: u32,
     /// Connections older than this get a GOAWAY (`None`: never).
-    pub max_connection_age: Option<Duration>,
+    pub(crate) max_connection_age: Option<Duration>,
     /// Longest time a request is served before it is cancelled.
-    pub request_timeout: Duration,
+    pub(crate) request_timeout: Duration,
     /// Connections with no open stream this long get a GOAWAY (`None`: never).
-    pub max_connection_idle: Option<Duration>,
+    pub(crate) max_connection_idle: Option<Duration>,
     /// gRPC connections open at once; more evict an idle one, wait, or
     /// are closed at accept.
-    pub max_connections: usize,
+    pub(crate) max_connections: usize,
     /// At the connection cap, the connection idle longest is asked to go
     /// away for a new one if idle at least this long (`None`: never).
-    pub evict_idle_connections_after: Option<Duration>,
+    pub(crate) evict_idle_connections_after: Option<Duration>,
     /// gRPC requests open at once across all connections; more are refused.
-    pub max_open_requests: usize,
+    pub(crate) max_open_requests: usize,
     /// Longest time a TLS handshake may take.
-    pub tls_handshake_timeout: Duration,
+    pub(crate) tls_handshake_timeout: Duration,
     /// Drain time on shutdown.
-    pub shutdown_grace: Duration,
+    pub(crate) shutdown_grace: Duration,
     /// Signing stops this long before the signing certificate expires.
-    pub ca_expiry_margin: Duration,
+    pub(crate) ca_expiry_margin: Duration,
     /// How often --ca-dir is checked for changes.
-    pub ca_dir_check_interval: Duration,
+    pub(crate) ca_dir_check_interval: Duration,
     /// In-cluster state: Secret, ConfigMaps, Lease, root rotation.
-    pub cluster: ClusterConfig,
+    pub(crate) cluster: ClusterConfig,
     /// Whether renewal by client certificate is allowed.
-    pub allow_cert_renewal: bool,
+    pub(crate) allow_cert_renewal: bool,
     /// The per-identity issuance rate limit.
-    pub rate_limit: crate::rate_limit::RateLimitPolicy,
+    pub(crate) rate_limit: crate::rate_limit::RateLimitPolicy,
     /// How long the pod watch may fail before impersonation is refused.
-    pub pod_watch_failure_limit: Duration,
+    pub(crate) pod_watch_failure_limit: Duration,
 }
 
 /// How meshca keeps its state in a cluster (README, "Running in a cluster").
 #[derive(Debug, Clone)]
-pub struct ClusterConfig {
+pub(crate) struct ClusterConfig {
     /// meshca's namespace, if given (else $POD_NAMESPACE or the kubeconfig's).
-    pub namespace: Option<String>,
+    pub(crate) namespace: Option<String>,
     /// Lifetime of a self-signed root.
-    pub root_ttl: Duration,
+    pub(crate) root_ttl: Duration,
     /// Fraction of the root's life after which it is rotated.
-    pub rotation_at: f64,
+    pub(crate) rotation_at: f64,
     /// Both roots are published this long before signing switches.
-    pub rotation_grace: Duration,
+    pub(crate) rotation_grace: Duration,
     /// Namespaces without the bundle ConfigMap.
-    pub bundle_excluded_namespaces: Vec<String>,
+    pub(crate) bundle_excluded_namespaces: Vec<String>,
     /// Leader-election Lease duration.
-    pub lease_duration: Duration,
+    pub(crate) lease_duration: Duration,
     /// The PodCertificateRequest signer name served, if any.
-    pub pod_certificate_signer: Option<String>,
+    pub(crate) pod_certificate_signer: Option<String>,
 }
 
 /// How meshca reaches the Kubernetes API.
 #[derive(Debug, Clone)]
-pub struct KubernetesConfig {
+pub(crate) struct KubernetesConfig {
     /// Explicit kubeconfig; without it, in-cluster config when in a pod.
-    pub kubeconfig: Option<PathBuf>,
+    pub(crate) kubeconfig: Option<PathBuf>,
     /// TokenReview positive cache lifetime.
-    pub token_review_cache_ttl: Duration,
+    pub(crate) token_review_cache_ttl: Duration,
     /// How long a refused token is refused again without a TokenReview.
-    pub token_review_refusal_cache_ttl: Duration,
+    pub(crate) token_review_refusal_cache_ttl: Duration,
     /// Per-call timeout.
-    pub api_timeout: Duration,
+    pub(crate) api_timeout: Duration,
     /// Calls in flight.
-    pub api_max_in_flight: usize,
+    pub(crate) api_max_in_flight: usize,
 }
 
 impl TryFrom<ServeArgs> for Config {

@@ -16,14 +16,17 @@
 //! Around the request path: [`config`] parses the command line;
 //! `server_identity` issues and renews the server's own TLS certificate;
 //! `metrics` holds Istio's metrics; `rate_limited_log` keeps refusals
-//! from flooding the log; [`rate_limit`] bounds how often one
+//! from flooding the log; `rate_limit` bounds how often one
 //! identity gets a certificate; `reload` takes a changed `--ca-dir`
 //! into use; [`cluster`] keeps the root in a Secret, the bundle in every
 //! namespace, elects a leader and rotates the root; [`server`] starts it
 //! all, in named steps, and drains it on shutdown.
 //!
-//! Public are only what the `meshca` binary, the benchmarks and the
-//! end-to-end tests use; ARCHITECTURE.md walks through the rest.
+//! Public is only what other crates use: the `meshca` binary, the
+//! benchmarks (`ca/benches`, `meshca-bench`), the manifest tests
+//! (`ca/tests`) and the fuzz targets, plus the types their signatures
+//! name. Everything else is `pub(crate)` or private; ARCHITECTURE.md
+//! walks through it.
 //!
 //! ```no_run
 //! use clap::Parser;
@@ -42,7 +45,7 @@
 //! # }
 //! ```
 
-pub mod admission;
+pub(crate) mod admission;
 pub mod authn;
 pub mod authority;
 pub(crate) mod authz;
@@ -51,11 +54,9 @@ pub mod cluster;
 pub mod config;
 pub(crate) mod heap_trim;
 pub(crate) mod metrics;
-pub mod rate_limit;
+pub(crate) mod rate_limit;
 pub(crate) mod rate_limited_log;
 pub(crate) mod reload;
-#[cfg(test)]
-mod renewal_pace_tests;
 pub mod server;
 pub(crate) mod server_identity;
 pub(crate) mod service;

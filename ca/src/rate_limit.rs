@@ -24,24 +24,24 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// Default certificates one key may get at once.
-pub const DEFAULT_BURST: u32 = 100;
+pub(crate) const DEFAULT_BURST: u32 = 100;
 /// Default time after which a key may get one more certificate.
-pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
+pub(crate) const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
 /// Default number of keys tracked at once.
-pub const DEFAULT_MAX_KEYS: usize = 50_000;
+pub(crate) const DEFAULT_MAX_KEYS: usize = 50_000;
 /// A full map is swept for refilled keys at most this often (a sweep
 /// visits every key).
 const SWEEP_INTERVAL: Duration = Duration::from_secs(1);
 
 /// The rate limit's settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RateLimitPolicy {
+pub(crate) struct RateLimitPolicy {
     /// Certificates a key may get at once; 0 turns the limit off.
-    pub burst: u32,
+    pub(crate) burst: u32,
     /// After the burst, one more certificate per `interval`.
-    pub interval: Duration,
+    pub(crate) interval: Duration,
     /// Keys tracked at once.
-    pub max_keys: usize,
+    pub(crate) max_keys: usize,
 }
 
 impl Default for RateLimitPolicy {
@@ -56,14 +56,14 @@ impl Default for RateLimitPolicy {
 
 /// A refused request: when the key may ask again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Throttled {
+pub(crate) struct Throttled {
     /// Time until the next certificate is allowed.
-    pub retry_after: Duration,
+    pub(crate) retry_after: Duration,
 }
 
 /// The per-key limiter.
 #[derive(Debug)]
-pub struct IssuanceRateLimit {
+pub(crate) struct IssuanceRateLimit {
     policy: RateLimitPolicy,
     state: Mutex<Buckets>,
 }
@@ -77,7 +77,7 @@ struct Buckets {
 
 impl IssuanceRateLimit {
     /// A limiter with `policy`.
-    pub fn new(policy: RateLimitPolicy) -> Self {
+    pub(crate) fn new(policy: RateLimitPolicy) -> Self {
         Self {
             policy,
             state: Mutex::new(Buckets::default()),
@@ -85,12 +85,12 @@ impl IssuanceRateLimit {
     }
 
     /// The settings.
-    pub fn policy(&self) -> RateLimitPolicy {
+    pub(crate) fn policy(&self) -> RateLimitPolicy {
         self.policy
     }
 
     /// Takes one certificate for `key` at `now`, or says when to retry.
-    pub fn check(&self, key: &str, now: Instant) -> Result<(), Throttled> {
+    pub(crate) fn check(&self, key: &str, now: Instant) -> Result<(), Throttled> {
         let RateLimitPolicy {
             burst,
             interval,
@@ -131,7 +131,8 @@ impl IssuanceRateLimit {
     }
 
     /// Keys tracked now.
-    pub fn tracked(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn tracked(&self) -> usize {
         self.state
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -148,6 +148,10 @@ async fn discovered_jwt_authenticator(
 /// How often discovered keys are fetched again.
 pub(crate) const JWKS_REFRESH_PERIOD: Duration = Duration::from_secs(300);
 
+/// Start-up step: who is calling. In order: client certificates (unless
+/// renewal is off), the local issuer (embedded mode only: it writes the
+/// issuer's files to the data directory), `--jwks`, and with a cluster the
+/// API server's OIDC keys (`--jwt-issuer` alone) and TokenReview.
 async fn build_authenticators(
     config: &Config,
     metrics: &Metrics,
@@ -232,6 +236,7 @@ async fn build_authenticators(
             .counting_waiting(metrics.token_reviews_waiting.clone()),
         ));
     }
+    tracing::info!(authenticators = ?chain, "authentication configured");
     Ok(chain)
 }
 
@@ -365,21 +370,21 @@ fn write_bundle_file(dir: &std::path::Path, authority: &Authority) {
     }
 }
 
-/// Starts the in-cluster work: leader election, and under leadership the
-/// bundle ConfigMaps and (root in the Secret) the root rotation; every
-/// replica follows the Secret. Returns the elector's task, which releases
-/// the Lease once `draining` turns true.
-#[allow(clippy::too_many_arguments)]
+/// Start-up step: the in-cluster work, when there is a cluster: leader
+/// election, and under leadership the bundle ConfigMaps and (root in the
+/// Secret) the root rotation; every replica follows the Secret. Returns
+/// the elector's task, which releases the Lease once `draining` turns true.
 fn start_cluster_tasks(
     config: &Config,
-    client: &kube::Client,
-    namespace: &str,
+    cluster: Option<&ClusterAccess>,
     root_in_secret: bool,
     authority: &Arc<Authority>,
     metrics: &Metrics,
     draining: tokio::sync::watch::Receiver<bool>,
     background: &mut tokio::task::JoinSet<()>,
-) -> tokio::task::JoinHandle<()> {
+) -> Option<tokio::task::JoinHandle<()>> {
+    let ClusterAccess { client, namespace } = cluster?;
+    let namespace = namespace.as_str();
     let (leader_tx, leader_rx) = tokio::sync::watch::channel(false);
     let elector = LeaderElector::new(
         client.clone(),
@@ -472,7 +477,7 @@ fn start_cluster_tasks(
             }
         }
     }));
-    elector
+    Some(elector)
 }
 
 /// The Kubernetes API, when there is one: the client and the namespace
@@ -495,6 +500,38 @@ async fn connect_to_cluster(config: &Config) -> Result<Option<ClusterAccess>, Se
         namespace: cluster::own_namespace(config.cluster.namespace.as_deref(), &client),
         client,
     }))
+}
+
+/// What meshca says when a flag needs the Kubernetes API and there is none.
+fn needs_cluster(flag: &str, what_for: &str) -> ServeError {
+    ServeError::Kubernetes(format!(
+        "{flag} needs the Kubernetes API (--kubeconfig, or running in a pod) {what_for}"
+    ))
+}
+
+/// Start-up step, before anything is written: refuses flags that need the
+/// Kubernetes API when there is none (`has_cluster`), so a refused start
+/// leaves the data directory as it was.
+fn check_cluster_requirements(config: &Config, has_cluster: bool) -> Result<(), ServeError> {
+    if has_cluster {
+        return Ok(());
+    }
+    if config.cluster.pod_certificate_signer.is_some() {
+        return Err(needs_cluster(
+            "--pod-certificate-signer",
+            "to watch PodCertificateRequests",
+        ));
+    }
+    if config.discovered_jwt_issuer.is_some() {
+        return Err(needs_cluster(
+            "--jwt-issuer without --jwks",
+            "for OIDC discovery",
+        ));
+    }
+    if !config.trusted_node_agents.is_empty() {
+        return Err(needs_cluster("--trusted-node-agent", "to check pods"));
+    }
+    Ok(())
 }
 
 /// Start-up step: loads the CA material. The root lives in the cluster's
@@ -557,10 +594,7 @@ fn build_authorizer(
         return Ok(Authorizer::own_identity_only());
     }
     let Some(client) = kube else {
-        return Err(ServeError::Kubernetes(
-            "--trusted-node-agent needs the Kubernetes API (--kubeconfig, or running in a pod) to check pods"
-                .into(),
-        ));
+        return Err(needs_cluster("--trusted-node-agent", "to check pods"));
     };
     let pods = Arc::new(PodIndex::with_max_watch_failure(
         config.pod_watch_failure_limit,
@@ -617,6 +651,8 @@ struct Listeners {
     grpc: TcpListener,
     monitoring: TcpListener,
     bound: BoundAddrs,
+    /// How connections on the gRPC port are accepted.
+    limits: AcceptLimits,
 }
 
 /// Start-up step: binds the gRPC port (with a deep accept queue) and the
@@ -644,7 +680,81 @@ async fn bind_listeners(config: &Config) -> Result<Listeners, ServeError> {
         grpc,
         monitoring,
         bound,
+        limits: AcceptLimits {
+            max_connections: config.max_connections,
+            evict_idle_after: config.evict_idle_connections_after,
+            handshake_timeout: config.tls_handshake_timeout,
+        },
     })
+}
+
+/// Start-up step: the server's own TLS identity, issued by `authority`
+/// for `--server-dns` and renewed in `background` until `stop` turns true;
+/// returns the TLS acceptor that presents it.
+fn start_server_identity(
+    config: &Config,
+    authority: &Arc<Authority>,
+    stop: tokio::sync::watch::Receiver<bool>,
+    background: &mut tokio::task::JoinSet<()>,
+) -> Result<TlsAcceptor, ServeError> {
+    let resolver = server_identity::new_resolver(authority, &config.server_dns)?;
+    let acceptor = TlsAcceptor::from(Arc::new(transport::server_config(resolver.clone())?));
+    background.spawn(server_identity::renew_server_cert(
+        resolver,
+        authority.clone(),
+        config.server_dns.clone(),
+        stop,
+    ));
+    Ok(acceptor)
+}
+
+/// The gRPC service and what reports whether it serves: gRPC health, and
+/// the flag `/ready` reads.
+struct Service<H> {
+    ca: CaService,
+    health: HealthServer<H>,
+    health_reporter: tonic_health::server::HealthReporter,
+    serving: Arc<AtomicBool>,
+}
+
+/// Start-up step: the CA service (authentication, authorization, signing,
+/// the rate limit) and its health, reported serving.
+async fn build_service(
+    config: &Config,
+    authority: &Arc<Authority>,
+    authn: AuthenticatorChain,
+    authz: Authorizer,
+    metrics: &Metrics,
+) -> Service<impl Health> {
+    let ca = CaService::new(
+        authority.clone(),
+        authn,
+        authz,
+        metrics.clone(),
+        config.cluster_id.clone(),
+        config.max_concurrent_requests,
+    )
+    .with_rate_limit(config.rate_limit);
+    let (health_reporter, health) = tonic_health::server::health_reporter();
+    health_reporter
+        .set_serving::<IstioCertificateServiceServer<CaService>>()
+        .await;
+    Service {
+        ca,
+        health,
+        health_reporter,
+        serving: Arc::new(AtomicBool::new(true)),
+    }
+}
+
+/// Start-up step: tells the caller and the log where the server listens.
+fn announce(bound: BoundAddrs, on_bound: impl FnOnce(BoundAddrs)) {
+    on_bound(bound);
+    tracing::info!(
+        grpc = %bound.grpc,
+        monitoring = %bound.monitoring,
+        "meshca is serving IstioCertificateService over TLS"
+    );
 }
 
 /// Start-up step: serves `/metrics`, `/ready` and `/healthz` on the
@@ -674,12 +784,12 @@ fn start_monitoring(
 /// Start-up step: once `shutdown` completes, marks the server not ready,
 /// reports `NOT_SERVING` and turns `draining` true, so the gRPC servers
 /// stop accepting and finish what is in flight.
-fn drain_on_shutdown(
+fn drain_on_shutdown<H>(
     shutdown: impl Future<Output = ()> + Send + 'static,
-    serving: Arc<AtomicBool>,
-    health: tonic_health::server::HealthReporter,
+    service: &Service<H>,
     draining: tokio::sync::watch::Sender<bool>,
 ) {
+    let (serving, health) = (service.serving.clone(), service.health_reporter.clone());
     tokio::spawn(async move {
         shutdown.await;
         tracing::info!("shutdown requested: draining in-flight requests");
@@ -697,15 +807,15 @@ fn drain_on_shutdown(
 async fn serve_until_drained(
     config: &Config,
     incoming: ReceiverStream<Accepted>,
-    service: CaService,
-    health: HealthServer<impl Health>,
+    service: Service<impl Health>,
     metrics: &Metrics,
     mut draining: tokio::sync::watch::Receiver<bool>,
 ) {
+    let Service { ca, health, .. } = service;
     let grpc = CallerGate::new(
-        IstioCertificateServiceServer::new(service.clone())
+        IstioCertificateServiceServer::new(ca.clone())
             .max_decoding_message_size(transport::MAX_REQUEST_BYTES),
-        service,
+        ca,
     );
     let settings = Http2Settings {
         max_concurrent_streams: config.max_concurrent_streams,
@@ -741,6 +851,24 @@ async fn serve_until_drained(
     }
 }
 
+/// Last step: stops the monitoring thread and the background tasks
+/// (the server certificate's renewal included) and gives the Lease back,
+/// so another replica takes over at once.
+async fn stop(
+    stop: tokio::sync::watch::Sender<bool>,
+    monitoring: tokio::sync::oneshot::Receiver<()>,
+    mut background: tokio::task::JoinSet<()>,
+    elector: Option<tokio::task::JoinHandle<()>>,
+) {
+    let _ = stop.send(true);
+    let _ = monitoring.await;
+    background.abort_all();
+    if let Some(elector) = elector {
+        let _ = tokio::time::timeout(Duration::from_secs(3), elector).await;
+    }
+    tracing::info!("meshca stopped");
+}
+
 /// Runs the CA until `shutdown` completes, then drains in-flight requests
 /// (up to `config.shutdown_grace`) and returns. `on_bound` is called with
 /// the bound addresses once both listeners are up.
@@ -750,109 +878,83 @@ pub async fn run(
     on_bound: impl FnOnce(BoundAddrs) + Send,
 ) -> Result<(), ServeError> {
     let cluster = connect_to_cluster(&config).await?;
-    if config.cluster.pod_certificate_signer.is_some() && cluster.is_none() {
-        return Err(ServeError::Kubernetes(
-            "--pod-certificate-signer needs the Kubernetes API (--kubeconfig, or running in a pod) to watch PodCertificateRequests"
-                .into(),
-        ));
-    }
-    let kube = cluster.as_ref().map(|c| c.client.clone());
+    check_cluster_requirements(&config, cluster.is_some())?;
     let (material, root_in_secret) = load_ca_material(&config, cluster.as_ref()).await?;
     let authority = start_authority(&config, material);
-    let mut background = tokio::task::JoinSet::new();
-    let metrics = Metrics::default();
+    let (mut background, metrics) = (tokio::task::JoinSet::new(), Metrics::default());
+    let kube = cluster.as_ref().map(|c| c.client.clone());
     let authn =
         build_authenticators(&config, &metrics, &authority, kube.clone(), &mut background).await?;
-    if config.discovered_jwt_issuer.is_some() && kube.is_none() {
-        return Err(ServeError::Kubernetes(
-            "--jwt-issuer without --jwks needs the Kubernetes API (--kubeconfig, or running in a pod) for OIDC discovery"
-                .into(),
-        ));
-    }
     let authz = build_authorizer(&config, kube, &mut background)?;
-    tracing::info!(authenticators = ?authn, "authentication configured");
     let registry = register_metrics(&metrics, &authority);
-    let (draining_tx, draining_rx) = tokio::sync::watch::channel(false);
-    follow_ca_material(&config, &authority, &metrics, &mut background);
-    let elector = cluster.as_ref().map(|c| {
-        start_cluster_tasks(
-            &config,
-            &c.client,
-            &c.namespace,
-            root_in_secret,
-            &authority,
-            &metrics,
-            draining_rx.clone(),
-            &mut background,
-        )
-    });
-
-    let resolver = server_identity::new_resolver(&authority, &config.server_dns)?;
-    let acceptor = TlsAcceptor::from(Arc::new(transport::server_config(resolver.clone())?));
-    let listeners = bind_listeners(&config).await?;
-    let service = CaService::new(
-        authority.clone(),
-        authn,
-        authz,
-        metrics.clone(),
-        config.cluster_id.clone(),
-        config.max_concurrent_requests,
-    )
-    .with_rate_limit(config.rate_limit);
-    let (health_reporter, health_service) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<IstioCertificateServiceServer<CaService>>()
-        .await;
-    let serving = Arc::new(AtomicBool::new(true));
+    let (draining_tx, draining) = tokio::sync::watch::channel(false);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    follow_ca_material(&config, &authority, &metrics, &mut background);
+    let elector = start_cluster_tasks(
+        &config,
+        cluster.as_ref(),
+        root_in_secret,
+        &authority,
+        &metrics,
+        draining.clone(),
+        &mut background,
+    );
+    let acceptor = start_server_identity(&config, &authority, stop_rx.clone(), &mut background)?;
+    let listeners = bind_listeners(&config).await?;
+    let service = build_service(&config, &authority, authn, authz, &metrics).await;
     let monitoring = start_monitoring(
         listeners.monitoring,
         registry,
         &metrics,
         &authority,
-        &serving,
-        stop_rx.clone(),
-    )?;
-    let renewal = tokio::spawn(server_identity::renew_server_cert(
-        resolver,
-        authority.clone(),
-        config.server_dns.clone(),
+        &service.serving,
         stop_rx,
-    ));
-
-    let bound = listeners.bound;
-    on_bound(bound);
-    tracing::info!(
-        grpc = %bound.grpc,
-        monitoring = %bound.monitoring,
-        "meshca is serving IstioCertificateService over TLS"
-    );
-    drain_on_shutdown(shutdown, serving, health_reporter, draining_tx);
-    let limits = AcceptLimits {
-        max_connections: config.max_connections,
-        evict_idle_after: config.evict_idle_connections_after,
-        handshake_timeout: config.tls_handshake_timeout,
-    };
-    let incoming = transport::tls_incoming(listeners.grpc, acceptor, limits, &metrics);
-    serve_until_drained(
-        &config,
-        incoming,
-        service,
-        health_service,
-        &metrics,
-        draining_rx,
-    )
-    .await;
-
-    // Stop: the monitoring thread, the background tasks, the Lease.
-    let _ = stop_tx.send(true);
-    let _ = monitoring.await;
-    renewal.abort();
-    background.abort_all();
-    if let Some(elector) = elector {
-        // Give the Lease back so another replica takes over at once.
-        let _ = tokio::time::timeout(Duration::from_secs(3), elector).await;
-    }
-    tracing::info!("meshca stopped");
+    )?;
+    announce(listeners.bound, on_bound);
+    drain_on_shutdown(shutdown, &service, draining_tx);
+    let incoming = transport::tls_incoming(listeners.grpc, acceptor, listeners.limits, &metrics);
+    serve_until_drained(&config, incoming, service, &metrics, draining).await;
+    stop(stop_tx, monitoring, background, elector).await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: crate::config::ServeArgs,
+    }
+
+    fn config(args: &[&str]) -> Config {
+        let cli = Cli::parse_from(std::iter::once("meshca").chain(args.iter().copied()));
+        Config::try_from(cli.serve).unwrap()
+    }
+
+    #[test]
+    fn flags_that_need_the_kubernetes_api_are_refused_without_one() {
+        for (flags, expected) in [
+            (
+                &["--jwt-issuer", "https://kubernetes.default.svc"][..],
+                "--jwt-issuer without --jwks needs the Kubernetes API",
+            ),
+            (
+                &["--trusted-node-agent", "istio-system/ztunnel"][..],
+                "--trusted-node-agent needs the Kubernetes API",
+            ),
+            (
+                &["--pod-certificate-signer", "meshca.io/spiffe"][..],
+                "--pod-certificate-signer needs the Kubernetes API",
+            ),
+        ] {
+            let config = config(flags);
+            let refusal = check_cluster_requirements(&config, false).unwrap_err();
+            assert!(refusal.to_string().starts_with(expected), "{refusal}");
+            assert!(check_cluster_requirements(&config, true).is_ok());
+        }
+        assert!(check_cluster_requirements(&config(&[]), false).is_ok());
+    }
 }

@@ -316,6 +316,9 @@ pub(crate) fn bearer_token(headers: &http::HeaderMap) -> Option<String> {
 }
 
 #[cfg(test)]
+mod renewal_pace_tests;
+
+#[cfg(test)]
 mod tests {
     use super::*;
     use meshca_certs::TrustDomain;

@@ -2,7 +2,7 @@
 //! the trust bundle come from (README: "Using your own CA", "Running in a
 //! cluster").
 //!
-//! - [`load_ca_dir`]: a plugged-in CA in Istio's `cacerts` layout
+//! - `load_ca_dir`: a plugged-in CA in Istio's `cacerts` layout
 //!   (`ca-cert.pem`, `ca-key.pem`, `cert-chain.pem`, `root-cert.pem`) or the
 //!   Kubernetes TLS-secret layout (`tls.crt`, `tls.key`, `ca.crt`), checked
 //!   before use: key matches certificate, CA bits, chain links to a root,
@@ -22,13 +22,13 @@ use meshca_certs::verify::verify_ca_chain;
 use meshca_certs::{TrustBundle, TrustDomain};
 use time::OffsetDateTime;
 
-pub use meshca_certs::cadir::{
+pub(crate) use meshca_certs::cadir::{
     CA_CERT_FILE, CA_KEY_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE, TLS_CA_FILE, TLS_CERT_FILE,
     TLS_KEY_FILE,
 };
 
 /// Lifetime of the embedded mode's self-signed root.
-pub const SELF_SIGNED_ROOT_TTL: time::Duration = time::Duration::days(3650);
+pub(crate) const SELF_SIGNED_ROOT_TTL: time::Duration = time::Duration::days(3650);
 
 /// Why CA material could not be loaded or created. Each message names the
 /// file and the problem.
@@ -106,13 +106,13 @@ impl CaMaterial {
     /// of the chain (`signing cert, intermediates...`), then one element
     /// holding every root of the bundle, the anchor first (see
     /// [`meshca_certs::answer`]: Istio's clients trust only that element).
-    pub fn response_tail_pem(&self) -> Vec<String> {
+    pub(crate) fn response_tail_pem(&self) -> Vec<String> {
         meshca_certs::answer::encode_tail(&self.chain, &self.anchor_root, &self.bundle)
     }
 }
 
 /// Loads and checks a plugged-in CA directory.
-pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<CaMaterial, StoreError> {
+pub(crate) fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<CaMaterial, StoreError> {
     let loaded = cadir::load_ca_dir(dir, now)?;
     Ok(CaMaterial {
         signing: loaded.signing,
@@ -218,7 +218,7 @@ pub fn load_or_create_data_dir(
 }
 
 /// Writes `root-cert.pem` in `dir` if it differs from `bundle`.
-pub fn publish_bundle(dir: &Path, bundle: &TrustBundle) -> Result<(), StoreError> {
+pub(crate) fn publish_bundle(dir: &Path, bundle: &TrustBundle) -> Result<(), StoreError> {
     let path = dir.join(ROOT_CERT_FILE);
     let pem = bundle.to_pem();
     if fs::read_to_string(&path).ok().as_deref() != Some(pem.as_str()) {
@@ -229,7 +229,7 @@ pub fn publish_bundle(dir: &Path, bundle: &TrustBundle) -> Result<(), StoreError
 
 /// Loads the local token issuer from the data directory, creating it on
 /// first start.
-pub fn load_or_create_token_issuer(dir: &Path) -> Result<TokenIssuer, StoreError> {
+pub(crate) fn load_or_create_token_issuer(dir: &Path) -> Result<TokenIssuer, StoreError> {
     create_private_dir(dir)?;
     let key_path = dir.join(meshca_certs::token::ISSUER_KEY_FILE);
     if key_path.exists() {
@@ -248,7 +248,7 @@ pub fn load_or_create_token_issuer(dir: &Path) -> Result<TokenIssuer, StoreError
 }
 
 /// Creates `dir` (mode 0700) unless it exists.
-pub fn create_private_dir(dir: &Path) -> Result<(), StoreError> {
+pub(crate) fn create_private_dir(dir: &Path) -> Result<(), StoreError> {
     if dir.is_dir() {
         return Ok(());
     }

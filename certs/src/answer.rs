@@ -80,7 +80,7 @@ pub fn encode_tail(chain: &[Vec<u8>], anchor: &[u8], bundle: &TrustBundle) -> Ve
 
 /// The last element of an answer: `anchor`, then every other root of
 /// `bundle` in its order, as one PEM text.
-pub fn roots_element(anchor: &[u8], bundle: &TrustBundle) -> String {
+pub(crate) fn roots_element(anchor: &[u8], bundle: &TrustBundle) -> String {
     std::iter::once(anchor)
         .chain(
             bundle

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use x509_parser::prelude::{FromDer, X509Certificate};
 
 /// PEM tag of a certificate.
-pub const CERTIFICATE_TAG: &str = "CERTIFICATE";
+pub(crate) const CERTIFICATE_TAG: &str = "CERTIFICATE";
 
 /// File mode for private keys.
 pub const PRIVATE_KEY_MODE: u32 = 0o600;
@@ -56,7 +56,7 @@ pub enum BundleError {
 
 impl BundleError {
     /// The same error, naming the file it came from.
-    pub fn in_file(self, path: &Path) -> FileError {
+    pub(crate) fn in_file(self, path: &Path) -> FileError {
         FileError {
             path: path.to_path_buf(),
             source: self,
@@ -112,7 +112,7 @@ pub fn read_certs_file(path: &Path) -> Result<Vec<Vec<u8>>, FileError> {
 }
 
 /// Reads a text file; the error names the file.
-pub fn read_text(path: &Path) -> Result<String, BundleError> {
+pub(crate) fn read_text(path: &Path) -> Result<String, BundleError> {
     fs::read_to_string(path).map_err(|source| BundleError::Read {
         path: path.to_path_buf(),
         source,
@@ -179,7 +179,7 @@ pub struct StagedFile {
 
 impl StagedFile {
     /// Renames the staged file over its destination and syncs the directory.
-    pub fn commit(mut self) -> Result<(), BundleError> {
+    pub(crate) fn commit(mut self) -> Result<(), BundleError> {
         fs::rename(&self.tmp, &self.path).map_err(|source| BundleError::Write {
             path: self.path.clone(),
             source,

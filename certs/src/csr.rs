@@ -26,7 +26,7 @@ use crate::spiffe::SpiffeId;
 
 /// Largest PEM CSR accepted, in bytes. An RSA-8192 CSR with a few SANs is
 /// about 3 KiB; anything near this limit is not a real workload CSR.
-pub const MAX_CSR_PEM_LEN: usize = 32 * 1024;
+pub(crate) const MAX_CSR_PEM_LEN: usize = 32 * 1024;
 
 const PEM_TAG: &str = "CERTIFICATE REQUEST";
 const PEM_TAG_NEW: &str = "NEW CERTIFICATE REQUEST";
@@ -35,7 +35,7 @@ const PEM_TAG_NEW: &str = "NEW CERTIFICATE REQUEST";
 /// (gRPC `INVALID_ARGUMENT`).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CsrError {
-    /// The CSR is larger than [`MAX_CSR_PEM_LEN`].
+    /// The CSR is larger than `MAX_CSR_PEM_LEN` (32 KiB).
     #[error("CSR is {0} bytes, larger than the {MAX_CSR_PEM_LEN} allowed")]
     TooLarge(usize),
     /// The input is not PEM, or holds no `CERTIFICATE REQUEST` block.
@@ -72,8 +72,8 @@ pub enum CsrError {
 /// slower readers then decide. The body is decoded with the `base64`
 /// crate's engine rather than rustls' PEM reader: a CSR is public, so the
 /// constant-time decoder rustls uses for private keys buys nothing here and
-/// cost ~8,000 instructions per certificate (a twentieth of everything an
-/// issuance does besides the cryptography).
+/// costs instructions on every certificate (BENCHMARKS.md, "Fewer
+/// instructions around the crypto, message-sized buffers").
 fn single_block_der(pem_text: &str) -> Option<Vec<u8>> {
     use base64::Engine;
     let text = pem_text.trim_ascii();
@@ -180,7 +180,8 @@ impl VerifiedCsr {
     }
 
     /// What kind of key the CSR carries.
-    pub fn key_kind(&self) -> KeyKind {
+    #[cfg(test)]
+    pub(crate) fn key_kind(&self) -> KeyKind {
         self.subject_key.kind()
     }
 

@@ -62,7 +62,8 @@ pub enum KeyAlgorithm {
 
 impl KeyAlgorithm {
     /// Every algorithm, in the order the CLI lists them.
-    pub const ALL: [KeyAlgorithm; 5] = [
+    #[cfg(test)]
+    pub(crate) const ALL: [KeyAlgorithm; 5] = [
         Self::EcdsaP256,
         Self::EcdsaP384,
         Self::Rsa2048,
@@ -201,11 +202,6 @@ impl PrivateKey {
     pub fn key_pair(&self) -> &KeyPair {
         &self.key_pair
     }
-
-    /// The signature algorithm this key signs with.
-    pub fn signature_algorithm(&self) -> &'static SignatureAlgorithm {
-        self.key_pair.algorithm()
-    }
 }
 
 impl fmt::Debug for PrivateKey {
@@ -235,14 +231,14 @@ pub enum KeyKind {
 
 impl KeyKind {
     /// Describes the key in a DER SubjectPublicKeyInfo.
-    pub fn from_spki_der(spki_der: &[u8]) -> Result<Self, KeyError> {
+    pub(crate) fn from_spki_der(spki_der: &[u8]) -> Result<Self, KeyError> {
         let (_, spki) = SubjectPublicKeyInfo::from_der(spki_der)
             .map_err(|e| KeyError::Unsupported(format!("bad SubjectPublicKeyInfo: {e}")))?;
         Ok(Self::from_spki(&spki))
     }
 
     /// Describes a parsed SubjectPublicKeyInfo.
-    pub fn from_spki(spki: &SubjectPublicKeyInfo<'_>) -> Self {
+    pub(crate) fn from_spki(spki: &SubjectPublicKeyInfo<'_>) -> Self {
         use x509_parser::oid_registry::{
             OID_EC_P256, OID_KEY_TYPE_EC_PUBLIC_KEY, OID_NIST_EC_P384, OID_PKCS1_RSAENCRYPTION,
             OID_SIG_ED25519,
@@ -273,7 +269,7 @@ impl KeyKind {
 
     /// Whether meshca accepts this key in a CSR: ECDSA P-256 or P-384, RSA
     /// 2048–8192 bits, Ed25519.
-    pub fn is_acceptable_for_workload(self) -> bool {
+    pub(crate) fn is_acceptable_for_workload(self) -> bool {
         match self {
             Self::EcdsaP256 | Self::EcdsaP384 | Self::Ed25519 => true,
             Self::Rsa(bits) => (2048..=8192).contains(&bits),
@@ -282,7 +278,7 @@ impl KeyKind {
     }
 
     /// Whether this is an RSA key (workload certs then also get keyEncipherment).
-    pub fn is_rsa(self) -> bool {
+    pub(crate) fn is_rsa(self) -> bool {
         matches!(self, Self::Rsa(_))
     }
 }

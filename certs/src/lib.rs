@@ -17,6 +17,10 @@
 //!   pod's key and its proof of possession, as kube-apiserver checks them;
 //! - [`token`]: Kubernetes-style service-account tokens and the local issuer.
 //!
+//! Public is only what other crates use (`meshca-ca`, `meshca-client`, the
+//! `meshca-certs` CLI, the benchmarks, tests and fuzz targets) and the types
+//! their signatures name; the helpers behind them are `pub(crate)`.
+//!
 //! ```
 //! use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId, VerifiedCsr};
 //!

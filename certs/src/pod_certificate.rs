@@ -12,7 +12,7 @@
 //!   either encoding (the 1.36 `stubPKCS10Request`, or the 1.35
 //!   `pkixPublicKey` + `proofOfPossession`), with the proof of possession
 //!   checked as kube-apiserver checks it;
-//! - [`signs_key`]: the key types meshca issues pod certificates for.
+//! - `signs_key`: the key types meshca issues pod certificates for.
 //!
 //! The API accepts RSA 3072 and 4096, ECDSA P-256, P-384 and P-521, and
 //! Ed25519. meshca signs every one of them except ECDSA P-521, whose proof
@@ -32,9 +32,9 @@ use crate::profile::SubjectKey;
 pub const SUPPORTED_KEY_TYPES: &str = "ECDSA P-256, ECDSA P-384, RSA 3072, RSA 4096 or Ed25519";
 
 /// Largest `pkixPublicKey` the API accepts, in bytes.
-pub const MAX_PKIX_PUBLIC_KEY_SIZE: usize = 10 * 1024;
+pub(crate) const MAX_PKIX_PUBLIC_KEY_SIZE: usize = 10 * 1024;
 /// Largest `proofOfPossession` the API accepts, in bytes.
-pub const MAX_PROOF_OF_POSSESSION_SIZE: usize = 10 * 1024;
+pub(crate) const MAX_PROOF_OF_POSSESSION_SIZE: usize = 10 * 1024;
 /// Largest `certificateChain` the API accepts, in bytes.
 pub const MAX_CERTIFICATE_CHAIN_SIZE: usize = 100 * 1024;
 /// Largest `trustBundle` of a `ClusterTrustBundle`, in bytes.
@@ -123,7 +123,7 @@ impl PodKeyKind {
 }
 
 /// Whether meshca issues pod certificates for keys of this type.
-pub fn signs_key(kind: KeyKind) -> bool {
+pub(crate) fn signs_key(kind: KeyKind) -> bool {
     match kind {
         KeyKind::EcdsaP256 | KeyKind::EcdsaP384 | KeyKind::Ed25519 => true,
         KeyKind::Rsa(bits) => bits == 3072 || bits == 4096,
@@ -143,7 +143,7 @@ pub fn signs_key(kind: KeyKind) -> bool {
 ///   options).
 ///
 /// Both present, or neither, is malformed. The key type must be one
-/// [`signs_key`] accepts.
+/// `signs_key` accepts.
 pub fn read_pod_key(
     stub_pkcs10_request: &[u8],
     pkix_public_key: &[u8],
@@ -278,13 +278,13 @@ fn verify_rsa_pss_any_salt(spki_der: &[u8], message: &[u8], proof: &[u8]) -> boo
 
 /// Longest signer name the API accepts: a DNS-1123 subdomain (253), `/`,
 /// and a path as long as a label, `.` and a subdomain (63 + 1 + 253).
-pub const MAX_SIGNER_NAME_LENGTH: usize = 253 + 1 + 63 + 1 + 253;
+pub(crate) const MAX_SIGNER_NAME_LENGTH: usize = 253 + 1 + 63 + 1 + 253;
 
 /// Checks a signer name as kube-apiserver does (`ValidateSignerName`):
 /// `DOMAIN/PATH`; the domain at most 253 characters of DNS-1123 labels,
 /// with at least one dot; the path pieces between dots DNS-1123
 /// subdomains (so up to 253 characters each, room for a resource name);
-/// the whole name at most [`MAX_SIGNER_NAME_LENGTH`].
+/// the whole name at most `MAX_SIGNER_NAME_LENGTH` (571 characters).
 pub fn validate_signer_name(name: &str) -> Result<(), String> {
     let Some((domain, path)) = name.split_once('/') else {
         return Err(format!(
@@ -357,7 +357,7 @@ fn is_dns1123_label(label: &str) -> bool {
 /// Whether `name` is a DNS-1123 subdomain (the rule for object names):
 /// at most 253 characters, pieces separated by dots. As in the API's
 /// `IsDNS1123Subdomain`, a piece has no length limit of its own.
-pub fn is_dns1123_subdomain(name: &str) -> bool {
+pub(crate) fn is_dns1123_subdomain(name: &str) -> bool {
     name.len() <= 253 && name.split('.').all(is_dns1123_piece)
 }
 

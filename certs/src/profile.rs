@@ -33,7 +33,7 @@ pub const CLOCK_SKEW_BACKDATE: Duration = Duration::minutes(2);
 /// such as ztunnel renew (notBefore + lifetime / 2), falls after it is
 /// issued: a 60 s certificate is backdated 6 s and is due again 27 s after
 /// issuance, not at once.
-pub const BACKDATE_DIVISOR: i32 = 10;
+pub(crate) const BACKDATE_DIVISOR: i32 = 10;
 
 /// Errors from building or signing certificates.
 #[derive(Debug, thiserror::Error)]
@@ -95,7 +95,7 @@ impl Validity {
     /// How far before issuance notBefore is set for a lifetime of `ttl`:
     /// [`CLOCK_SKEW_BACKDATE`], or a tenth of `ttl` when that is shorter
     /// (whole seconds, never negative).
-    pub fn backdate(ttl: Duration) -> Duration {
+    pub(crate) fn backdate(ttl: Duration) -> Duration {
         let proportional = Duration::seconds((ttl / BACKDATE_DIVISOR).whole_seconds().max(0));
         proportional.min(CLOCK_SKEW_BACKDATE)
     }
@@ -137,7 +137,7 @@ pub struct SubjectKey {
 
 impl SubjectKey {
     /// Parses a DER SubjectPublicKeyInfo.
-    pub fn from_spki_der(spki_der: &[u8]) -> Result<Self, ProfileError> {
+    pub(crate) fn from_spki_der(spki_der: &[u8]) -> Result<Self, ProfileError> {
         let (rest, spki) = x509_parser::x509::SubjectPublicKeyInfo::from_der(spki_der)
             .map_err(|e| ProfileError::BadSubjectKey(e.to_string()))?;
         if !rest.is_empty() {

@@ -10,9 +10,9 @@ use std::fmt;
 use std::str::FromStr;
 
 /// Longest SPIFFE ID the spec allows, in bytes.
-pub const MAX_SPIFFE_ID_LEN: usize = 2048;
+pub(crate) const MAX_SPIFFE_ID_LEN: usize = 2048;
 /// Longest trust domain name, in bytes (the spec's DNS-name limit).
-pub const MAX_TRUST_DOMAIN_LEN: usize = 255;
+pub(crate) const MAX_TRUST_DOMAIN_LEN: usize = 255;
 /// Trust domain used when none is configured, as in Istio.
 pub const DEFAULT_TRUST_DOMAIN: &str = "cluster.local";
 

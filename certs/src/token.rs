@@ -21,7 +21,7 @@ pub const ISSUER_KEY_FILE: &str = "token-issuer-key.pem";
 /// File in the data directory holding the local issuer's public JWKS.
 pub const ISSUER_JWKS_FILE: &str = "token-issuer-jwks.json";
 /// The `iss` of tokens minted by the local issuer.
-pub const LOCAL_ISSUER: &str = "https://meshca.local/token-issuer";
+pub(crate) const LOCAL_ISSUER: &str = "https://meshca.local/token-issuer";
 /// Istio's default token audience.
 pub const DEFAULT_AUDIENCE: &str = "istio-ca";
 
@@ -163,7 +163,7 @@ pub struct ServiceAccountClaims {
 }
 
 /// The prefix of a service account's username and token subject.
-pub const SERVICE_ACCOUNT_USER_PREFIX: &str = "system:serviceaccount:";
+pub(crate) const SERVICE_ACCOUNT_USER_PREFIX: &str = "system:serviceaccount:";
 
 impl ServiceAccountClaims {
     /// The namespace and service account the token is for: from the

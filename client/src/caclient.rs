@@ -70,7 +70,7 @@ impl Default for RequestOptions {
 }
 
 /// Whether a status code is worth retrying.
-pub fn is_retryable(code: tonic::Code) -> bool {
+pub(crate) fn is_retryable(code: tonic::Code) -> bool {
     matches!(
         code,
         tonic::Code::Unavailable | tonic::Code::DeadlineExceeded | tonic::Code::ResourceExhausted

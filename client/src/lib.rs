@@ -10,6 +10,12 @@
 //! - [`workload_api`]: the SPIFFE Workload API and Envoy SDS on a Unix socket,
 //!   in pod mode (one configured identity) or node mode (each caller attested).
 //!
+//! Public is only what other crates use (the `meshca-agent` binary, the
+//! examples, the end-to-end tests) and the types their signatures name.
+//! One exception: `CertManager::{subscribe, remove, len, is_empty,
+//! in_flight}` and `CertState::svid` are public library API (README, "The
+//! agent library (`meshca-client`)") although no crate here calls them.
+//!
 //! ```no_run
 //! use std::time::Duration;
 //! use meshca_certs::{KeyAlgorithm, SpiffeId};

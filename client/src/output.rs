@@ -12,7 +12,7 @@ use crate::issuer::Svid;
 /// Chain file name.
 pub const CERT_CHAIN_FILE: &str = "cert-chain.pem";
 /// Key file name.
-pub const KEY_FILE: &str = "key.pem";
+pub(crate) const KEY_FILE: &str = "key.pem";
 /// Root bundle file name.
 pub const ROOT_CERT_FILE: &str = "root-cert.pem";
 

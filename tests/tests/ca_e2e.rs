@@ -1458,3 +1458,40 @@ async fn a_client_that_never_finishes_its_handshake_is_dropped() {
         0
     );
 }
+
+/// Flags that need the Kubernetes API are refused without one before
+/// anything is written: the data directory stays as it was, with no root
+/// and no local token issuer (the `--jwt-issuer` check once ran after the
+/// local issuer's files were written).
+#[test]
+fn flags_that_need_a_cluster_are_refused_before_the_data_directory_is_written() {
+    use meshca_certs::token::{ISSUER_JWKS_FILE, ISSUER_KEY_FILE};
+    let dir = tempfile::tempdir().unwrap();
+    for (i, (flags, expected)) in [
+        (
+            &[
+                "--jwt-issuer",
+                "https://kubernetes.default.svc.cluster.local",
+            ][..],
+            "--jwt-issuer without --jwks needs the Kubernetes API",
+        ),
+        (
+            &["--trusted-node-agent", "istio-system/ztunnel"][..],
+            "--trusted-node-agent needs the Kubernetes API",
+        ),
+        (
+            &["--pod-certificate-signer", "meshca.io/spiffe"][..],
+            "--pod-certificate-signer needs the Kubernetes API",
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let data = dir.path().join(format!("data{i}"));
+        MeshcaServer::refuses_to_start(&data, flags, expected);
+        for file in [ISSUER_KEY_FILE, ISSUER_JWKS_FILE] {
+            assert!(!data.join(file).exists(), "{flags:?} wrote {file}");
+        }
+        assert!(!data.exists(), "{flags:?} created the data directory");
+    }
+}

@@ -267,7 +267,27 @@ async fn only_the_leader_publishes_and_another_takes_over() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // The Lease renewed twice since: the follower, trying every retry
+    // period, has had its chances to take it; at no sample two leaders.
+    let renew_time = || {
+        kube.get_object("leases", "istio-system", "meshca-leader")
+            .and_then(|l| l["spec"]["renewTime"].as_str().map(String::from))
+    };
+    let (mut last_renewal, mut renewals) = (renew_time(), 0);
+    let deadline = Instant::now() + wait;
+    while renewals < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the Lease renewed {renewals} times in {wait:?}: {:?}",
+            kube.get_object("leases", "istio-system", "meshca-leader")
+        );
+        assert!(leaders(&a, &b) <= 1, "never two leaders");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let renewal = renew_time();
+        if renewal != last_renewal {
+            (last_renewal, renewals) = (renewal, renewals + 1);
+        }
+    }
     assert_eq!(leaders(&a, &b), 1, "never two leaders");
 
     kube.add_namespace("first");

@@ -64,6 +64,8 @@ struct Workload {
     trust: Trust,
     renew_every: Duration,
     next_renewal: Instant,
+    /// When it last renewed (the start of that round of the test's loop).
+    last_renewal: Option<Instant>,
     /// The agent library and its output directory (for `Trust::AgentFile`).
     agent: Option<(CaClient, PathBuf)>,
     /// Leaf and intermediates it presents, DER.
@@ -236,6 +238,7 @@ async fn workloads_that_trust_their_answers_survive_a_root_rotation() {
         trust,
         renew_every: Duration::from_millis(every_ms),
         next_renewal: start + Duration::from_millis(offset_ms),
+        last_renewal: None,
         agent: None,
         presented: Vec::new(),
         answer_roots: TrustBundle::default(),
@@ -283,7 +286,6 @@ async fn workloads_that_trust_their_answers_survive_a_root_rotation() {
     let mut seen = Seen::default();
     let mut rotation_asked = false;
     let mut phase_since = Instant::now();
-    let mut retired_at: Option<Instant> = None;
     let old_root_only = TrustBundle::new(vec![first_root.clone()]);
     loop {
         let now = Instant::now();
@@ -306,13 +308,19 @@ async fn workloads_that_trust_their_answers_survive_a_root_rotation() {
         }
         // Replicas follow the Secret within moments; judge the number of
         // roots only once a phase has lasted a little.
-        let settled = now.duration_since(phase_since) > Duration::from_millis(700);
+        let settle = Duration::from_millis(700);
+        let settled = now.duration_since(phase_since) > settle;
         for w in workloads.iter_mut() {
             if w.next_renewal <= now {
                 renew(w, &servers, &kube, &label, settled, &mut seen).await;
                 w.next_renewal = now + w.renew_every;
+                w.last_renewal = Some(now);
             }
         }
+        // Whether every workload has renewed in this phase once it settled.
+        let all_renewed_settled = workloads
+            .iter()
+            .all(|w| w.last_renewal > Some(phase_since + settle));
         // Every workload verifies every other's chain with its own trust.
         let mut signed_by_old = 0;
         for q in &workloads {
@@ -351,17 +359,15 @@ async fn workloads_that_trust_their_answers_survive_a_root_rotation() {
         if signed_by_old > 0 && signed_by_old < workloads.len() {
             seen.mixed_moments += 1;
         }
-        if !rotation_asked && now.duration_since(start) > Duration::from_secs(2) {
+        if !rotation_asked && label == "stable" && all_renewed_settled {
+            // Every workload holds a certificate of the stable phase.
             assert!(ask_root_rotation(&kube));
             rotation_asked = true;
         }
-        if label == "retired" {
-            // Keep going until every workload has renewed after the old
-            // root left the bundle.
-            let at = *retired_at.get_or_insert(now);
-            if now.duration_since(at) > Duration::from_millis(2500) {
-                break;
-            }
+        if label == "retired" && all_renewed_settled {
+            // Every workload has renewed after the old root left the
+            // bundle, and still verifies every other.
+            break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -31,16 +31,16 @@ use super::{AuthnError, Caller};
 use crate::metrics::IstioCounter;
 
 /// The SHA-256 of a token: the cache key.
-pub type TokenHash = [u8; 32];
+pub(crate) type TokenHash = [u8; 32];
 
 /// Most entries a cache holds by default (about 250 bytes each).
-pub const MAX_CACHED_TOKENS: usize = 50_000;
+pub(crate) const MAX_CACHED_TOKENS: usize = 50_000;
 
 /// Successful authentications.
-pub type VerifiedTokenCache = TokenCache<Caller>;
+pub(crate) type VerifiedTokenCache = TokenCache<Caller>;
 
 /// Definite refusals (not "the API server is unreachable").
-pub type RefusedTokenCache = TokenCache<AuthnError>;
+pub(crate) type RefusedTokenCache = TokenCache<AuthnError>;
 
 #[derive(Clone)]
 struct Entry<V> {
@@ -50,7 +50,7 @@ struct Entry<V> {
 }
 
 /// Authentication results by token hash, reused for a short time.
-pub struct TokenCache<V> {
+pub(crate) struct TokenCache<V> {
     ttl: Duration,
     max_entries: usize,
     entries: Option<quick_cache::sync::Cache<TokenHash, Entry<V>>>,
@@ -71,12 +71,12 @@ impl<V: Clone> std::fmt::Debug for TokenCache<V> {
 
 impl<V: Clone> TokenCache<V> {
     /// A cache keeping results for `ttl` (zero: a cache that keeps nothing).
-    pub fn new(ttl: Duration) -> Self {
+    pub(crate) fn new(ttl: Duration) -> Self {
         Self::with_capacity_limit(ttl, MAX_CACHED_TOKENS)
     }
 
     /// A cache of at most about `max_entries` results.
-    pub fn with_capacity_limit(ttl: Duration, max_entries: usize) -> Self {
+    pub(crate) fn with_capacity_limit(ttl: Duration, max_entries: usize) -> Self {
         let enabled = !ttl.is_zero() && max_entries > 0;
         Self {
             ttl,
@@ -89,7 +89,7 @@ impl<V: Clone> TokenCache<V> {
     }
 
     /// Reads the time from `clock` (tests: a clock driven by paused time).
-    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+    pub(crate) fn with_clock(mut self, clock: SharedClock) -> Self {
         self.clock = clock;
         self
     }
@@ -102,17 +102,17 @@ impl<V: Clone> TokenCache<V> {
 
     #[cfg(test)]
     /// Hits so far.
-    pub fn hits(&self) -> u64 {
+    pub(crate) fn hits(&self) -> u64 {
         self.hits.get()
     }
 
     /// Whether results are kept at all.
-    pub fn is_enabled(&self) -> bool {
+    pub(crate) fn is_enabled(&self) -> bool {
         self.entries.is_some()
     }
 
     /// The cache key of `token`.
-    pub fn key(token: &str) -> TokenHash {
+    pub(crate) fn key(token: &str) -> TokenHash {
         let digest = ring::digest::digest(&ring::digest::SHA256, token.as_bytes());
         let mut out = [0u8; 32];
         out.copy_from_slice(digest.as_ref());
@@ -121,7 +121,7 @@ impl<V: Clone> TokenCache<V> {
 
     /// The value cached for `key`, if its entry is live and of the
     /// current generation.
-    pub fn get(&self, key: &TokenHash) -> Option<V> {
+    pub(crate) fn get(&self, key: &TokenHash) -> Option<V> {
         let entries = self.entries.as_ref()?;
         let entry = entries.get(key)?;
         if entry.until > self.clock.instant()
@@ -138,19 +138,19 @@ impl<V: Clone> TokenCache<V> {
     /// The current generation: read it *before* computing a result that
     /// depends on state [`TokenCache::clear`] invalidates (keys), and
     /// pass it to [`TokenCache::insert_computed_in`].
-    pub fn generation(&self) -> u64 {
+    pub(crate) fn generation(&self) -> u64 {
         self.generation.load(Ordering::SeqCst)
     }
 
     /// Remembers `value` for the token hashed to `key`; `expires_at` is the
     /// token's `exp` (Unix seconds), if it has one.
-    pub fn insert(&self, key: TokenHash, value: V, expires_at: Option<u64>) {
+    pub(crate) fn insert(&self, key: TokenHash, value: V, expires_at: Option<u64>) {
         self.insert_computed_in(key, value, expires_at, self.generation());
     }
 
     /// Like [`TokenCache::insert`], for a value computed in `generation`:
     /// dropped if the cache was cleared since.
-    pub fn insert_computed_in(
+    pub(crate) fn insert_computed_in(
         &self,
         key: TokenHash,
         value: V,
@@ -180,7 +180,7 @@ impl<V: Clone> TokenCache<V> {
 
     /// Forgets everything (e.g. after the signing keys changed), including
     /// results computed before now and inserted later.
-    pub fn clear(&self) {
+    pub(crate) fn clear(&self) {
         self.generation.fetch_add(1, Ordering::SeqCst);
         if let Some(entries) = &self.entries {
             entries.clear();
@@ -189,13 +189,13 @@ impl<V: Clone> TokenCache<V> {
 
     #[cfg(test)]
     /// Entries held, live or not yet dropped.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.entries.as_ref().map_or(0, |e| e.len())
     }
 
     #[cfg(test)]
     /// Whether no entry is held.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }

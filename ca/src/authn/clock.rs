@@ -13,7 +13,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::time::Instant;
 
 /// A source of time.
-pub trait Clock: Send + Sync + Debug {
+pub(crate) trait Clock: Send + Sync + Debug {
     /// Wall-clock time.
     fn now(&self) -> SystemTime;
 
@@ -34,12 +34,12 @@ pub trait Clock: Send + Sync + Debug {
 }
 
 /// A shared clock.
-pub type SharedClock = Arc<dyn Clock>;
+pub(crate) type SharedClock = Arc<dyn Clock>;
 
 /// The system's clocks: `SystemTime` for the wall, tokio's `Instant` for
 /// intervals. What the server runs with.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct SystemClock;
+pub(crate) struct SystemClock;
 
 impl Clock for SystemClock {
     fn now(&self) -> SystemTime {
@@ -48,7 +48,7 @@ impl Clock for SystemClock {
 }
 
 /// The system clock, shared.
-pub fn system_clock() -> SharedClock {
+pub(crate) fn system_clock() -> SharedClock {
     Arc::new(SystemClock)
 }
 
@@ -56,20 +56,22 @@ pub fn system_clock() -> SharedClock {
 /// made, plus what tokio's `Instant` has advanced since. Under
 /// `#[tokio::test(start_paused = true)]`, `tokio::time::advance` moves both
 /// readings together, so a test reaches a token's expiry without waiting.
+#[cfg(test)]
 #[derive(Debug, Clone)]
-pub struct TokioClock {
+pub(crate) struct TokioClock {
     wall_at_start: SystemTime,
     instant_at_start: Instant,
 }
 
+#[cfg(test)]
 impl TokioClock {
     /// A clock starting at the current wall-clock time.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::starting_at(SystemTime::now())
     }
 
     /// A clock whose wall-clock reading is `wall` now.
-    pub fn starting_at(wall: SystemTime) -> Self {
+    pub(crate) fn starting_at(wall: SystemTime) -> Self {
         Self {
             wall_at_start: wall,
             instant_at_start: Instant::now(),
@@ -77,17 +79,19 @@ impl TokioClock {
     }
 
     /// This clock, shared.
-    pub fn shared(self) -> SharedClock {
+    pub(crate) fn shared(self) -> SharedClock {
         Arc::new(self)
     }
 }
 
+#[cfg(test)]
 impl Default for TokioClock {
     fn default() -> Self {
         Self::new()
     }
 }
 
+#[cfg(test)]
 impl Clock for TokioClock {
     fn now(&self) -> SystemTime {
         self.wall_at_start + self.instant_at_start.elapsed()

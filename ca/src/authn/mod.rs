@@ -1,6 +1,6 @@
 //! Authentication (README, "Authentication"): who is calling.
 //!
-//! An [`AuthenticatorChain`] asks each [`Authenticator`] in order; the first
+//! An `AuthenticatorChain` asks each [`Authenticator`] in order; the first
 //! that recognises the credential decides (accepts or refuses). Authenticators:
 //! - [`ClientCertAuthenticator`]: an SVID presented over mTLS that chains to
 //!   this CA's trust bundle (renewal without a token);
@@ -12,16 +12,16 @@
 //!   Kubernetes API server (`TokenReview`), only when it is plausible
 //!   ([`check_plausible`]), with short positive and negative caches.
 //!
-//! Time comes from a [`clock::Clock`] (tests drive it with paused time).
+//! Time comes from a `clock::Clock` (tests drive it with paused time).
 //! Tokens and keys never appear in errors or logs.
 
-pub mod cache;
-pub mod clock;
-pub mod oidc;
+pub(crate) mod cache;
+pub(crate) mod clock;
+pub(crate) mod oidc;
 pub mod token_review;
 
-pub use cache::{RefusedTokenCache, VerifiedTokenCache};
-pub use clock::{Clock, SharedClock, SystemClock, TokioClock};
+use cache::VerifiedTokenCache;
+use clock::SharedClock;
 pub use token_review::{TokenReviewAuthenticator, TokenReviewConfig};
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,9 +39,9 @@ use crate::authority::Authority;
 
 /// Leeway for `nbf`/`iat` against clock skew with the token issuer. `exp`
 /// gets none: an expired token is refused from its expiry second on.
-pub const NOT_BEFORE_LEEWAY_SECS: u64 = 60;
+pub(crate) const NOT_BEFORE_LEEWAY_SECS: u64 = 60;
 /// Longest bearer token considered (Kubernetes tokens are ~1 KiB).
-pub const MAX_TOKEN_LEN: usize = 16 * 1024;
+pub(crate) const MAX_TOKEN_LEN: usize = 16 * 1024;
 
 /// What the caller presented.
 #[derive(Debug, Clone, Default)]
@@ -129,7 +129,7 @@ impl AuthnError {
     /// Whether this is a verdict on the credential itself (the same token
     /// will be refused again), rather than a dependency being unreachable
     /// or overloaded.
-    pub fn is_refusal(&self) -> bool {
+    pub(crate) fn is_refusal(&self) -> bool {
         !matches!(self, Self::Unavailable(_) | Self::Overloaded(_))
     }
 }
@@ -146,7 +146,7 @@ pub trait Authenticator: Send + Sync {
 
 /// Authenticators asked in order; the first that recognises decides.
 #[derive(Clone, Default)]
-pub struct AuthenticatorChain {
+pub(crate) struct AuthenticatorChain {
     authenticators: Vec<Arc<dyn Authenticator>>,
 }
 
@@ -160,18 +160,21 @@ impl std::fmt::Debug for AuthenticatorChain {
 
 impl AuthenticatorChain {
     /// An empty chain.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self::default()
     }
 
     /// Appends an authenticator.
-    pub fn with(mut self, authenticator: Arc<dyn Authenticator>) -> Self {
+    pub(crate) fn with(mut self, authenticator: Arc<dyn Authenticator>) -> Self {
         self.authenticators.push(authenticator);
         self
     }
 
     /// Authenticates the caller.
-    pub async fn authenticate(&self, credentials: &Credentials) -> Result<Caller, AuthnError> {
+    pub(crate) async fn authenticate(
+        &self,
+        credentials: &Credentials,
+    ) -> Result<Caller, AuthnError> {
         if credentials.bearer.is_none() && credentials.peer_chain.is_none() {
             return Err(AuthnError::NoCredentials);
         }
@@ -275,7 +278,7 @@ impl<'a> UnverifiedJwt<'a> {
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct UnverifiedClaims {
     /// `iss`, if a string.
-    pub issuer: Option<String>,
+    pub(crate) issuer: Option<String>,
     /// `aud` (a string or a list of strings).
     pub audiences: Vec<String>,
     /// `exp` in Unix seconds, if present.
@@ -411,17 +414,17 @@ pub struct JwtAuthenticator {
 /// Where fresh keys of an issuer come from (e.g. the Kubernetes API's
 /// OIDC discovery), for refreshes on a schedule and on an unknown key ID.
 #[async_trait]
-pub trait JwksFetcher: Send + Sync {
+pub(crate) trait JwksFetcher: Send + Sync {
     /// The current JWKS document.
     async fn fetch_jwks(&self) -> Result<String, String>;
 }
 
 /// Shortest time between two refreshes triggered by unknown key IDs.
-pub const MIN_JWKS_REFRESH_INTERVAL: Duration = Duration::from_secs(10);
+pub(crate) const MIN_JWKS_REFRESH_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Longest a JWKS fetch (discovery and keys) may take before the refresh
 /// gives up and keeps the old keys.
-pub const DEFAULT_JWKS_FETCH_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_JWKS_FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 
 fn parse_jwks(jwks_json: &str) -> Result<Vec<JwtKey>, JwksError> {
     let set: jsonwebtoken::jwk::JwkSet =
@@ -497,7 +500,8 @@ impl JwtAuthenticator {
     }
 
     /// Reads the time from `clock` (token times and the cache).
-    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_clock(mut self, clock: SharedClock) -> Self {
         self.cache = self.cache.with_clock(clock.clone());
         self.clock = clock;
         self
@@ -505,7 +509,7 @@ impl JwtAuthenticator {
 
     /// Gives up a key fetch after `timeout` (default
     /// [`DEFAULT_JWKS_FETCH_TIMEOUT`]), keeping the old keys.
-    pub fn with_fetch_timeout(mut self, timeout: Duration) -> Self {
+    pub(crate) fn with_fetch_timeout(mut self, timeout: Duration) -> Self {
         self.fetch_timeout = timeout;
         self
     }
@@ -513,7 +517,7 @@ impl JwtAuthenticator {
     /// Refreshes keys from `fetcher` when a token names an unknown key ID
     /// (at most every [`MIN_JWKS_REFRESH_INTERVAL`]) and whenever
     /// [`JwtAuthenticator::refresh`] is called.
-    pub fn with_refresher(mut self, fetcher: Arc<dyn JwksFetcher>) -> Self {
+    pub(crate) fn with_refresher(mut self, fetcher: Arc<dyn JwksFetcher>) -> Self {
         self.refresher = Some(fetcher);
         self
     }
@@ -538,7 +542,7 @@ impl JwtAuthenticator {
     /// longer than the fetch timeout). Single flight: a call made while
     /// another is fetching waits for it and takes its keys; the number of
     /// keys held is returned.
-    pub async fn refresh(&self) -> Result<usize, String> {
+    pub(crate) async fn refresh(&self) -> Result<usize, String> {
         let Some(fetcher) = &self.refresher else {
             return Ok(self.key_snapshot().len());
         };
@@ -741,12 +745,6 @@ impl ClientCertAuthenticator {
         }
     }
 
-    /// Reads the time from `clock`.
-    pub fn with_clock(mut self, clock: SharedClock) -> Self {
-        self.clock = clock;
-        self
-    }
-
     fn verify(&self, chain: &[CertificateDer<'static>]) -> Result<Caller, AuthnError> {
         let ders: Vec<Vec<u8>> = chain.iter().map(|c| c.to_vec()).collect();
         let svid = meshca_certs::verify::verify_svid(
@@ -798,6 +796,7 @@ impl Authenticator for ClientCertAuthenticator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clock::{Clock, TokioClock};
     use meshca_certs::token::{TokenIssuer, TokenRequest};
     use std::time::SystemTime;
 

@@ -10,13 +10,13 @@ use super::JwksFetcher;
 
 /// Fetches the API server's JWKS through the Kubernetes client (same TLS
 /// trust and credentials as every other call). Each GET has a timeout.
-pub struct KubernetesJwks {
+pub(crate) struct KubernetesJwks {
     client: kube::Client,
     timeout: Duration,
 }
 
 /// Timeout of each GET unless [`KubernetesJwks::with_timeout`] sets one.
-pub const DEFAULT_OIDC_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const DEFAULT_OIDC_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl std::fmt::Debug for KubernetesJwks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -26,16 +26,16 @@ impl std::fmt::Debug for KubernetesJwks {
 
 /// What OIDC discovery says.
 #[derive(Debug, Clone, serde::Deserialize)]
-pub struct Discovery {
+pub(crate) struct Discovery {
     /// The issuer (`iss` of the tokens).
-    pub issuer: String,
+    pub(crate) issuer: String,
     /// Where the keys are.
-    pub jwks_uri: String,
+    pub(crate) jwks_uri: String,
 }
 
 impl KubernetesJwks {
     /// A fetcher using `client`.
-    pub fn new(client: kube::Client) -> Self {
+    pub(crate) fn new(client: kube::Client) -> Self {
         Self {
             client,
             timeout: DEFAULT_OIDC_TIMEOUT,
@@ -43,7 +43,7 @@ impl KubernetesJwks {
     }
 
     /// Gives up each GET after `timeout`.
-    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+    pub(crate) fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
@@ -64,7 +64,7 @@ impl KubernetesJwks {
     }
 
     /// Reads `/.well-known/openid-configuration`.
-    pub async fn discover(&self) -> Result<Discovery, String> {
+    pub(crate) async fn discover(&self) -> Result<Discovery, String> {
         let text = self.get("/.well-known/openid-configuration").await?;
         serde_json::from_str(&text).map_err(|e| format!("OIDC discovery document: {e}"))
     }

@@ -16,7 +16,7 @@
 //!   cancelled while it waits (client gone, deadline) leaves nothing behind.
 //! - Every API call has a timeout; at most `max_in_flight` calls run at
 //!   once, and the reviews waiting for one are bounded in number and in
-//!   time ([`Admission`]): beyond that, `RESOURCE_EXHAUSTED` at once.
+//!   time (`Admission`): beyond that, `RESOURCE_EXHAUSTED` at once.
 //! - An unreachable or slow API server is `UNAVAILABLE`, not
 //!   `UNAUTHENTICATED`. What the API server said is logged (rate limited),
 //!   never returned to the caller.
@@ -43,20 +43,20 @@ use crate::admission::Admission;
 use crate::rate_limited_log::RateLimitedLog;
 
 /// Group every service account is in.
-pub const SERVICE_ACCOUNTS_GROUP: &str = "system:serviceaccounts";
+pub(crate) const SERVICE_ACCOUNTS_GROUP: &str = "system:serviceaccounts";
 /// `user.extra` key of the bound pod's name.
-pub const POD_NAME_EXTRA: &str = "authentication.kubernetes.io/pod-name";
+pub(crate) const POD_NAME_EXTRA: &str = "authentication.kubernetes.io/pod-name";
 /// `user.extra` key of the bound pod's UID.
-pub const POD_UID_EXTRA: &str = "authentication.kubernetes.io/pod-uid";
+pub(crate) const POD_UID_EXTRA: &str = "authentication.kubernetes.io/pod-uid";
 /// Reviews that may wait for an API call, per call in flight, whatever
 /// the API server's measured pace. A mass restart with a connection per
 /// sidecar brings up to `--max-connections` (1,024) reviews at once,
 /// before any pace is measured; each waits at most
 /// [`crate::admission::QUEUE_WAIT`], and holds no more than its place
 /// among the open requests.
-pub const REVIEWS_WAITING_PER_CALL: usize = 32;
+pub(crate) const REVIEWS_WAITING_PER_CALL: usize = 32;
 /// Most refusals remembered at once.
-pub const MAX_REMEMBERED_REFUSALS: usize = 10_000;
+pub(crate) const MAX_REMEMBERED_REFUSALS: usize = 10_000;
 
 /// Settings of the TokenReview authenticator.
 #[derive(Debug, Clone)]
@@ -74,7 +74,7 @@ pub struct TokenReviewConfig {
     /// Most API calls in flight at once.
     pub max_in_flight: usize,
     /// Most reviews waiting for an API call, at the fastest measured pace
-    /// of the API server (see [`Admission`]); never fewer than 8 per call.
+    /// of the API server (see `Admission`); never fewer than 8 per call.
     pub max_waiting: usize,
 }
 
@@ -187,7 +187,8 @@ impl TokenReviewAuthenticator {
     }
 
     /// Reads the time from `clock` (token expiry and both caches).
-    pub fn with_clock(mut self, clock: SharedClock) -> Self {
+    #[cfg(test)]
+    pub(crate) fn with_clock(mut self, clock: SharedClock) -> Self {
         self.cache = VerifiedTokenCache::new(self.config.cache_ttl).with_clock(clock.clone());
         self.refusals = RefusedTokenCache::with_capacity_limit(
             self.config.refusal_cache_ttl,
@@ -199,7 +200,7 @@ impl TokenReviewAuthenticator {
     }
 
     /// Counts reviews waiting for an API call on `waiting` (a metric).
-    pub fn counting_waiting(mut self, waiting: Gauge<i64>) -> Self {
+    pub(crate) fn counting_waiting(mut self, waiting: Gauge<i64>) -> Self {
         self.calls = review_calls(&self.config, waiting);
         self
     }
@@ -211,14 +212,15 @@ impl TokenReviewAuthenticator {
     }
 
     /// Reviews waiting for, or sharing, an API call now.
-    pub fn reviews_in_flight(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn reviews_in_flight(&self) -> usize {
         lock(&self.in_flight).len()
     }
 
     /// Authenticates one token: from the cache, refused locally when it is
     /// not plausible or was refused moments ago, by joining a review
     /// already in flight for it, or by a new review.
-    pub async fn review(&self, token: &str) -> ReviewResult {
+    pub(crate) async fn review(&self, token: &str) -> ReviewResult {
         if token.len() > MAX_TOKEN_LEN {
             return Err(AuthnError::MalformedToken);
         }

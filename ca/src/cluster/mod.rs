@@ -1,17 +1,17 @@
 //! meshca in a cluster (README: "Running in a cluster"): state in
 //! Kubernetes objects, coordination through the Kubernetes API only.
 //!
-//! - [`root_secret`]: the self-signed root in the Secret `istio-ca-secret`,
+//! - `root_secret`: the self-signed root in the Secret `istio-ca-secret`,
 //!   created with create-if-absent semantics so replicas agree on one root,
 //!   and its rotation phases.
-//! - [`leader`]: a Lease; only the leader publishes the bundle and rotates.
-//! - [`bundle_publisher`]: the ConfigMap `istio-ca-root-cert` in every namespace.
-//! - [`pod_certificates`]: with `--pod-certificate-signer`, the leader signs
+//! - `leader`: a Lease; only the leader publishes the bundle and rotates.
+//! - `bundle_publisher`: the ConfigMap `istio-ca-root-cert` in every namespace.
+//! - `pod_certificates`: with `--pod-certificate-signer`, the leader signs
 //!   Kubernetes `PodCertificateRequest`s of that signer, and
-//!   [`cluster_trust_bundle`] publishes the roots as its `ClusterTrustBundle`.
+//!   `cluster_trust_bundle` publishes the roots as its `ClusterTrustBundle`.
 //!
-//! Every replica follows the Secret ([`follow_root_secret`]) and signs with
-//! what it holds; the leader moves a rotation forward ([`rotate_root`]).
+//! Every replica follows the Secret (`follow_root_secret`) and signs with
+//! what it holds; the leader moves a rotation forward (`rotate_root`).
 
 pub(crate) mod bundle_publisher;
 pub(crate) mod cluster_trust_bundle;

@@ -198,7 +198,7 @@ pub(crate) struct Accepted {
     pub(crate) closed: oneshot::Receiver<()>,
 }
 
-/// The accept loop's limits (README, "Flags").
+/// The accept loop's limits (README, "`meshca serve` flags").
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AcceptLimits {
     /// Connections open at once (in their handshake or established).

@@ -11,7 +11,7 @@
 //!   with the HTTP/2 limits, a GOAWAY when it has been idle too long, and
 //!   the limit on requests open across all connections.
 //! - [`serve_grpc`]: every established connection, served with the HTTP/2
-//!   settings and limits (README, "Flags").
+//!   settings and limits (README, "`meshca serve` flags").
 //!
 //! The server's own certificate is not here: `server_identity` issues and
 //! renews it, and the listener only asks its resolver.
@@ -21,9 +21,9 @@
 //! the log. (BENCHMARKS.md, "Event loops against tonic's own serving", has
 //! why there are no event loops, batched writes or gathered log lines.)
 
-pub(crate) mod connection;
-pub(crate) mod listener;
-pub(crate) mod tls_policy;
+mod connection;
+mod listener;
+mod tls_policy;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -67,19 +67,20 @@ pub(crate) const CONNECTION_WINDOW: u32 = 1 << 20;
 /// ENHANCE_YOUR_CALM. hyper's default; tonic would otherwise leave it
 /// unlimited, so a client sending malformed requests and never reading
 /// could keep the server busy resetting them for ever.
-pub(crate) const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
+const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
 
 /// Streams reset by the client before the server took them up that may
 /// wait on one connection before it gets a GOAWAY (the "rapid reset"
 /// attack). h2's default, set here so it does not change unnoticed.
-pub(crate) const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
+const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
 
 /// How long a connection told to go away (GOAWAY) may stay without an
 /// open stream before it is cut off: a client that honours the GOAWAY has
 /// closed by then.
-pub(crate) const GOAWAY_GRACE: Duration = Duration::from_secs(1);
+const GOAWAY_GRACE: Duration = Duration::from_secs(1);
 
-/// The HTTP/2 settings of every gRPC connection (README, "Flags").
+/// The HTTP/2 settings of every gRPC connection (README, "`meshca serve`
+/// flags").
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Http2Settings {
     /// Streams one connection may have open at once.
@@ -104,8 +105,8 @@ pub(crate) struct SharedByConnections {
 }
 
 /// Rewrites tonic's `OUT_OF_RANGE` for an oversized request message into
-/// `INVALID_ARGUMENT` (README, "Errors"); the service itself never answers
-/// `OUT_OF_RANGE`.
+/// `INVALID_ARGUMENT` (the status codes in README, "Authentication
+/// limits"); the service itself never answers `OUT_OF_RANGE`.
 fn oversized_is_invalid_argument<B>(mut response: http::Response<B>) -> http::Response<B> {
     let headers = response.headers_mut();
     if headers.get("grpc-status").is_some_and(|v| v == "11") {

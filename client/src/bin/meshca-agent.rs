@@ -16,9 +16,9 @@ use meshca_client::caclient::{
     CaClient, CaClientConfig, RequestOptions, DEFAULT_CA_ADDR, DEFAULT_TOKEN_FILE,
 };
 use meshca_client::output::write_credentials;
-use meshca_client::workload_api::node_pods::{watch_node_pods, NodePods};
 use meshca_client::workload_api::{
-    self, CallerPolicy, Callers, Feeds, WorkloadApiConfig, DEFAULT_MAX_STREAMS,
+    self, watch_node_pods, CallerPolicy, Callers, Feeds, NodePods, WorkloadApiConfig,
+    DEFAULT_BUNDLE_REFRESH, DEFAULT_MAX_STREAMS,
 };
 use meshca_client::{CertManager, CertState, ManagerConfig};
 use tokio::sync::watch;
@@ -95,7 +95,7 @@ struct Args {
     #[arg(long, env = "MESHCA_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS)]
     max_streams: usize,
     /// How often to check --root-cert for a new trust bundle to push.
-    #[arg(long, env = "MESHCA_BUNDLE_REFRESH", value_parser = parse_duration, default_value = "10s")]
+    #[arg(long, env = "MESHCA_BUNDLE_REFRESH", value_parser = parse_duration, default_value = DEFAULT_BUNDLE_REFRESH)]
     bundle_refresh: Duration,
     /// TLS name to verify the CA's certificate against.
     #[arg(long, env = "MESHCA_CA_SERVER_NAME")]

@@ -19,7 +19,7 @@ use regex::Regex;
 
 /// What the cgroups of a process say about its pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PodUidLookup {
+pub(crate) enum PodUidLookup {
     /// The process runs in the pod with this UID, in this container.
     Pod {
         /// The pod's UID, canonical (`-`-separated).
@@ -53,7 +53,7 @@ fn cgroup_pattern() -> &'static Regex {
 }
 
 /// The pod UID and container ID in one cgroup path, if it is a pod's.
-pub fn parse_cgroup_path(path: &str) -> Option<(String, String)> {
+pub(crate) fn parse_cgroup_path(path: &str) -> Option<(String, String)> {
     let path = path.strip_suffix(".scope").unwrap_or(path);
     let captures = cgroup_pattern().captures(path)?;
     let uid = captures
@@ -66,7 +66,7 @@ pub fn parse_cgroup_path(path: &str) -> Option<(String, String)> {
 }
 
 /// The pod of a process from the text of its `/proc/PID/cgroup`.
-pub fn parse_cgroup_file(text: &str) -> PodUidLookup {
+pub(crate) fn parse_cgroup_file(text: &str) -> PodUidLookup {
     let mut found: Option<(String, String)> = None;
     for line in text.lines() {
         // `hierarchy-ID:controller-list:cgroup-path`; the path may hold ':'.
@@ -93,7 +93,7 @@ pub fn parse_cgroup_file(text: &str) -> PodUidLookup {
 }
 
 /// Reads `<proc_root>/<pid>/cgroup` and finds the process's pod.
-pub fn pod_uid_of_pid(proc_root: &Path, pid: i32) -> PodUidLookup {
+pub(crate) fn pod_uid_of_pid(proc_root: &Path, pid: i32) -> PodUidLookup {
     let file = proc_root.join(pid.to_string()).join("cgroup");
     match std::fs::read_to_string(&file) {
         Ok(text) => parse_cgroup_file(&text),

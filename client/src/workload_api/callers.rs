@@ -16,7 +16,7 @@ use super::socket::CallerInfo;
 
 /// How long node mode waits for a caller's pod to appear in the watch
 /// before refusing it (a container may call before its pod's event).
-pub const POD_APPEAR_WAIT: Duration = Duration::from_secs(2);
+pub(crate) const POD_APPEAR_WAIT: Duration = Duration::from_secs(2);
 
 /// Which identity a caller gets.
 #[derive(Debug, Clone)]
@@ -44,9 +44,9 @@ pub struct Callers {
 /// A stream's hold on its identity's feed and on a stream slot; dropping
 /// it (the stream closed) frees both.
 #[derive(Debug)]
-pub struct StreamLease {
+pub(crate) struct StreamLease {
     /// The feed of the caller's identity.
-    pub feed: Arc<Feed>,
+    pub(crate) feed: Arc<Feed>,
     _slot: OwnedSemaphorePermit,
 }
 
@@ -62,20 +62,10 @@ impl Callers {
         })
     }
 
-    /// The feeds.
-    pub fn feeds(&self) -> &Arc<Feeds> {
-        &self.feeds
-    }
-
-    /// Streams open now.
-    pub fn open_streams(&self) -> usize {
-        self.max_streams - self.streams.available_permits()
-    }
-
     /// The identity of the caller of `request`: `PERMISSION_DENIED` for a
     /// caller with none, `UNAVAILABLE` while node mode has not listed the
     /// node's pods yet.
-    pub async fn identity_of<T>(&self, request: &Request<T>) -> Result<SpiffeId, Status> {
+    pub(crate) async fn identity_of<T>(&self, request: &Request<T>) -> Result<SpiffeId, Status> {
         let caller = request.extensions().get::<CallerInfo>();
         match &self.policy {
             CallerPolicy::Pod(identity) => Ok(identity.clone()),
@@ -131,7 +121,7 @@ impl Callers {
 
     /// A stream slot and the feed of `identity`, or `RESOURCE_EXHAUSTED`
     /// when `max_streams` streams are open.
-    pub fn lease(&self, identity: &SpiffeId) -> Result<StreamLease, Status> {
+    pub(crate) fn lease(&self, identity: &SpiffeId) -> Result<StreamLease, Status> {
         let slot = self.streams.clone().try_acquire_owned().map_err(|_| {
             tracing::warn!(identity = %identity, max_streams = self.max_streams, "refused a stream: the stream limit is reached");
             Status::resource_exhausted(format!(

@@ -16,23 +16,23 @@ use crate::issuer::Svid;
 /// element of the CA's answer (during a root rotation it carries every root)
 /// followed by those of the `--root-cert` file not already among them (a
 /// rotated root published in the file arrives before the next renewal).
-pub struct Credentials {
+pub(crate) struct Credentials {
     /// The SPIFFE ID.
-    pub spiffe_id: SpiffeId,
+    pub(crate) spiffe_id: SpiffeId,
     /// The leaf's serial, hex.
-    pub serial_hex: String,
+    pub(crate) serial_hex: String,
     /// Leaf then intermediates, DER, one certificate per element.
-    pub chain_der: Vec<Vec<u8>>,
+    pub(crate) chain_der: Vec<Vec<u8>>,
     /// Every trusted root, DER.
-    pub roots_der: Vec<Vec<u8>>,
+    pub(crate) roots_der: Vec<Vec<u8>>,
     /// The leaf's key, PKCS#8 DER.
     key_pkcs8_der: Vec<u8>,
     /// Leaf then intermediates, PEM.
-    pub chain_pem: String,
+    pub(crate) chain_pem: String,
     /// The leaf's key, PKCS#8 PEM.
     key_pem: String,
     /// Every trusted root, PEM.
-    pub roots_pem: String,
+    pub(crate) roots_pem: String,
 }
 
 impl fmt::Debug for Credentials {
@@ -49,7 +49,7 @@ impl fmt::Debug for Credentials {
 impl Credentials {
     /// Builds the served form of `svid`, trusting its answer's roots and
     /// those of `file_bundle`.
-    pub fn new(svid: &Svid, file_bundle: &TrustBundle) -> Arc<Self> {
+    pub(crate) fn new(svid: &Svid, file_bundle: &TrustBundle) -> Arc<Self> {
         let n = svid.chain_pem.len();
         let (chain_elements, root_element) = if n > 1 {
             (&svid.chain_pem[..n - 1], Some(&svid.chain_pem[n - 1]))
@@ -83,28 +83,28 @@ impl Credentials {
     }
 
     /// The leaf's key, PKCS#8 DER (the Workload API's `x509_svid_key`).
-    pub fn key_pkcs8_der(&self) -> &[u8] {
+    pub(crate) fn key_pkcs8_der(&self) -> &[u8] {
         &self.key_pkcs8_der
     }
 
     /// The leaf's key, PKCS#8 PEM (SDS's `private_key`).
-    pub fn key_pem(&self) -> &str {
+    pub(crate) fn key_pem(&self) -> &str {
         &self.key_pem
     }
 
     /// The chain as one DER blob (leaf first), as the Workload API sends it.
-    pub fn chain_der_concat(&self) -> Vec<u8> {
+    pub(crate) fn chain_der_concat(&self) -> Vec<u8> {
         self.chain_der.concat()
     }
 
     /// Every root as one DER blob, as the Workload API sends a bundle.
-    pub fn roots_der_concat(&self) -> Vec<u8> {
+    pub(crate) fn roots_der_concat(&self) -> Vec<u8> {
         self.roots_der.concat()
     }
 
     /// Whether serving `self` after `other` is a change a client must see
     /// (a new certificate or a different bundle).
-    pub fn differs_from(&self, other: &Self) -> bool {
+    pub(crate) fn differs_from(&self, other: &Self) -> bool {
         self.serial_hex != other.serial_hex
             || self.spiffe_id != other.spiffe_id
             || self.roots_der != other.roots_der

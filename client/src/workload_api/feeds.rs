@@ -20,7 +20,7 @@ use crate::manager::{CertManager, CertState};
 
 /// The credentials of one identity as they change; `None` until the first
 /// certificate has arrived.
-pub type CredentialsWatch = watch::Receiver<Option<Arc<Credentials>>>;
+pub(crate) type CredentialsWatch = watch::Receiver<Option<Arc<Credentials>>>;
 
 /// The live feeds, by identity.
 #[derive(Debug)]
@@ -70,24 +70,26 @@ impl Feeds {
     }
 
     /// How many identities have a live feed.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
         self.live.lock().unwrap_or_else(|e| e.into_inner()).len()
     }
 
     /// Whether no identity has a live feed.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }
 
 impl Feed {
     /// The identity.
-    pub fn identity(&self) -> &SpiffeId {
+    pub(crate) fn identity(&self) -> &SpiffeId {
         &self.identity
     }
 
     /// A receiver of the identity's credentials.
-    pub fn credentials(&self) -> CredentialsWatch {
+    pub(crate) fn credentials(&self) -> CredentialsWatch {
         self.credentials.clone()
     }
 }

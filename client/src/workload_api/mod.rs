@@ -2,14 +2,18 @@
 //! socket SPIRE's agent serves and that Istio's agent uses when it finds
 //! one at `/var/run/secrets/workload-spiffe-uds/socket`.
 //!
-//! - [`socket`]: binding the socket, accepting connections with the
-//!   caller's peer credentials;
-//! - [`attest`]: node mode's cgroup reading (PID to pod UID);
-//! - [`node_pods`]: node mode's watch of this node's pods;
-//! - [`callers`]: who gets which identity, and the stream limit;
-//! - [`feeds`]: one feed of [`credentials::Credentials`] per identity over
-//!   the [`CertManager`](crate::CertManager);
-//! - [`spiffe_api`] and [`sds`]: the two gRPC services.
+//! - `socket`: binding the socket ([`bind`]), accepting connections with
+//!   the caller's peer credentials;
+//! - `attest`: node mode's cgroup reading (PID to pod UID);
+//! - `node_pods`: node mode's watch of this node's pods ([`NodePods`],
+//!   [`watch_node_pods`]);
+//! - `callers`: who gets which identity ([`Callers`], [`CallerPolicy`]),
+//!   and the stream limit;
+//! - `feeds`: one [`Feed`] of `credentials::Credentials` per identity over
+//!   the [`CertManager`](crate::CertManager) ([`Feeds`]);
+//! - `spiffe_api` and `sds`: the two gRPC services.
+//!
+//! The submodules are private: the agent uses only what is re-exported here.
 //!
 //! Every stream holds a stream slot (at most [`WorkloadApiConfig::max_streams`])
 //! and its identity's feed; it sends the current credentials as soon as
@@ -18,14 +22,14 @@
 //! stream frees its slot, and the last stream of an identity frees its
 //! feed. Connections are bounded by the same number.
 
-pub mod attest;
-pub mod callers;
-pub mod credentials;
-pub mod feeds;
-pub mod node_pods;
-pub mod sds;
-pub mod socket;
-pub mod spiffe_api;
+mod attest;
+mod callers;
+mod credentials;
+mod feeds;
+mod node_pods;
+mod sds;
+mod socket;
+mod spiffe_api;
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -40,15 +44,17 @@ use tokio::sync::watch;
 
 use crate::caclient::CaClient;
 pub use callers::{CallerPolicy, Callers};
-pub use feeds::Feeds;
+pub use feeds::{Feed, Feeds};
+pub use node_pods::{watch_node_pods, NodePods};
 pub use socket::{bind, SocketError};
 
 /// Default most streams open at once (and most connections).
 pub const DEFAULT_MAX_STREAMS: usize = 4096;
-/// Default interval between checks of the `--root-cert` file for a new bundle.
-pub const DEFAULT_BUNDLE_REFRESH: Duration = Duration::from_secs(10);
+/// Default interval between checks of the `--root-cert` file for a new
+/// bundle, as the agent's `--bundle-refresh` flag reads it.
+pub const DEFAULT_BUNDLE_REFRESH: &str = "10s";
 /// HTTP/2 streams per connection (a SPIFFE library or Envoy opens a few).
-pub const MAX_STREAMS_PER_CONNECTION: u32 = 128;
+pub(crate) const MAX_STREAMS_PER_CONNECTION: u32 = 128;
 
 /// How the socket serves.
 #[derive(Debug, Clone)]

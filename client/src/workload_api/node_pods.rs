@@ -14,13 +14,13 @@ use tokio::sync::watch;
 
 /// What the agent needs of a pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NodePod {
+pub(crate) struct NodePod {
     /// Namespace.
-    pub namespace: String,
+    pub(crate) namespace: String,
     /// Name.
-    pub name: String,
+    pub(crate) name: String,
     /// Service account (`default` when the spec names none).
-    pub service_account: String,
+    pub(crate) service_account: String,
 }
 
 /// The pods of one node by UID, kept current by [`watch_node_pods`].
@@ -43,12 +43,12 @@ impl NodePods {
     }
 
     /// The node whose pods are indexed.
-    pub fn node(&self) -> &str {
+    pub(crate) fn node(&self) -> &str {
         &self.node
     }
 
     /// The pod with this UID, if it is on this node.
-    pub fn get(&self, uid: &str) -> Option<NodePod> {
+    pub(crate) fn get(&self, uid: &str) -> Option<NodePod> {
         self.by_uid
             .read()
             .unwrap_or_else(|e| e.into_inner())
@@ -57,23 +57,13 @@ impl NodePods {
     }
 
     /// Whether the first list has arrived.
-    pub fn is_synced(&self) -> bool {
+    pub(crate) fn is_synced(&self) -> bool {
         self.version.borrow().is_some()
-    }
-
-    /// How many pods are indexed.
-    pub fn len(&self) -> usize {
-        self.by_uid.read().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
-    /// Whether no pod is indexed.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Waits up to `wait` for the pod `uid` to appear (a container may call
     /// before the watch has delivered its pod); `None` if it does not.
-    pub async fn wait_for(&self, uid: &str, wait: Duration) -> Option<NodePod> {
+    pub(crate) async fn wait_for(&self, uid: &str, wait: Duration) -> Option<NodePod> {
         let mut changes = self.version.subscribe();
         let deadline = tokio::time::Instant::now() + wait;
         loop {

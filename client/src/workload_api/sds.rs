@@ -33,24 +33,24 @@ use super::credentials::Credentials;
 use super::spiffe_api::ResponseStream;
 
 /// The type URL of SDS resources.
-pub const SECRET_TYPE_URL: &str =
+pub(crate) const SECRET_TYPE_URL: &str =
     "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
 /// Istio's and SPIRE's name of the workload certificate.
-pub const DEFAULT_CERT_NAME: &str = "default";
+pub(crate) const DEFAULT_CERT_NAME: &str = "default";
 /// Istio's and SPIRE's name of the trust bundle.
-pub const ROOT_CA_NAME: &str = "ROOTCA";
+pub(crate) const ROOT_CA_NAME: &str = "ROOTCA";
 /// SPIRE's name of every bundle (here: the one trust domain's).
-pub const ALL_BUNDLES_NAME: &str = "ALL";
+pub(crate) const ALL_BUNDLES_NAME: &str = "ALL";
 
 /// The SDS service.
 #[derive(Debug, Clone)]
-pub struct SdsService {
+pub(crate) struct SdsService {
     callers: Arc<Callers>,
 }
 
 impl SdsService {
     /// Serves `callers`' identities.
-    pub fn new(callers: Arc<Callers>) -> Self {
+    pub(crate) fn new(callers: Arc<Callers>) -> Self {
         Self { callers }
     }
 }
@@ -63,7 +63,7 @@ fn inline(bytes: &str) -> Option<DataSource> {
 }
 
 /// The secret named `name` for `credentials`, if the name is one we answer to.
-pub fn secret_for(name: &str, credentials: &Credentials) -> Option<Secret> {
+pub(crate) fn secret_for(name: &str, credentials: &Credentials) -> Option<Secret> {
     let trust_domain_id = credentials.spiffe_id.trust_domain().id_string();
     let kind = if name == DEFAULT_CERT_NAME || name == credentials.spiffe_id.as_str() {
         secret::Type::TlsCertificate(TlsCertificate {

@@ -21,9 +21,9 @@ use super::attest::{pod_uid_of_pid, PodUidLookup};
 /// Mode of the socket file: every local user may connect. Who gets which
 /// identity is decided per caller (node mode) or by who can reach the
 /// socket's directory (pod mode: a shared `emptyDir`).
-pub const SOCKET_MODE: u32 = 0o777;
+pub(crate) const SOCKET_MODE: u32 = 0o777;
 /// Mode of a socket directory the agent creates.
-pub const SOCKET_DIR_MODE: u32 = 0o755;
+pub(crate) const SOCKET_DIR_MODE: u32 = 0o755;
 
 /// Why the socket could not be set up.
 #[derive(Debug, thiserror::Error)]
@@ -67,7 +67,7 @@ fn io_error<'a>(
 
 /// Binds `path`: creates the parent directory (0755) if missing, replaces a
 /// stale socket file that nobody answers on, refuses a live one or a
-/// non-socket file, and sets the socket's mode to [`SOCKET_MODE`].
+/// non-socket file, and sets the socket's mode to `SOCKET_MODE` (0777).
 pub async fn bind(path: &Path) -> Result<UnixListener, SocketError> {
     if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
         if !parent.exists() {
@@ -102,20 +102,20 @@ pub async fn bind(path: &Path) -> Result<UnixListener, SocketError> {
 
 /// Who is on the other end of a connection, as seen when it was accepted.
 #[derive(Debug, Clone)]
-pub struct CallerInfo {
+pub(crate) struct CallerInfo {
     /// The peer's process ID (`SO_PEERCRED`), if the OS told us.
-    pub pid: Option<i32>,
+    pub(crate) pid: Option<i32>,
     /// The peer's user ID.
-    pub uid: Option<u32>,
+    pub(crate) uid: Option<u32>,
     /// Node mode: the pod UID read from the peer's cgroups at accept time
     /// (before the PID could be reused).
-    pub pod_uid: Option<Arc<PodUidLookup>>,
+    pub(crate) pod_uid: Option<Arc<PodUidLookup>>,
 }
 
 /// An accepted connection with its caller's credentials; holds a
 /// connection slot until it closes.
 #[derive(Debug)]
-pub struct CallerConnection {
+pub(crate) struct CallerConnection {
     io: UnixStream,
     info: CallerInfo,
     _slot: OwnedSemaphorePermit,
@@ -172,7 +172,7 @@ impl AsyncWrite for CallerConnection {
 /// Accepts connections forever, at most `max_connections` open at once
 /// (accepting waits for a slot), recording each caller's credentials and,
 /// when `proc_root` is given (node mode), its pod UID.
-pub fn accept_callers(
+pub(crate) fn accept_callers(
     listener: UnixListener,
     max_connections: usize,
     proc_root: Option<PathBuf>,

@@ -21,17 +21,17 @@ use super::callers::{Callers, StreamLease};
 use super::credentials::Credentials;
 
 /// A stream of responses to one caller.
-pub type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
+pub(crate) type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
 /// The Workload API service.
 #[derive(Debug, Clone)]
-pub struct WorkloadApiService {
+pub(crate) struct WorkloadApiService {
     callers: Arc<Callers>,
 }
 
 impl WorkloadApiService {
     /// Serves `callers`' identities.
-    pub fn new(callers: Arc<Callers>) -> Self {
+    pub(crate) fn new(callers: Arc<Callers>) -> Self {
         Self { callers }
     }
 }
@@ -50,7 +50,7 @@ fn check_header<T>(request: &Request<T>) -> Result<(), Status> {
 /// The credentials of `lease`'s identity: the current ones as soon as
 /// there are any, then each that `changed(previous, next)` calls a change.
 /// The stream holds the lease, so closing it frees the slot and the feed.
-pub fn credential_updates(
+pub(crate) fn credential_updates(
     lease: StreamLease,
     changed: fn(&Credentials, &Credentials) -> bool,
 ) -> impl Stream<Item = Arc<Credentials>> + Send {
