@@ -318,12 +318,13 @@ impl OpenConnections {
         let states = self.lock_states();
         let oldest = |since: fn(&ConnectionState) -> Option<tokio::time::Instant>,
                       min: Duration| {
+            // The earliest; between equals, the seat given first.
             states
-                .values()
-                .filter_map(|state| since(state).map(|since| (since, state)))
-                .filter(|(since, _)| now.saturating_duration_since(*since) >= min)
-                .min_by_key(|(since, _)| *since)
-                .map(|(_, state)| state)
+                .iter()
+                .filter_map(|(seat, state)| since(state).map(|since| (since, *seat, state)))
+                .filter(|(since, _, _)| now.saturating_duration_since(*since) >= min)
+                .min_by_key(|(since, seat, _)| (*since, *seat))
+                .map(|(_, _, state)| state)
         };
         let (state, evicted) =
             if let Some(state) = oldest(ConnectionState::handshaking_since, STALLED_HANDSHAKE) {
