@@ -103,6 +103,12 @@ pub(crate) struct AttackArgs {
     /// junk-mix: junk requests per real request.
     #[arg(long, default_value_t = 10)]
     pub(crate) junk_ratio: u32,
+    /// junk-mix: real requests per second, sent at a steady pace whatever
+    /// the answers (an open loop, latency counted from when each was due),
+    /// instead of --concurrency requests always in flight (a closed loop
+    /// at the server's saturation, where any extra work shows as latency).
+    #[arg(long)]
+    pub(crate) real_rate: Option<u32>,
     /// junk-mix: what the junk tokens look like.
     #[arg(long, value_enum, default_value = "opaque")]
     pub(crate) junk: JunkKind,
@@ -954,14 +960,22 @@ async fn junk_mix(args: &AttackArgs, server: &Meshca) -> anyhow::Result<Value> {
     );
 
     let reviews = server.kube.reviews();
-    let alone = load::drive(
-        &real,
-        prepared.clone(),
-        args.concurrency,
-        Some(args.duration),
-        None,
-    )
-    .await;
+    let alone = match args.real_rate {
+        Some(rate) => {
+            let unused = Arc::new(AtomicU64::new(0));
+            drive_paced(&real, prepared.clone(), rate, args.duration, unused).await
+        }
+        None => {
+            load::drive(
+                &real,
+                prepared.clone(),
+                args.concurrency,
+                Some(args.duration),
+                None,
+            )
+            .await
+        }
+    };
     let reviews_alone = server.kube.reviews() - reviews;
 
     // Junk: `ratio` requests for each real request sent so far, from
@@ -1023,14 +1037,19 @@ async fn junk_mix(args: &AttackArgs, server: &Meshca) -> anyhow::Result<Value> {
         })
     };
     let reviews = server.kube.reviews();
-    let mixed = drive_counted(
-        &real,
-        prepared.clone(),
-        args.concurrency,
-        args.duration,
-        real_sent,
-    )
-    .await;
+    let mixed = match args.real_rate {
+        Some(rate) => drive_paced(&real, prepared.clone(), rate, args.duration, real_sent).await,
+        None => {
+            drive_counted(
+                &real,
+                prepared.clone(),
+                args.concurrency,
+                args.duration,
+                real_sent,
+            )
+            .await
+        }
+    };
     let reviews_mixed = server.kube.reviews() - reviews;
     stop.store(true, Ordering::Relaxed);
     let junk_sent = junk_sender.await?;
@@ -1051,6 +1070,7 @@ async fn junk_mix(args: &AttackArgs, server: &Meshca) -> anyhow::Result<Value> {
     Ok(json!({
         "identities": args.identities,
         "concurrency": args.concurrency,
+        "real_rate": args.real_rate,
         "phase_seconds": args.duration.as_secs_f64(),
         "junk_kind": format!("{:?}", args.junk),
         "junk_ratio_asked": args.junk_ratio,
@@ -1067,6 +1087,72 @@ async fn junk_mix(args: &AttackArgs, server: &Meshca) -> anyhow::Result<Value> {
 }
 
 /// [`load::drive`] for `duration`, counting requests as they are sent.
+/// Sends `rate` real requests a second for `duration`, each in a task of
+/// its own (at most 4,096 in flight; those beyond are counted as errors
+/// `NOT_SENT_4096_IN_FLIGHT`), counting each into `sent`; a request's
+/// latency counts from when it was due, so a server that falls behind
+/// shows it.
+async fn drive_paced(
+    clients: &[Client],
+    prepared: Arc<Vec<Prepared>>,
+    rate: u32,
+    duration: Duration,
+    sent: Arc<AtomicU64>,
+) -> load::Driven {
+    let start = Instant::now();
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(4096));
+    let mut tasks = tokio::task::JoinSet::new();
+    let mut not_sent = 0u64;
+    let mut issued = 0u64;
+    let mut ticker = tokio::time::interval(Duration::from_millis(1));
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    while start.elapsed() < duration {
+        ticker.tick().await;
+        let due =
+            (start.elapsed().as_secs_f64().min(duration.as_secs_f64()) * f64::from(rate)) as u64;
+        while issued < due {
+            let due_at = start + Duration::from_secs_f64(issued as f64 / f64::from(rate));
+            let i = issued as usize;
+            issued += 1;
+            let Ok(permit) = in_flight.clone().try_acquire_owned() else {
+                not_sent += 1;
+                continue;
+            };
+            sent.fetch_add(1, Ordering::Relaxed);
+            let mut client = clients[i % clients.len()].clone();
+            let prepared = prepared.clone();
+            tasks.spawn(async move {
+                let result = client.call(&prepared[i % prepared.len()]).await;
+                drop(permit);
+                (due_at.elapsed(), result)
+            });
+        }
+    }
+    let mut driven = load::Driven {
+        ok: 0,
+        errors: BTreeMap::new(),
+        latency: new_histogram(),
+        elapsed: Duration::ZERO,
+    };
+    if not_sent > 0 {
+        driven
+            .errors
+            .insert("NOT_SENT_4096_IN_FLIGHT".into(), not_sent);
+    }
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok((latency, Ok(()))) => {
+                driven.ok += 1;
+                let _ = driven.latency.record(latency.as_micros().max(1) as u64);
+            }
+            Ok((_, Err(code))) => *driven.errors.entry(code).or_default() += 1,
+            Err(_) => *driven.errors.entry("TASK_FAILED".into()).or_default() += 1,
+        }
+    }
+    driven.elapsed = start.elapsed();
+    driven
+}
+
 async fn drive_counted(
     clients: &[Client],
     prepared: Arc<Vec<Prepared>>,

@@ -14,11 +14,14 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Request, Response};
 use http_body::{Body as HttpBody, Frame};
+use http_body_util::BodyExt;
+use tokio::sync::Semaphore;
 use tonic::body::Body;
 use tonic::server::NamedService;
 use tonic::transport::server::{TcpConnectInfo, TlsConnectInfo};
@@ -33,6 +36,20 @@ use crate::service::CaService;
 /// `DEADLINE_EXCEEDED` and its place among the open requests is freed.
 pub(crate) const MESSAGE_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// How long the rest of a refused request's message is read (and thrown
+/// away) after its answer has been sent. A client that sends its message
+/// right after its HEADERS then reads the answer on a stream that closes
+/// cleanly; were the message dropped at once, HTTP/2 would reset the
+/// stream, and the client might see `CANCELLED` or `UNKNOWN` instead of the
+/// status it was sent.
+pub(crate) const REFUSED_MESSAGE_WAIT: Duration = Duration::from_secs(1);
+
+/// Refused requests whose messages are read at once, at most; beyond it a
+/// refused request's message is dropped at once (a flood of HEADERS
+/// without messages holds no more than this many streams, each for at
+/// most [`REFUSED_MESSAGE_WAIT`]).
+pub(crate) const MAX_REFUSED_MESSAGES_READ: usize = 1024;
+
 /// Wraps the CA's gRPC service (`inner`) so that every request passes
 /// [`CaService::who_is_calling`] first; the caller then travels in the
 /// request's extensions to the handler.
@@ -40,13 +57,33 @@ pub(crate) const MESSAGE_TIMEOUT: Duration = Duration::from_secs(5);
 pub(crate) struct CallerGate<S> {
     inner: S,
     service: CaService,
+    refused_reads: Arc<Semaphore>,
 }
 
 impl<S> CallerGate<S> {
     /// Gates `inner` with `service`'s authentication.
     pub(crate) fn new(inner: S, service: CaService) -> Self {
-        Self { inner, service }
+        Self {
+            inner,
+            service,
+            refused_reads: Arc::new(Semaphore::new(MAX_REFUSED_MESSAGES_READ)),
+        }
     }
+}
+
+/// Reads what remains of a refused request's message, for at most
+/// [`REFUSED_MESSAGE_WAIT`], in a task of its own, if fewer than
+/// [`MAX_REFUSED_MESSAGES_READ`] are being read; else drops it now.
+fn read_and_drop(body: Body, reads: &Arc<Semaphore>) {
+    let Ok(permit) = reads.clone().try_acquire_owned() else {
+        return;
+    };
+    tokio::spawn(async move {
+        let mut body = body;
+        let read = async { while let Some(Ok(_)) = body.frame().await {} };
+        let _ = tokio::time::timeout(REFUSED_MESSAGE_WAIT, read).await;
+        drop(permit);
+    });
 }
 
 impl<S: NamedService> NamedService for CallerGate<S> {
@@ -75,6 +112,7 @@ where
         let ready = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, ready);
         let service = self.service.clone();
+        let refused_reads = self.refused_reads.clone();
         Box::pin(async move {
             let peer_chain = request
                 .extensions()
@@ -87,8 +125,11 @@ where
                         request.map(|body| Body::new(MessageDeadline::new(body, MESSAGE_TIMEOUT)));
                     inner.call(request).await
                 }
-                // Answered at once: the message is never read.
-                Err(status) => Ok(status.into_http()),
+                // Answered at once: the message is never decoded.
+                Err(status) => {
+                    read_and_drop(request.into_body(), &refused_reads);
+                    Ok(status.into_http())
+                }
             }
         })
     }
@@ -152,19 +193,45 @@ impl HttpBody for MessageDeadline {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http_body_util::BodyExt;
+
+    type FrameSender = tokio::sync::mpsc::Sender<Result<Frame<bytes::Bytes>, Status>>;
+
+    /// A request body fed through the returned sender.
+    fn channel_body() -> (FrameSender, Body) {
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        (
+            tx,
+            Body::new(http_body_util::StreamBody::new(
+                tokio_stream::wrappers::ReceiverStream::new(rx),
+            )),
+        )
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_message_is_read_for_a_while_then_dropped() {
+        let reads = Arc::new(Semaphore::new(1));
+        let (sender, body) = channel_body();
+        read_and_drop(body, &reads);
+        // Another while the first is read, beyond the bound: dropped now.
+        let (other, body) = channel_body();
+        read_and_drop(body, &reads);
+        assert!(other.is_closed());
+        // The first is still read: the client can send the rest...
+        sender
+            .send(Ok(Frame::data(bytes::Bytes::from_static(b"rest"))))
+            .await
+            .unwrap();
+        tokio::task::yield_now().await;
+        assert!(!sender.is_closed());
+        // ...until the wait is over.
+        tokio::time::sleep(REFUSED_MESSAGE_WAIT + Duration::from_millis(1)).await;
+        assert!(sender.is_closed());
+        assert_eq!(reads.available_permits(), 1, "its place is given back");
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_message_that_does_not_arrive_in_time_fails_the_body() {
-        let (sender, body) = {
-            let (tx, rx) = tokio::sync::mpsc::channel::<Result<Frame<bytes::Bytes>, Status>>(1);
-            (
-                tx,
-                Body::new(http_body_util::StreamBody::new(
-                    tokio_stream::wrappers::ReceiverStream::new(rx),
-                )),
-            )
-        };
+        let (sender, body) = channel_body();
         let mut body = MessageDeadline::new(body, MESSAGE_TIMEOUT);
         // Part of the message in time: passed on.
         sender
