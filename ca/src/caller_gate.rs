@@ -127,6 +127,7 @@ where
                 }
                 // Answered at once: the message is never decoded.
                 Err(status) => {
+                    service.count_request_refused_at_headers();
                     read_and_drop(request.into_body(), &refused_reads);
                     Ok(status.into_http())
                 }

@@ -95,6 +95,13 @@ impl CaService {
         self
     }
 
+    /// Counts a CreateCertificate request refused before it reached the
+    /// handler (`citadel_server_csr_count` counts every request, as
+    /// istiod's does).
+    pub(crate) fn count_request_refused_at_headers(&self) {
+        self.metrics.csr_count.inc();
+    }
+
     /// Who is calling, from what the request's HEADERS carry (the
     /// `clusterid` and `authorization` headers) and the connection's client
     /// certificate chain: the cluster check and authentication, counted
