@@ -695,6 +695,11 @@ impl Authenticator for JwtAuthenticator {
             return Ok(None);
         }
         if self.refresher.is_some() && !self.knows_key_of(&jwt.header) {
+            // An unknown key ID costs a discovery and a key fetch: only for
+            // a token that could pass the audience and expiry checks after
+            // its signature. Anything else is refused here, as it would be
+            // with the keys fetched.
+            check_plausible(token, &self.audiences, self.clock.unix_seconds())?;
             let now = self.clock.instant();
             let due = self
                 .last_refresh
@@ -1009,6 +1014,41 @@ mod tests {
         // A later refresh fetches again.
         authn.refresh().await.unwrap();
         assert_eq!(fetcher.fetches.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_implausible_token_with_an_unknown_key_id_fetches_no_keys() {
+        let (fetcher, authn) = refreshing_authn(Some(Duration::from_secs(1)));
+        // Tokens naming the trusted issuer, signed by a key it does not list.
+        let stranger = TokenIssuer::generate()
+            .unwrap()
+            .with_issuer(authn.issuer.clone());
+        let past = SystemTime::now() - Duration::from_secs(3600);
+        for (token, what) in [
+            (
+                mint(&stranger, "other", 600, SystemTime::now()),
+                "wrong audience",
+            ),
+            (mint(&stranger, "istio-ca", 60, past), "expired"),
+        ] {
+            let err = authn.authenticate(&creds(token)).await.unwrap_err();
+            assert!(
+                matches!(err, AuthnError::WrongAudience(_) | AuthnError::Expired(_)),
+                "{what}: {err}"
+            );
+        }
+        assert_eq!(
+            fetcher.fetches.load(Ordering::SeqCst),
+            0,
+            "no key fetch for a token refused anyway"
+        );
+        // A plausible one still makes the authenticator look for its key.
+        let err = authn
+            .authenticate(&creds(mint(&stranger, "istio-ca", 600, SystemTime::now())))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AuthnError::InvalidToken(_)), "{err}");
+        assert_eq!(fetcher.fetches.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test(start_paused = true)]
