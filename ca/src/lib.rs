@@ -51,6 +51,8 @@ pub mod config;
 pub(crate) mod metrics;
 pub mod rate_limit;
 pub(crate) mod rate_limited_log;
+#[cfg(test)]
+mod refusal_log_tests;
 pub(crate) mod reload;
 #[cfg(test)]
 mod renewal_pace_tests;
