@@ -99,6 +99,13 @@ impl Authority {
         self.generation.subscribe()
     }
 
+    /// How many times the material was replaced so far. Read it before
+    /// [`Authority::bundle`] to tag a result computed with that bundle: the
+    /// new material is in place before the count moves.
+    pub fn generation(&self) -> u64 {
+        *self.generation.borrow()
+    }
+
     /// Records that new material was offered and refused (`None`: the last
     /// offer was accepted). Shown by `/ready` and the metrics.
     pub fn set_refused(&self, reason: Option<String>) {
