@@ -99,6 +99,13 @@ impl Authority {
         self.generation.subscribe()
     }
 
+    /// How many times the material was replaced so far. Read it before
+    /// [`Authority::bundle`] to tag a result computed with that bundle: the
+    /// new material is in place before the count moves.
+    pub(crate) fn generation(&self) -> u64 {
+        *self.generation.borrow()
+    }
+
     /// Records that new material was offered and refused (`None`: the last
     /// offer was accepted). Shown by `/ready` and the metrics.
     pub(crate) fn set_refused(&self, reason: Option<String>) {
@@ -176,7 +183,8 @@ impl Authority {
     /// [`Authority::sign_workload`], with the whole lifetime (notAfter −
     /// notBefore, backdating included) at most `max_lifetime` when given:
     /// a renewal by client certificate gets no longer a lifetime than the
-    /// certificate it presented.
+    /// certificate it presented. The TTL is capped at `max_lifetime` before
+    /// the backdate is derived from it, so notAfter is always after `now`.
     pub(crate) fn sign_workload_within(
         &self,
         subject: &SubjectKey,
@@ -185,7 +193,13 @@ impl Authority {
         max_lifetime: Option<Duration>,
         now: OffsetDateTime,
     ) -> Result<IssuedChain, SignError> {
-        let ttl = self.workload_ttl(requested_ttl_secs)?;
+        let mut ttl = self.workload_ttl(requested_ttl_secs)?;
+        // The TTL is capped before the backdate is derived from it: a
+        // backdate taken from a longer requested TTL could exceed the whole
+        // allowed lifetime and leave notAfter in the past.
+        if let Some(max) = max_lifetime {
+            ttl = ttl.min(max);
+        }
         let state = self.state.load();
         let ca = &state.material.signing;
         let ca_validity = check_ca_validity(ca, now, self.expiry_margin)?;
@@ -355,6 +369,51 @@ mod tests {
         // ztunnel renews) is 27 s after issuance.
         let issued = a.sign_workload(&subject(), &id(), 60, now).unwrap();
         assert_eq!(lifetime(&issued.chain_pem[0]), 66);
+    }
+
+    #[test]
+    fn renewing_a_short_lived_certificate_never_issues_an_expired_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = authority(dir.path());
+        let now = OffsetDateTime::now_utc();
+        let now_s = now.unix_timestamp();
+        let window = |pem: &str| {
+            let der = meshca_certs::bundle::parse_certs_pem(pem).unwrap();
+            let s = meshca_certs::inspect::CertSummary::from_der(&der[0]).unwrap();
+            (s.not_before.unix_timestamp(), s.not_after.unix_timestamp())
+        };
+        // A 60 s SVID (66 s with its backdate) presented, the default TTL
+        // (24 h) asked: the backdate comes from 66 s, not from 24 h.
+        for requested in [0, 3600, 90 * 86_400] {
+            let issued = a
+                .sign_workload_within(
+                    &subject(),
+                    &id(),
+                    requested,
+                    Some(Duration::from_secs(66)),
+                    now,
+                )
+                .unwrap();
+            let (not_before, not_after) = window(&issued.chain_pem[0]);
+            assert!(
+                not_after > now_s,
+                "requested {requested}: notAfter {not_after} <= now {now_s}"
+            );
+            assert!(
+                not_before <= now_s,
+                "requested {requested}: notBefore after now"
+            );
+            assert!(
+                not_after - not_before <= 66,
+                "requested {requested}: lifetime {}",
+                not_after - not_before
+            );
+            assert_eq!(
+                (not_before, not_after),
+                (now_s - 6, now_s + 60),
+                "requested {requested}"
+            );
+        }
     }
 
     #[test]

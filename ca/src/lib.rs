@@ -56,6 +56,8 @@ pub(crate) mod heap_trim;
 pub(crate) mod metrics;
 pub(crate) mod rate_limit;
 pub(crate) mod rate_limited_log;
+#[cfg(test)]
+mod refusal_log_tests;
 pub(crate) mod reload;
 pub mod server;
 pub(crate) mod server_identity;

@@ -41,6 +41,7 @@ struct RefusalLogs {
     authentication: RateLimitedLog,
     csr: RateLimitedLog,
     authorization: RateLimitedLog,
+    signing: RateLimitedLog,
 }
 
 /// The CA service.
@@ -230,7 +231,9 @@ impl CaService {
                     SignError::CaOutsideValidity { .. } => self.metrics.sign_error("ca_cert_invalid"),
                     SignError::Signing(_) => self.metrics.sign_error("signing"),
                 }
-                tracing::warn!(caller = %caller.identity, identity = %identity, error = %e, "signing refused");
+                if let Some(unlogged) = logs.signing.record() {
+                    tracing::warn!(caller = %caller.identity, identity = %identity, error = %e, unlogged, "signing refused");
+                }
                 match e {
                     SignError::TtlTooLong { .. } => Status::invalid_argument(e.to_string()),
                     SignError::CaOutsideValidity { .. } => Status::unavailable(e.to_string()),

@@ -44,6 +44,16 @@ pub enum VerifyError {
         /// What the certificate says.
         found: String,
     },
+    /// A chain presented by a TLS peer holds more certificates than
+    /// [`MAX_PEER_CHAIN_CERTIFICATES`] (copies of the bundle's roots not
+    /// counted); refused before any parsing or path building.
+    #[error("the presented chain is too long: {presented} certificates, and at most {max} besides the trust bundle's roots (the leaf and {} intermediates) are accepted", max - 1)]
+    ChainTooLong {
+        /// Certificates presented.
+        presented: usize,
+        /// The bound.
+        max: usize,
+    },
     /// A CA certificate in a chain breaks a CA rule.
     #[error("certificate #{index} ({subject}): {reason}")]
     BadCa {
@@ -125,6 +135,34 @@ pub fn verify_svid(
     }
     verify_path(chain, bundle, now)?;
     Ok(svid)
+}
+
+/// Most certificates a TLS peer's chain may hold, copies of the trust
+/// bundle's roots not counted: the leaf and up to three intermediates (a
+/// plugged-in CA below two or three intermediates). An Istio workload
+/// presents the chain its CA answered with, `[leaf, intermediates...,
+/// roots]`; the roots are the bundle's and are not counted. Path building
+/// tries every ordering of the intermediates offered, so its cost grows
+/// with their number factorially (up to webpki's budget of 100 signature
+/// checks); with three it is at most 15 paths.
+pub const MAX_PEER_CHAIN_CERTIFICATES: usize = 4;
+
+/// Refuses a chain presented by a TLS peer that is longer than
+/// [`MAX_PEER_CHAIN_CERTIFICATES`] (copies of `bundle`'s roots not counted),
+/// without parsing any certificate. Call it before [`verify_svid`] on a
+/// chain from outside.
+pub fn check_peer_chain_length(chain: &[Vec<u8>], bundle: &TrustBundle) -> Result<(), VerifyError> {
+    let too_long = |presented| VerifyError::ChainTooLong {
+        presented,
+        max: MAX_PEER_CHAIN_CERTIFICATES,
+    };
+    // Also bounds the comparisons with the roots below.
+    if chain.len() > MAX_PEER_CHAIN_CERTIFICATES + bundle.roots.len()
+        || chain.iter().filter(|c| !bundle.contains(c)).count() > MAX_PEER_CHAIN_CERTIFICATES
+    {
+        return Err(too_long(chain.len()));
+    }
+    Ok(())
 }
 
 /// Path validation only (webpki, client-auth usage).
@@ -586,6 +624,95 @@ mod tests {
             verify_svid(&[ca.cert_der().to_vec()], &bundle, SystemTime::now(), None),
             Err(VerifyError::NotSvid(_))
         ));
+    }
+
+    /// `depth` intermediates below `root`, the one that signs last first,
+    /// and the CA that signs leaves (`None`: the root).
+    fn intermediates(root: &SigningCa, depth: usize) -> (Option<SigningCa>, Vec<Vec<u8>>) {
+        let mut signer: Option<SigningCa> = None;
+        let mut ders = Vec::new();
+        for i in 0..depth {
+            let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+            let int = signer
+                .as_ref()
+                .unwrap_or(root)
+                .issue_ca(
+                    &SubjectKey::of(&key).unwrap(),
+                    &SubjectName {
+                        common_name: Some(format!("Int {i}")),
+                        ..Default::default()
+                    },
+                    None,
+                    Validity::backdated(OffsetDateTime::now_utc(), Duration::days(1)),
+                )
+                .unwrap();
+            ders.insert(0, int.der.clone());
+            signer = Some(SigningCa::new(int.der, key).unwrap());
+        }
+        (signer, ders)
+    }
+
+    #[test]
+    fn a_long_peer_chain_is_refused_before_anything_is_parsed() {
+        let ca = root();
+        let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
+        // Twenty "certificates" that are not even X.509: refused for their
+        // number, so nothing was parsed and no path was built.
+        let junk = vec![b"not a certificate".to_vec(); 20];
+        let err = check_peer_chain_length(&junk, &bundle).unwrap_err();
+        assert_eq!(
+            err,
+            VerifyError::ChainTooLong {
+                presented: 20,
+                max: MAX_PEER_CHAIN_CERTIFICATES
+            }
+        );
+        assert!(err.to_string().contains("too long"), "{err}");
+        // Up to the bound, the same junk goes on to be parsed (and refused).
+        assert!(check_peer_chain_length(&junk[..4], &bundle).is_ok());
+        assert!(matches!(
+            verify_svid(&junk[..4], &bundle, SystemTime::now(), None),
+            Err(VerifyError::Malformed { .. })
+        ));
+        // Copies of the bundle's roots are not counted, up to one per root.
+        let mut with_root = junk[..4].to_vec();
+        with_root.push(ca.cert_der().to_vec());
+        assert!(check_peer_chain_length(&with_root, &bundle).is_ok());
+        with_root.push(ca.cert_der().to_vec());
+        assert!(check_peer_chain_length(&with_root, &bundle).is_err());
+    }
+
+    #[test]
+    fn a_peer_chain_through_three_intermediates_is_accepted_and_four_are_too_many() {
+        let ca = root();
+        let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
+        let now = SystemTime::now();
+        for depth in 0..=4 {
+            let (signer, ints) = intermediates(&ca, depth);
+            let mut chain = vec![leaf(
+                signer.as_ref().unwrap_or(&ca),
+                Validity::backdated(OffsetDateTime::now_utc(), Duration::hours(1)),
+            )];
+            chain.extend(ints);
+            // As an Istio workload presents it: the root at the end.
+            chain.push(ca.cert_der().to_vec());
+            let checked = check_peer_chain_length(&chain, &bundle)
+                .and_then(|()| verify_svid(&chain, &bundle, now, Some(&id())));
+            if depth <= 3 {
+                assert!(checked.is_ok(), "{depth} intermediates: {checked:?}");
+            } else {
+                assert!(
+                    matches!(
+                        checked,
+                        Err(VerifyError::ChainTooLong {
+                            presented: 6,
+                            max: 4
+                        })
+                    ),
+                    "{depth} intermediates: {checked:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -3,7 +3,9 @@
 //! An `AuthenticatorChain` asks each [`Authenticator`] in order; the first
 //! that recognises the credential decides (accepts or refuses). Authenticators:
 //! - [`ClientCertAuthenticator`]: an SVID presented over mTLS that chains to
-//!   this CA's trust bundle (renewal without a token);
+//!   this CA's trust bundle (renewal without a token); a chain of more than
+//!   a leaf and three intermediates is refused unverified, and the verdict
+//!   on a chain is kept (its connection presents it for every request);
 //! - [`JwtAuthenticator`]: a Kubernetes-style service-account token checked
 //!   offline against an issuer's keys (the local issuer of the embedded mode,
 //!   or `--jwks` with `--jwt-issuer`).
@@ -20,7 +22,7 @@ pub(crate) mod clock;
 pub(crate) mod oidc;
 pub mod token_review;
 
-use cache::VerifiedTokenCache;
+use cache::{RefusedTokenCache, VerifiedTokenCache};
 use clock::SharedClock;
 pub use token_review::{TokenReviewAuthenticator, TokenReviewConfig};
 
@@ -699,6 +701,11 @@ impl Authenticator for JwtAuthenticator {
             return Ok(None);
         }
         if self.refresher.is_some() && !self.knows_key_of(&jwt.header) {
+            // An unknown key ID costs a discovery and a key fetch: only for
+            // a token that could pass the audience and expiry checks after
+            // its signature. Anything else is refused here, as it would be
+            // with the keys fetched.
+            check_plausible(token, &self.audiences, self.clock.unix_seconds())?;
             let now = self.clock.instant();
             let due = self
                 .last_refresh
@@ -728,11 +735,33 @@ impl Authenticator for JwtAuthenticator {
     }
 }
 
+/// How long an accepted client certificate chain is accepted again without
+/// verifying it, at most (never past the earliest notAfter in the chain).
+pub const CLIENT_CHAIN_ACCEPTED_TTL: Duration = Duration::from_secs(600);
+/// How long a refused client certificate chain is refused again without
+/// verifying it.
+pub const CLIENT_CHAIN_REFUSED_TTL: Duration = Duration::from_secs(5);
+/// Most verdicts on client certificate chains kept, in each of the two
+/// caches (accepted, refused); a few hundred bytes each.
+pub const MAX_CACHED_CLIENT_CHAINS: usize = 4_096;
+
 /// Callers that present an SVID chaining to this CA's trust bundle.
+///
+/// A chain longer than [`meshca_certs::verify::MAX_PEER_CHAIN_CERTIFICATES`]
+/// is refused before any path building. A connection presents one chain
+/// for all its requests, so the verdict on a chain is kept, keyed by the
+/// SHA-256 of its certificates and the CA material's generation (a new
+/// trust bundle is a new generation: nothing verified with the old one is
+/// reused): an acceptance for [`CLIENT_CHAIN_ACCEPTED_TTL`] and never past
+/// the earliest notAfter in the chain, a refusal for
+/// [`CLIENT_CHAIN_REFUSED_TTL`]; at most [`MAX_CACHED_CLIENT_CHAINS`] of
+/// each.
 pub struct ClientCertAuthenticator {
     authority: Arc<Authority>,
     trust_domain: TrustDomain,
     clock: SharedClock,
+    accepted: VerifiedTokenCache,
+    refused: RefusedTokenCache,
 }
 
 impl ClientCertAuthenticator {
@@ -742,18 +771,69 @@ impl ClientCertAuthenticator {
             authority,
             trust_domain,
             clock: clock::system_clock(),
+            accepted: VerifiedTokenCache::with_capacity_limit(
+                CLIENT_CHAIN_ACCEPTED_TTL,
+                MAX_CACHED_CLIENT_CHAINS,
+            ),
+            refused: RefusedTokenCache::with_capacity_limit(
+                CLIENT_CHAIN_REFUSED_TTL,
+                MAX_CACHED_CLIENT_CHAINS,
+            ),
         }
     }
 
-    fn verify(&self, chain: &[CertificateDer<'static>]) -> Result<Caller, AuthnError> {
-        let ders: Vec<Vec<u8>> = chain.iter().map(|c| c.to_vec()).collect();
-        let svid = meshca_certs::verify::verify_svid(
-            &ders,
-            &self.authority.bundle(),
-            self.clock.now(),
-            None,
+    /// Reads the time from `clock` (certificate times and the caches).
+    #[cfg(test)]
+    pub(crate) fn with_clock(mut self, clock: SharedClock) -> Self {
+        self.accepted = VerifiedTokenCache::with_capacity_limit(
+            CLIENT_CHAIN_ACCEPTED_TTL,
+            MAX_CACHED_CLIENT_CHAINS,
         )
-        .map_err(|e| AuthnError::BadClientCertificate(e.to_string()))?;
+        .with_clock(clock.clone());
+        self.refused = RefusedTokenCache::with_capacity_limit(
+            CLIENT_CHAIN_REFUSED_TTL,
+            MAX_CACHED_CLIENT_CHAINS,
+        )
+        .with_clock(clock.clone());
+        self.clock = clock;
+        self
+    }
+
+    /// The verdict on `chain`: from the caches when they hold one for it
+    /// under the current CA material, else verified and remembered.
+    fn verify_cached(&self, chain: &[CertificateDer<'static>]) -> Result<Caller, AuthnError> {
+        // Read before the bundle (see Authority::generation).
+        let key = chain_key(self.authority.generation(), chain);
+        if let Some(caller) = self.accepted.get(&key) {
+            return Ok(caller);
+        }
+        if let Some(refusal) = self.refused.get(&key) {
+            return Err(refusal);
+        }
+        match self.verify(chain) {
+            Ok((caller, valid_until)) => {
+                self.accepted.insert(key, caller.clone(), Some(valid_until));
+                Ok(caller)
+            }
+            Err(e) => {
+                tracing::debug!(certificates = chain.len(), error = %e, "client certificate chain refused");
+                self.refused.insert(key, e.clone(), None);
+                Err(e)
+            }
+        }
+    }
+
+    /// Verifies `chain`: the caller, and until when (Unix seconds) the
+    /// verdict holds, the earliest notAfter in the chain (0 when a
+    /// certificate's validity cannot be read: the verdict is not kept).
+    fn verify(&self, chain: &[CertificateDer<'static>]) -> Result<(Caller, u64), AuthnError> {
+        let bundle = self.authority.bundle();
+        let refused =
+            |e: meshca_certs::VerifyError| AuthnError::BadClientCertificate(e.to_string());
+        let ders: Vec<Vec<u8>> = chain.iter().map(|c| c.to_vec()).collect();
+        meshca_certs::verify::check_peer_chain_length(&ders, &bundle).map_err(refused)?;
+        let svid = meshca_certs::verify::verify_svid(&ders, &bundle, self.clock.now(), None)
+            .map_err(refused)?;
         if svid.spiffe_id.trust_domain_name() != self.trust_domain.as_str() {
             return Err(AuthnError::BadClientCertificate(format!(
                 "its trust domain {:?} is not this CA's {:?}",
@@ -761,7 +841,16 @@ impl ClientCertAuthenticator {
                 self.trust_domain.as_str()
             )));
         }
-        Ok(Caller {
+        let valid_until = ders
+            .iter()
+            .map(|der| {
+                meshca_certs::inspect::CertSummary::from_der(der)
+                    .map(|c| u64::try_from(c.not_after.unix_timestamp()).unwrap_or(0))
+                    .unwrap_or(0)
+            })
+            .min()
+            .unwrap_or(0);
+        let caller = Caller {
             identity: svid.spiffe_id,
             kind: CallerKind::ClientCertificate {
                 serial: svid.serial_hex,
@@ -770,8 +859,23 @@ impl ClientCertAuthenticator {
             },
             pod_name: None,
             pod_uid: None,
-        })
+        };
+        Ok((caller, valid_until))
     }
+}
+
+/// The cache key of a presented chain under CA material `generation`:
+/// SHA-256 over the generation and each certificate, length-prefixed.
+fn chain_key(generation: u64, chain: &[CertificateDer<'_>]) -> cache::TokenHash {
+    let mut digest = ring::digest::Context::new(&ring::digest::SHA256);
+    digest.update(&generation.to_be_bytes());
+    for cert in chain {
+        digest.update(&(cert.len() as u64).to_be_bytes());
+        digest.update(cert);
+    }
+    let mut out = [0u8; 32];
+    out.copy_from_slice(digest.finish().as_ref());
+    out
 }
 
 #[async_trait]
@@ -784,7 +888,7 @@ impl Authenticator for ClientCertAuthenticator {
         let Some(chain) = &credentials.peer_chain else {
             return Ok(None);
         };
-        match self.verify(chain) {
+        match self.verify_cached(chain) {
             Ok(caller) => Ok(Some(caller)),
             // A token is there too: let the token decide.
             Err(_) if credentials.bearer.is_some() => Ok(None),
@@ -1008,6 +1112,151 @@ mod tests {
         // A later refresh fetches again.
         authn.refresh().await.unwrap();
         assert_eq!(fetcher.fetches.load(Ordering::SeqCst), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_implausible_token_with_an_unknown_key_id_fetches_no_keys() {
+        let (fetcher, authn) = refreshing_authn(Some(Duration::from_secs(1)));
+        // Tokens naming the trusted issuer, signed by a key it does not list.
+        let stranger = TokenIssuer::generate()
+            .unwrap()
+            .with_issuer(authn.issuer.clone());
+        let past = SystemTime::now() - Duration::from_secs(3600);
+        for (token, what) in [
+            (
+                mint(&stranger, "other", 600, SystemTime::now()),
+                "wrong audience",
+            ),
+            (mint(&stranger, "istio-ca", 60, past), "expired"),
+        ] {
+            let err = authn.authenticate(&creds(token)).await.unwrap_err();
+            assert!(
+                matches!(err, AuthnError::WrongAudience(_) | AuthnError::Expired(_)),
+                "{what}: {err}"
+            );
+        }
+        assert_eq!(
+            fetcher.fetches.load(Ordering::SeqCst),
+            0,
+            "no key fetch for a token refused anyway"
+        );
+        // A plausible one still makes the authenticator look for its key.
+        let err = authn
+            .authenticate(&creds(mint(&stranger, "istio-ca", 600, SystemTime::now())))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AuthnError::InvalidToken(_)), "{err}");
+        assert_eq!(fetcher.fetches.load(Ordering::SeqCst), 1);
+    }
+
+    /// An authority with fresh CA material in `dir`.
+    fn authority_in(dir: &std::path::Path) -> Arc<Authority> {
+        Arc::new(Authority::new(
+            material_in(dir),
+            crate::authority::TtlPolicy::default(),
+        ))
+    }
+
+    fn material_in(dir: &std::path::Path) -> crate::store::CaMaterial {
+        crate::store::load_or_create_data_dir(
+            dir,
+            &TrustDomain::default(),
+            time::OffsetDateTime::now_utc(),
+        )
+        .unwrap()
+    }
+
+    /// The chain a workload presents with an SVID of `authority` living
+    /// `ttl_secs`.
+    fn presented_svid(authority: &Authority, ttl_secs: i64) -> Credentials {
+        let key =
+            meshca_certs::PrivateKey::generate(meshca_certs::KeyAlgorithm::EcdsaP256).unwrap();
+        let issued = authority
+            .sign_workload(
+                &meshca_certs::SubjectKey::of(&key).unwrap(),
+                &SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web").unwrap(),
+                ttl_secs,
+                time::OffsetDateTime::now_utc(),
+            )
+            .unwrap();
+        let answer = meshca_certs::answer::ChainAnswer::parse(&issued.chain_pem).unwrap();
+        chain_credentials(answer.presented_chain())
+    }
+
+    fn chain_credentials(ders: Vec<Vec<u8>>) -> Credentials {
+        Credentials {
+            bearer: None,
+            peer_chain: Some(Arc::new(
+                ders.into_iter().map(CertificateDer::from).collect(),
+            )),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_long_client_chain_is_refused_as_too_long() {
+        let dir = tempfile::tempdir().unwrap();
+        let authority = authority_in(dir.path());
+        let authn = ClientCertAuthenticator::new(authority.clone(), TrustDomain::default());
+        let good = presented_svid(&authority, 3600);
+        let leaf = good.peer_chain.as_ref().unwrap()[0].to_vec();
+        // The real leaf and 19 "intermediates" that are not even X.509:
+        // refused for the length, not for what the certificates hold.
+        let mut chain = vec![leaf];
+        chain.extend(std::iter::repeat_n(b"junk".to_vec(), 19));
+        let err = authn
+            .authenticate(&chain_credentials(chain))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AuthnError::BadClientCertificate(_)), "{err}");
+        assert!(
+            err.to_string().contains("too long: 20 certificates"),
+            "{err}"
+        );
+        assert!(authn.authenticate(&good).await.unwrap().is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_chain_verdict_is_kept_only_under_the_same_bundle_and_until_not_after() {
+        let clock = TokioClock::new().shared();
+        let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let authority = authority_in(dir_a.path());
+        let other = authority_in(dir_b.path());
+        let authn = ClientCertAuthenticator::new(authority.clone(), TrustDomain::default())
+            .with_clock(clock.clone());
+
+        // One connection's requests: verified once, then from the cache.
+        let svid_a = presented_svid(&authority, 60);
+        for _ in 0..3 {
+            assert!(authn.authenticate(&svid_a).await.unwrap().is_some());
+        }
+        assert_eq!(authn.accepted.hits(), 2);
+        // A chain of another CA: refused once, then from the cache.
+        let svid_b = presented_svid(&other, 3600);
+        for _ in 0..3 {
+            let err = authn.authenticate(&svid_b).await.unwrap_err();
+            assert!(matches!(err, AuthnError::BadClientCertificate(_)), "{err}");
+        }
+        assert_eq!(authn.refused.hits(), 2);
+
+        // The trust bundle changes (the other CA's material): neither
+        // verdict is reused.
+        authority.replace(material_in(dir_b.path()));
+        let err = authn.authenticate(&svid_a).await.unwrap_err();
+        assert!(err.to_string().contains("does not chain"), "{err}");
+        assert!(authn.authenticate(&svid_b).await.unwrap().is_some());
+        assert_eq!((authn.accepted.hits(), authn.refused.hits()), (2, 2));
+
+        // Back to the first material: an acceptance lasts until notAfter.
+        authority.replace(material_in(dir_a.path()));
+        let svid_short = presented_svid(&authority, 60);
+        assert!(authn.authenticate(&svid_short).await.unwrap().is_some());
+        tokio::time::advance(Duration::from_secs(58)).await;
+        assert!(authn.authenticate(&svid_short).await.unwrap().is_some());
+        assert_eq!(authn.accepted.hits(), 3, "reused before notAfter");
+        tokio::time::advance(Duration::from_secs(3)).await;
+        let err = authn.authenticate(&svid_short).await.unwrap_err();
+        assert!(err.to_string().contains("expired"), "{err}");
+        assert_eq!(authn.accepted.hits(), 3, "not reused after notAfter");
     }
 
     #[tokio::test(start_paused = true)]

@@ -256,11 +256,63 @@ impl PodIndex {
     }
 }
 
+/// How long the API server keeps one watch of pods open
+/// (`timeoutSeconds`) before the watcher opens the next, from where it
+/// left off. kube's watcher also gives up a watch silent for this long
+/// plus 5 s (a dead connection).
+pub(crate) const POD_WATCH_TIMEOUT_SECS: u32 = 60;
+
+/// Most time a call of the pod watch may take: a page of the list, or the
+/// API server's answer to a watch request (its stream is bounded by
+/// [`POD_WATCH_TIMEOUT_SECS`]). A call that takes longer fails like an
+/// unreachable API server, so a hung API server or a black-holed
+/// connection counts towards the failure limit instead of leaving the
+/// index stale without anyone knowing.
+pub(crate) const POD_WATCH_CALL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// `client`, with every call bounded by `timeout`: the whole answer of a
+/// request, and the response headers of a watch (whose stream stays open).
+/// The shared client has no read timeout, so that watches can stay open.
+fn with_call_timeout(client: kube::Client, timeout: Duration) -> kube::Client {
+    let namespace = client.default_namespace().to_string();
+    let service = tower::service_fn(move |request: http::Request<kube::client::Body>| {
+        let client = client.clone();
+        async move {
+            let is_watch = request
+                .uri()
+                .query()
+                .is_some_and(|q| q.split('&').any(|p| p == "watch=true"));
+            let call = async {
+                let response = client.send(request).await?;
+                if is_watch {
+                    return Ok(response);
+                }
+                let (parts, body) = response.into_parts();
+                let body = body.collect_bytes().await?;
+                Ok(http::Response::from_parts(
+                    parts,
+                    kube::client::Body::from(body),
+                ))
+            };
+            tokio::time::timeout(timeout, call)
+                .await
+                .unwrap_or_else(|_| {
+                    Err(kube::Error::Service(
+                        format!("the Kubernetes API did not answer within {timeout:?}").into(),
+                    ))
+                })
+        }
+    });
+    kube::Client::new(service, namespace)
+}
+
 /// Keeps `index` current from a watch on all pods until the task is dropped.
-/// Errors (API down, watch expired) are retried with backoff.
+/// Errors (API down, watch expired, a call not answered within
+/// [`POD_WATCH_CALL_TIMEOUT`]) are retried with backoff.
 pub(crate) async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
-    let api: Api<Pod> = Api::all(client);
-    let stream = watcher::watcher(api, watcher::Config::default()).default_backoff();
+    let api: Api<Pod> = Api::all(with_call_timeout(client, POD_WATCH_CALL_TIMEOUT));
+    let config = watcher::Config::default().timeout(POD_WATCH_TIMEOUT_SECS);
+    let stream = watcher::watcher(api, config).default_backoff();
     futures::pin_mut!(stream);
     let mut buffer: Vec<Pod> = Vec::new();
     while let Some(event) = stream.next().await {
@@ -546,6 +598,103 @@ mod tests {
             fresh.may_impersonate(&z, &target("web")).await,
             Err(AuthzError::Unavailable(_))
         ));
+    }
+
+    /// A fake pods API for the watch: the list answers with `pods`; a
+    /// watch request hangs while `answer_watches` is false, and otherwise
+    /// streams an ADDED event for each of `pods` and stays open.
+    fn fake_pods_api(
+        pods: Vec<Pod>,
+        answer_watches: tokio::sync::watch::Receiver<bool>,
+    ) -> kube::Client {
+        let service = tower::service_fn(move |request: http::Request<kube::client::Body>| {
+            let pods = pods.clone();
+            let mut answer_watches = answer_watches.clone();
+            async move {
+                assert_eq!(request.uri().path(), "/api/v1/pods");
+                let query = request.uri().query().unwrap_or_default().to_string();
+                let body = if query.split('&').any(|p| p == "watch=true") {
+                    let _ = answer_watches.wait_for(|answer| *answer).await;
+                    let events: Vec<Result<axum::body::Bytes, std::convert::Infallible>> = pods
+                        .iter()
+                        .map(|pod| {
+                            let mut pod = serde_json::to_value(pod).unwrap();
+                            pod["metadata"]["resourceVersion"] = "2".into();
+                            let event = serde_json::json!({"type": "ADDED", "object": pod});
+                            Ok(format!("{event}\n").into())
+                        })
+                        .collect();
+                    axum::body::Body::from_stream(
+                        futures::stream::iter(events).chain(futures::stream::pending()),
+                    )
+                } else {
+                    let list = serde_json::json!({
+                        "apiVersion": "v1", "kind": "PodList",
+                        "metadata": {"resourceVersion": "1"},
+                        "items": pods,
+                    });
+                    axum::body::Body::from(list.to_string())
+                };
+                Ok::<_, std::convert::Infallible>(
+                    http::Response::builder()
+                        .status(200)
+                        .header("content-type", "application/json")
+                        .body(body)
+                        .unwrap(),
+                )
+            }
+        });
+        kube::Client::new(service, "default")
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_hung_watch_makes_impersonation_unavailable_after_the_call_timeout_and_the_limit() {
+        let (answer_watches, answering) = tokio::sync::watch::channel(false);
+        let client = fake_pods_api(
+            vec![
+                pod("istio-system", "ztunnel-a", "uid-z", "ztunnel", "node-a"),
+                pod("default", "web-1", "uid-w", "web", "node-a"),
+            ],
+            answering,
+        );
+        let limit = Duration::from_secs(30);
+        let index = Arc::new(PodIndex::with_max_watch_failure(limit));
+        let watching = tokio::spawn(watch_pods(client, index.clone()));
+        let policy = NodeAgentPolicy::new(
+            [("istio-system".to_string(), "ztunnel".to_string())],
+            index.clone(),
+        );
+        let z = caller(Some("ztunnel-a"), Some("uid-z"));
+        while !index.is_synced() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let synced_at = Instant::now();
+        policy.may_impersonate(&z, &target("web")).await.unwrap();
+
+        // The list answered; the watch request after it never does. The
+        // call times out, and the watch counts as failing from then on.
+        let unavailable_at = synced_at + POD_WATCH_CALL_TIMEOUT + limit;
+        tokio::time::sleep_until(unavailable_at - Duration::from_secs(1)).await;
+        policy.may_impersonate(&z, &target("web")).await.unwrap();
+        tokio::time::sleep_until(unavailable_at + Duration::from_secs(1)).await;
+        let err = policy
+            .may_impersonate(&z, &target("web"))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, AuthzError::Unavailable(_)), "{err}");
+        assert!(err.to_string().contains("stale"), "{err}");
+
+        // The API server answers watches again: decisions resume.
+        answer_watches.send_replace(true);
+        let resumed = tokio::time::timeout(POD_WATCH_CALL_TIMEOUT * 2, async {
+            while index.freshness() != Freshness::Current {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await;
+        assert!(resumed.is_ok(), "the watch did not recover");
+        policy.may_impersonate(&z, &target("web")).await.unwrap();
+        watching.abort();
     }
 
     #[test]
