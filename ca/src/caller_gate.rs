@@ -56,7 +56,8 @@ pub(crate) const MAX_REFUSED_MESSAGES_READ: usize = 1024;
 #[derive(Debug, Clone)]
 pub(crate) struct CallerGate<S> {
     inner: S,
-    service: CaService,
+    /// Shared: cloned per request, so an `Arc`, not the service's fields.
+    service: Arc<CaService>,
     refused_reads: Arc<Semaphore>,
 }
 
@@ -65,7 +66,7 @@ impl<S> CallerGate<S> {
     pub(crate) fn new(inner: S, service: CaService) -> Self {
         Self {
             inner,
-            service,
+            service: Arc::new(service),
             refused_reads: Arc::new(Semaphore::new(MAX_REFUSED_MESSAGES_READ)),
         }
     }
