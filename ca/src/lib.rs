@@ -49,6 +49,7 @@ pub(crate) mod authz;
 pub mod cluster;
 pub mod config;
 pub(crate) mod metrics;
+pub(crate) mod monitoring;
 pub mod rate_limit;
 pub(crate) mod rate_limited_log;
 #[cfg(test)]
