@@ -54,6 +54,7 @@ pub mod cluster;
 pub mod config;
 pub(crate) mod heap_trim;
 pub(crate) mod metrics;
+pub(crate) mod monitoring;
 pub(crate) mod rate_limit;
 pub(crate) mod rate_limited_log;
 #[cfg(test)]

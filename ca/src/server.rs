@@ -287,8 +287,9 @@ async fn ready_handler(State(state): State<MonitoringState>) -> impl IntoRespons
 /// Serves the monitoring endpoints on a thread of their own with its own
 /// event loop, so `/healthz` and `/ready` answer at once even while every
 /// worker of the main runtime is busy signing (a mass restart): a kubelet
-/// probe that times out would restart a CA that is merely busy. Completes
-/// when the server has stopped after `stop` turned true.
+/// probe that times out would restart a CA that is merely busy. Connections
+/// are bounded ([`crate::monitoring`]). Completes when the server has
+/// stopped after `stop` turned true.
 fn spawn_monitoring_thread(
     listener: TcpListener,
     app: axum::Router,
@@ -325,10 +326,10 @@ fn spawn_monitoring_thread(
                         return;
                     }
                 };
-                let _ = axum::serve(listener, app)
-                    .with_graceful_shutdown(async move {
-                        let _ = stop.wait_for(|stopped| *stopped).await;
-                    })
+                let stop = async move {
+                    let _ = stop.wait_for(|stopped| *stopped).await;
+                };
+                crate::monitoring::serve(listener, app, crate::monitoring::Limits::default(), stop)
                     .await;
             });
             let _ = done_tx.send(());

@@ -12,8 +12,10 @@ use std::path::{Path, PathBuf};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Service, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use meshca_ca::cluster::RBAC_RULES;
 
 fn deploy_dir() -> PathBuf {
@@ -183,6 +185,63 @@ fn check(docs: &[serde_json::Value]) {
     assert_eq!(service_ports, BTreeSet::from([15012, 15014]));
     let pdb: Vec<PodDisruptionBudget> = of_kind(docs, "PodDisruptionBudget");
     assert!(pdb[0].spec.as_ref().unwrap().min_available.is_some());
+
+    // NetworkPolicy: the gRPC port from every pod, the monitoring port from
+    // Prometheus only (the kubelet's probes come from the node).
+    let policies: Vec<NetworkPolicy> = of_kind(docs, "NetworkPolicy");
+    assert_eq!(policies.len(), 1);
+    let policy = policies[0].spec.as_ref().unwrap();
+    assert_eq!(
+        policy.pod_selector.as_ref().unwrap().match_labels,
+        spec.selector.match_labels,
+        "it selects the meshca pods"
+    );
+    assert_eq!(
+        policy.policy_types.as_deref(),
+        Some(&["Ingress".to_string()][..])
+    );
+    let port_names: BTreeSet<(String, i32)> = container
+        .ports
+        .iter()
+        .flatten()
+        .filter_map(|p| Some((p.name.clone()?, p.container_port)))
+        .collect();
+    let mut allowed = BTreeSet::new();
+    for rule in policy.ingress.iter().flatten() {
+        let peers = rule.from.as_deref().unwrap_or_default();
+        let everyone = peers.len() == 1
+            && peers[0].ip_block.is_none()
+            && peers[0].pod_selector.is_none()
+            && peers[0]
+                .namespace_selector
+                .as_ref()
+                .is_some_and(|s| s.match_labels.is_none() && s.match_expressions.is_none());
+        let prometheus = peers.len() == 1
+            && peers[0].pod_selector.as_ref().is_some_and(|s| {
+                s.match_labels
+                    .as_ref()
+                    .and_then(|l| l.get("app.kubernetes.io/name"))
+                    == Some(&"prometheus".to_string())
+            });
+        for port in rule.ports.iter().flatten() {
+            let number = match port.port.as_ref().unwrap() {
+                IntOrString::Int(n) => *n,
+                IntOrString::String(name) => {
+                    port_names
+                        .iter()
+                        .find(|(n, _)| n == name)
+                        .unwrap_or_else(|| panic!("port {name} is not a container port"))
+                        .1
+                }
+            };
+            allowed.insert((number, everyone, prometheus));
+        }
+    }
+    assert_eq!(
+        allowed,
+        BTreeSet::from([(15012, true, false), (15014, false, true)]),
+        "15012 from every pod, 15014 from Prometheus only"
+    );
 }
 
 /// The environment variable of every `meshca serve` flag.
