@@ -57,8 +57,6 @@ pub(crate) mod metrics;
 pub(crate) mod monitoring;
 pub(crate) mod rate_limit;
 pub(crate) mod rate_limited_log;
-#[cfg(test)]
-mod refusal_log_tests;
 pub(crate) mod reload;
 pub mod server;
 pub(crate) mod server_identity;

@@ -326,7 +326,11 @@ pub(crate) fn bearer_token(headers: &http::HeaderMap) -> Option<String> {
 }
 
 #[cfg(test)]
+mod refusal_log_tests;
+#[cfg(test)]
 mod renewal_pace_tests;
+#[cfg(test)]
+mod test_ca;
 
 #[cfg(test)]
 mod tests {

@@ -3,83 +3,22 @@
 //! tokens of the local issuer, real signing), tokio's paused clock for the
 //! client's timers and the rate limit.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use meshca_certs::bundle::parse_certs_pem;
 use meshca_certs::inspect::CertSummary;
-use meshca_certs::token::{TokenIssuer, TokenRequest};
-use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId, TrustDomain};
+use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId};
 use meshca_proto::istio::v1::auth::istio_certificate_service_server::IstioCertificateService;
 use meshca_proto::IstioCertificateRequest;
 use time::OffsetDateTime;
 use tonic::Code;
 
-use crate::authn::{AuthenticatorChain, JwtAuthenticator};
-use crate::authority::Authority;
-use crate::authority::TtlPolicy;
-use crate::authz::Authorizer;
-use crate::metrics::Metrics;
 use crate::rate_limit::RateLimitPolicy;
-use crate::service::{CaService, RETRY_PUSHBACK_HEADER};
-use crate::store;
+use crate::service::RETRY_PUSHBACK_HEADER;
+
+use super::test_ca::{ca, Ca};
 
 const WEB: &str = "spiffe://cluster.local/ns/default/sa/web";
-
-struct Ca {
-    _dir: tempfile::TempDir,
-    service: CaService,
-    metrics: Metrics,
-    token: String,
-}
-
-fn ca(rate_limit: RateLimitPolicy) -> Ca {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let material =
-        store::load_or_create_data_dir(&data, &Default::default(), OffsetDateTime::now_utc())
-            .unwrap();
-    let authority = Arc::new(Authority::new(material, TtlPolicy::default()));
-    let issuer: TokenIssuer = store::load_or_create_token_issuer(&data).unwrap();
-    let authn = AuthenticatorChain::new().with(Arc::new(
-        JwtAuthenticator::from_jwks(
-            "local-issuer",
-            issuer.issuer(),
-            &issuer.jwks_json(),
-            vec!["istio-ca".into()],
-            TrustDomain::default(),
-        )
-        .unwrap(),
-    ));
-    let token = issuer
-        .mint(
-            &TokenRequest {
-                namespace: "default".into(),
-                service_account: "web".into(),
-                audiences: vec!["istio-ca".into()],
-                ttl: Duration::from_secs(3600),
-                pod: None,
-            },
-            std::time::SystemTime::now(),
-        )
-        .unwrap();
-    let metrics = Metrics::default();
-    let service = CaService::new(
-        authority,
-        authn,
-        Authorizer::own_identity_only(),
-        metrics.clone(),
-        "Kubernetes".into(),
-        16,
-    )
-    .with_rate_limit(rate_limit);
-    Ca {
-        _dir: dir,
-        service,
-        metrics,
-        token,
-    }
-}
 
 /// One renewal: the leaf's (notBefore, notAfter) and the wall clock when
 /// the answer came.

@@ -5,23 +5,17 @@
 
 use std::io::Write;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
-use meshca_certs::token::{TokenIssuer, TokenRequest};
-use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId, TrustDomain};
+use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId};
 use meshca_proto::istio::v1::auth::istio_certificate_service_server::IstioCertificateService;
 use meshca_proto::IstioCertificateRequest;
-use time::OffsetDateTime;
 use tonic::Code;
 
-use crate::authn::{AuthenticatorChain, JwtAuthenticator};
-use crate::authority::{Authority, TtlPolicy};
-use crate::authz::Authorizer;
-use crate::metrics::{Metrics, SignErrorLabels};
+use crate::metrics::SignErrorLabels;
 use crate::rate_limit::RateLimitPolicy;
 use crate::rate_limited_log::DEFAULT_LOG_INTERVAL;
-use crate::service::CaService;
-use crate::store;
+
+use super::test_ca::{self, Ca};
 
 /// Log lines written while it is the thread's default subscriber.
 #[derive(Clone, Default)]
@@ -60,63 +54,12 @@ impl Lines {
     }
 }
 
-struct Ca {
-    _dir: tempfile::TempDir,
-    service: CaService,
-    metrics: Metrics,
-    token: String,
-}
-
 /// A CA with the local issuer's authenticator and no issuance rate limit.
 fn ca() -> Ca {
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    let material =
-        store::load_or_create_data_dir(&data, &Default::default(), OffsetDateTime::now_utc())
-            .unwrap();
-    let authority = Arc::new(Authority::new(material, TtlPolicy::default()));
-    let issuer: TokenIssuer = store::load_or_create_token_issuer(&data).unwrap();
-    let authn = AuthenticatorChain::new().with(Arc::new(
-        JwtAuthenticator::from_jwks(
-            "local-issuer",
-            issuer.issuer(),
-            &issuer.jwks_json(),
-            vec!["istio-ca".into()],
-            TrustDomain::default(),
-        )
-        .unwrap(),
-    ));
-    let token = issuer
-        .mint(
-            &TokenRequest {
-                namespace: "default".into(),
-                service_account: "web".into(),
-                audiences: vec!["istio-ca".into()],
-                ttl: Duration::from_secs(3600),
-                pod: None,
-            },
-            std::time::SystemTime::now(),
-        )
-        .unwrap();
-    let metrics = Metrics::default();
-    let service = CaService::new(
-        authority,
-        authn,
-        Authorizer::own_identity_only(),
-        metrics.clone(),
-        "Kubernetes".into(),
-        16,
-    )
-    .with_rate_limit(RateLimitPolicy {
+    test_ca::ca(RateLimitPolicy {
         burst: 0,
         ..Default::default()
-    });
-    Ca {
-        _dir: dir,
-        service,
-        metrics,
-        token,
-    }
+    })
 }
 
 fn request(token: &str, csr: String, ttl_secs: i64) -> tonic::Request<IstioCertificateRequest> {
