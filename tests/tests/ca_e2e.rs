@@ -1308,6 +1308,30 @@ async fn connections_beyond_the_cap_are_closed_at_accept_and_counted() {
         .expect("the second connection still serves");
 }
 
+/// At `--max-connections`, a new client gets its certificate, not a
+/// refusal: one connection made room, counted by `made_room` (a metric).
+/// Returns the newcomer's client, whose connection holds the seat.
+async fn a_newcomer_is_served_by_making_room(
+    server: &MeshcaServer,
+    token: &str,
+    made_room: &str,
+) -> meshca_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient<
+    tonic::transport::Channel,
+> {
+    let mut client = server.client().await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    client
+        .create_certificate(with_token(request, token))
+        .await
+        .expect("the newcomer is served");
+    assert_eq!(metric_once(server, made_room, |v| v == 1), 1, "{made_room}");
+    assert_eq!(
+        metric_once(server, "meshca_grpc_connections_refused_count", |_| true),
+        0
+    );
+    client
+}
+
 // Two worker threads: `metric_once` blocks its thread while the clients'
 // connection tasks go on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1331,20 +1355,12 @@ async fn at_the_cap_the_connection_idle_longest_makes_room_for_a_new_one() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
 
     // A newcomer gets a seat and its certificate, not a refusal.
-    let mut client = server.client().await;
-    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
-    client
-        .create_certificate(with_token(request, &token))
-        .await
-        .expect("the newcomer is served");
-    assert_eq!(
-        metric_once(&server, "meshca_grpc_connections_evicted_count", |v| v == 1),
-        1
-    );
-    assert_eq!(
-        metric_once(&server, "meshca_grpc_connections_refused_count", |_| true),
-        0
-    );
+    let _newcomer = a_newcomer_is_served_by_making_room(
+        &server,
+        &token,
+        "meshca_grpc_connections_evicted_count",
+    )
+    .await;
     // The one idle longest was told to go away and closed...
     let mut got = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), oldest.read_to_end(&mut got))
@@ -1397,21 +1413,12 @@ async fn at_the_cap_a_connection_that_never_starts_tls_makes_room_for_a_new_one(
 
     // A newcomer gets a seat and its certificate, not a refusal, even
     // with idle eviction off.
-    let mut client = server.client().await;
-    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
-    client
-        .create_certificate(with_token(request, &token))
-        .await
-        .expect("the newcomer is served");
-    assert_eq!(
-        metric_once(&server, "meshca_grpc_stalled_handshakes_cut_count", |v| v
-            == 1),
-        1
-    );
-    assert_eq!(
-        metric_once(&server, "meshca_grpc_connections_refused_count", |_| true),
-        0
-    );
+    let _newcomer = a_newcomer_is_served_by_making_room(
+        &server,
+        &token,
+        "meshca_grpc_stalled_handshakes_cut_count",
+    )
+    .await;
     // The oldest was cut off; the younger still holds its seat.
     let mut got = Vec::new();
     tokio::time::timeout(Duration::from_secs(5), oldest.read_to_end(&mut got))
