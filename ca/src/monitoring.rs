@@ -85,8 +85,9 @@ struct Seats {
 }
 
 impl Seats {
-    /// A seat for connection `id`, or `false` when every seat is taken by a
-    /// connection that made a request within `evict_after`.
+    /// A seat for connection `id`: a free one, or the seat of the connection
+    /// quiet longest if that is at least `evict_after` (it is told to go);
+    /// refused when every seat's connection made a request more recently.
     fn take(&self, id: u64, seat: Seat, limits: &Limits) -> Admission {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         let mut admission = Admission::Seated;
@@ -120,10 +121,14 @@ impl Seats {
     }
 }
 
+/// What [`Seats::take`] did with a newcomer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Admission {
+    /// A free seat.
     Seated,
+    /// The seat of a connection told to go.
     Evicted,
+    /// No seat: close the newcomer.
     Refused,
 }
 
