@@ -57,12 +57,20 @@ pub(crate) type TlsConnection = TlsStream<Guarded<TcpStream, ConnectionLife>>;
 pub(crate) const MAX_EVICTIONS_IN_FLIGHT: usize = 16;
 
 /// How long a new connection accepted while `--max-connections` are open
-/// (and none can be evicted) waits for a seat before it is closed. Long
-/// enough for a storm of restarting sidecars, whose connections each
-/// last a handshake and a request, to find seats as they free instead of
-/// being sent away to back off; short enough that a client beyond a cap
-/// held by others learns it at once.
-pub(crate) const SEAT_WAIT: Duration = Duration::from_millis(250);
+/// (and none can be evicted) waits for a seat before it is closed. While
+/// it waits, the accept loop takes no other connection: the next ones
+/// wait in the kernel's listen queue, which costs the server nothing, and
+/// are taken in the order they came as seats free. Long enough that in a
+/// storm of restarting sidecars (each connection a handshake and a
+/// request) a seat frees before it runs out, so nobody is sent away to
+/// back off (BENCHMARKS.md, "A connection per sidecar"); short enough
+/// that a client beyond a cap held by others learns it well within a
+/// client's connect timeout, and the ones after it at once.
+pub(crate) const SEAT_WAIT: Duration = Duration::from_secs(2);
+
+/// While a newcomer waits for a seat, how often it tries again to make
+/// room (a handshake may have stalled, a connection gone idle, meanwhile).
+const MAKE_ROOM_RETRY: Duration = Duration::from_millis(100);
 
 /// At the cap, a connection still in its TLS handshake after this long
 /// gives its seat to a newcomer (it is cut off). A handshake takes a few
@@ -346,17 +354,30 @@ impl OpenConnections {
         Some(evicted)
     }
 
-    /// Waits up to `wait` for fewer than `max` seats to be taken.
-    async fn wait_for_seat(&self, max: usize, wait: Duration) -> bool {
+    /// Finds a newcomer a seat at the cap within `wait`: one freed, or
+    /// one [`Self::make_room`] makes (tried again every
+    /// [`MAKE_ROOM_RETRY`], as handshakes stall and connections idle while
+    /// it waits). `None` when the wait ran out.
+    async fn find_seat(
+        &self,
+        max: usize,
+        min_idle: Option<Duration>,
+        wait: Duration,
+    ) -> Option<Seated> {
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             let freed = self.seat_freed.notified();
             if !self.full(max) {
-                return true;
+                return Some(Seated::Freed);
             }
-            if tokio::time::timeout_at(deadline, freed).await.is_err() {
-                return !self.full(max);
+            if let Some(evicted) = self.make_room(min_idle) {
+                return Some(Seated::MadeRoom(evicted));
             }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            let _ = tokio::time::timeout_at(deadline.min(now + MAKE_ROOM_RETRY), freed).await;
         }
     }
 
@@ -366,6 +387,15 @@ impl OpenConnections {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
+}
+
+/// How a newcomer at the cap found its seat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Seated {
+    /// A connection closed.
+    Freed,
+    /// A connection was made to leave.
+    MadeRoom(Evicted),
 }
 
 /// Which connection [`OpenConnections::make_room`] took the seat of.
@@ -418,7 +448,8 @@ struct AcceptCounters {
 /// (bounded by `limits.handshake_timeout`) in a task of its own. With
 /// `limits.max_connections` open, a new connection evicts the connection
 /// idle longest (if idle at least `limits.evict_idle_after`), or waits up
-/// to [`SEAT_WAIT`] for a seat, or else is closed as soon as it is
+/// to [`SEAT_WAIT`] for a seat (freed, or made by a handshake stalling or
+/// a connection going idle meanwhile), or else is closed as soon as it is
 /// accepted; once one has been closed so, the next ones are too, without
 /// waiting, until a seat frees. Returns the stream of established
 /// connections. Stops when that stream is dropped.
@@ -457,24 +488,25 @@ pub(crate) fn tls_incoming(
             // Seats are taken only here, so the count cannot grow between
             // the check and the seat.
             if connections.full(limits.max_connections) {
-                let room = match connections.make_room(limits.evict_idle_after) {
-                    Some(Evicted::StalledHandshake) => {
-                        counters.stalled_handshakes.inc();
-                        true
+                // While refusing, only room made at once counts: a cap
+                // held by others is answered without a wait.
+                let wait = if refusing { Duration::ZERO } else { SEAT_WAIT };
+                let seated = connections
+                    .find_seat(limits.max_connections, limits.evict_idle_after, wait)
+                    .await;
+                match seated {
+                    Some(Seated::MadeRoom(Evicted::StalledHandshake)) => {
+                        counters.stalled_handshakes.inc()
                     }
                     // Counted by the gRPC server when it sends the GOAWAY.
-                    Some(Evicted::Idle) => true,
-                    None => false,
-                } || (!refusing
-                    && connections
-                        .wait_for_seat(limits.max_connections, SEAT_WAIT)
-                        .await);
-                if !room {
-                    refusing = true;
-                    counters.refused.inc();
-                    tracing::debug!(%peer, max_connections = limits.max_connections, "connection refused: too many open");
-                    drop(tcp);
-                    continue;
+                    Some(Seated::MadeRoom(Evicted::Idle) | Seated::Freed) => {}
+                    None => {
+                        refusing = true;
+                        counters.refused.inc();
+                        tracing::debug!(%peer, max_connections = limits.max_connections, "connection refused: too many open");
+                        drop(tcp);
+                        continue;
+                    }
                 }
             }
             refusing = false;
@@ -683,16 +715,28 @@ mod tests {
     async fn a_newcomer_waits_a_moment_for_a_seat() {
         let connections = OpenConnections::new(Gauge::default());
         let held = connections.seat();
+        held.state().set_established();
         // Nobody leaves: it gives up after the wait.
         let started = tokio::time::Instant::now();
-        assert!(!connections.wait_for_seat(1, SEAT_WAIT).await);
+        assert_eq!(connections.find_seat(1, None, SEAT_WAIT).await, None);
         assert_eq!(started.elapsed(), SEAT_WAIT);
         // A seat freed during the wait is taken.
-        let waiting = connections.wait_for_seat(1, SEAT_WAIT);
+        let waiting = connections.find_seat(1, None, SEAT_WAIT);
         let mut waiting = std::pin::pin!(waiting);
         assert!(futures::poll!(waiting.as_mut()).is_pending());
         tokio::time::advance(SEAT_WAIT / 2).await;
         drop(held);
-        assert!(waiting.await);
+        assert_eq!(waiting.await, Some(Seated::Freed));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_handshake_that_stalls_while_a_newcomer_waits_gives_up_its_seat() {
+        let connections = OpenConnections::new(Gauge::default());
+        let handshaking = connections.seat();
+        tokio::time::advance(STALLED_HANDSHAKE - Duration::from_millis(50)).await;
+        // Not stalled yet when the newcomer arrives; stalled during its wait.
+        let seated = connections.find_seat(1, None, Duration::from_secs(1)).await;
+        assert_eq!(seated, Some(Seated::MadeRoom(Evicted::StalledHandshake)));
+        assert!(handshaking.state().kill.killed.load(Ordering::Acquire));
     }
 }
