@@ -77,7 +77,13 @@ fn authn(c: &mut Criterion) {
 
     // Client certificate (an SVID this CA issued).
     let dir = tempfile::tempdir().unwrap();
-    let material = load_or_create_data_dir(dir.path(), &td, OffsetDateTime::now_utc()).unwrap();
+    let material = load_or_create_data_dir(
+        dir.path(),
+        &td,
+        time::Duration::days(3650),
+        OffsetDateTime::now_utc(),
+    )
+    .unwrap();
     let leaf_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
     let leaf = material
         .signing

@@ -294,6 +294,9 @@ mod tests {
     use meshca_certs::keys::{KeyAlgorithm, PrivateKey};
     use x509_parser_check::parse_not_after;
 
+    /// The test roots' lifetime.
+    const ROOT_TTL: time::Duration = time::Duration::days(3650);
+
     mod x509_parser_check {
         pub(super) fn parse_not_after(pem_text: &str) -> i64 {
             let certs = meshca_certs::bundle::parse_certs_pem(pem_text).unwrap();
@@ -303,8 +306,13 @@ mod tests {
     }
 
     fn authority(dir: &std::path::Path) -> Authority {
-        let material =
-            load_or_create_data_dir(dir, &Default::default(), OffsetDateTime::now_utc()).unwrap();
+        let material = load_or_create_data_dir(
+            dir,
+            &Default::default(),
+            ROOT_TTL,
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap();
         Authority::new(material, TtlPolicy::default())
     }
 
@@ -459,9 +467,13 @@ mod tests {
     #[test]
     fn the_answer_ends_with_every_root_and_the_leaf_verifies_to_them() {
         let dir = tempfile::tempdir().unwrap();
-        let mut material =
-            load_or_create_data_dir(dir.path(), &Default::default(), OffsetDateTime::now_utc())
-                .unwrap();
+        let mut material = load_or_create_data_dir(
+            dir.path(),
+            &Default::default(),
+            ROOT_TTL,
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap();
         let anchor = material.anchor_root.clone();
         let (_, announced) = crate::store::generate_self_signed_root(
             &Default::default(),
@@ -496,9 +508,13 @@ mod tests {
         a.set_refused(Some("bad".into()));
         assert_eq!(a.refused().as_deref().map(String::as_str), Some("bad"));
         let other = tempfile::tempdir().unwrap();
-        let material =
-            load_or_create_data_dir(other.path(), &Default::default(), OffsetDateTime::now_utc())
-                .unwrap();
+        let material = load_or_create_data_dir(
+            other.path(),
+            &Default::default(),
+            ROOT_TTL,
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap();
         a.replace(material);
         assert!(rx.has_changed().unwrap());
         assert!(a.refused().is_none());

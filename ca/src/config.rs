@@ -10,6 +10,9 @@ use meshca_certs::{parse_duration, TrustDomain};
 
 use crate::authority::TtlPolicy;
 
+/// The longest `--self-signed-root-ttl`: 100 years.
+const MAX_SELF_SIGNED_ROOT_TTL: Duration = Duration::from_secs(100 * 36_525 * 864);
+
 /// Default gRPC+TLS address (istiod's port).
 pub(crate) const DEFAULT_LISTEN: &str = "127.0.0.1:15012";
 /// Default monitoring address (istiod's port).
@@ -352,6 +355,9 @@ pub enum ConfigError {
         /// Which flag.
         flag: &'static str,
     },
+    /// A root lifetime past what a certificate can say sensibly.
+    #[error("--self-signed-root-ttl must be at most 100 years")]
+    RootTtlTooLong,
     /// No audience.
     #[error("--token-audience must name at least one audience")]
     NoAudience,
@@ -525,6 +531,9 @@ impl TryFrom<ServeArgs> for Config {
             return Err(ConfigError::ZeroTtl {
                 flag: "--self-signed-root-ttl",
             });
+        }
+        if args.self_signed_root_ttl > MAX_SELF_SIGNED_ROOT_TTL {
+            return Err(ConfigError::RootTtlTooLong);
         }
         if args.leader_lease_duration < Duration::from_secs(2) {
             return Err(ConfigError::ShortLease);
@@ -724,6 +733,16 @@ mod tests {
         );
         assert_eq!(c.max_open_requests, 4096);
         assert_eq!(c.tls_handshake_timeout, Duration::from_secs(10));
+    }
+
+    #[test]
+    fn a_root_lifetime_past_a_hundred_years_is_refused() {
+        assert_eq!(
+            parse(&["--self-signed-root-ttl", "101y"]).unwrap_err(),
+            "--self-signed-root-ttl must be at most 100 years"
+        );
+        let c = parse(&["--self-signed-root-ttl", "100y"]).unwrap();
+        assert_eq!(c.cluster.root_ttl, Duration::from_secs(100 * 31_557_600));
     }
 
     #[test]

@@ -94,7 +94,13 @@ pub(crate) fn load_material(config: &Config) -> Result<CaMaterial, StoreError> {
     let now = OffsetDateTime::now_utc();
     match &config.ca_dir {
         Some(dir) => store::load_ca_dir(dir, now),
-        None => store::load_or_create_data_dir(&config.data_dir, &config.trust_domain, now),
+        None => store::load_or_create_data_dir(
+            &config.data_dir,
+            &config.trust_domain,
+            // At most 100 years (the configuration checks it).
+            time::Duration::try_from(config.cluster.root_ttl).unwrap_or(time::Duration::MAX),
+            now,
+        ),
     }
 }
 

@@ -344,6 +344,7 @@ mod tests {
         let material = crate::store::load_or_create_data_dir(
             dir,
             &TrustDomain::default(),
+            time::Duration::days(3650),
             OffsetDateTime::now_utc(),
         )
         .unwrap();

@@ -27,9 +27,6 @@ pub(crate) use meshca_certs::cadir::{
     TLS_KEY_FILE,
 };
 
-/// Lifetime of the embedded mode's self-signed root.
-pub(crate) const SELF_SIGNED_ROOT_TTL: time::Duration = time::Duration::days(3650);
-
 /// Why CA material could not be loaded or created. Each message names the
 /// file and the problem.
 #[derive(Debug, thiserror::Error)]
@@ -143,11 +140,13 @@ pub fn generate_self_signed_root(
 }
 
 /// Loads the embedded mode's self-signed root from `dir`, creating the
-/// directory, the root (ECDSA P-256, key 0600) and `root-cert.pem` on first
-/// start. An existing root is never replaced.
+/// directory, the root (ECDSA P-256, key 0600, valid for `root_ttl`:
+/// `--self-signed-root-ttl`) and `root-cert.pem` on first start. An
+/// existing root is never replaced.
 pub fn load_or_create_data_dir(
     dir: &Path,
     trust_domain: &TrustDomain,
+    root_ttl: time::Duration,
     now: OffsetDateTime,
 ) -> Result<CaMaterial, StoreError> {
     create_private_dir(dir)?;
@@ -156,7 +155,7 @@ pub fn load_or_create_data_dir(
     match (cert_path.exists(), key_path.exists()) {
         (true, true) => {}
         (false, false) => {
-            let (key, root) = generate_self_signed_root(trust_domain, SELF_SIGNED_ROOT_TTL, now)?;
+            let (key, root) = generate_self_signed_root(trust_domain, root_ttl, now)?;
             // Key first: a crash between the two writes leaves a key
             // without a certificate, which the next start reports.
             bundle::write_file_atomic(
@@ -270,8 +269,28 @@ mod tests {
     use super::*;
     use meshca_certs::profile::SubjectKey;
 
+    const TEN_YEARS: time::Duration = time::Duration::days(3650);
+
     fn now() -> OffsetDateTime {
         OffsetDateTime::now_utc()
+    }
+
+    #[test]
+    fn a_new_root_lives_the_lifetime_asked_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = now();
+        let material = load_or_create_data_dir(
+            &dir.path().join("data"),
+            &TrustDomain::default(),
+            time::Duration::days(30),
+            start,
+        )
+        .unwrap();
+        let lives = material.signing.validity().not_after - start;
+        assert!(
+            (time::Duration::days(30) - lives).abs() < time::Duration::minutes(1),
+            "{lives}"
+        );
     }
 
     #[test]
@@ -279,8 +298,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let data = dir.path().join("data");
         let td = TrustDomain::default();
-        let first = load_or_create_data_dir(&data, &td, now()).unwrap();
-        let second = load_or_create_data_dir(&data, &td, now()).unwrap();
+        let first = load_or_create_data_dir(&data, &td, TEN_YEARS, now()).unwrap();
+        let second = load_or_create_data_dir(&data, &td, TEN_YEARS, now()).unwrap();
         assert_eq!(first.anchor_root, second.anchor_root);
         assert!(first.chain.is_empty());
         #[cfg(unix)]
@@ -301,9 +320,9 @@ mod tests {
     fn data_dir_with_only_a_certificate_is_refused() {
         let dir = tempfile::tempdir().unwrap();
         let td = TrustDomain::default();
-        load_or_create_data_dir(dir.path(), &td, now()).unwrap();
+        load_or_create_data_dir(dir.path(), &td, TEN_YEARS, now()).unwrap();
         fs::remove_file(dir.path().join(CA_KEY_FILE)).unwrap();
-        let err = load_or_create_data_dir(dir.path(), &td, now()).unwrap_err();
+        let err = load_or_create_data_dir(dir.path(), &td, TEN_YEARS, now()).unwrap_err();
         assert!(err.to_string().contains("ca-key.pem"), "{err}");
         // And nothing was overwritten.
         assert!(dir.path().join(CA_CERT_FILE).exists());

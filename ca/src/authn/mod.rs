@@ -1161,6 +1161,7 @@ mod tests {
         crate::store::load_or_create_data_dir(
             dir,
             &TrustDomain::default(),
+            time::Duration::days(3650),
             time::OffsetDateTime::now_utc(),
         )
         .unwrap()

@@ -31,9 +31,13 @@ pub(super) struct Ca {
 pub(super) fn ca(rate_limit: RateLimitPolicy) -> Ca {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
-    let material =
-        store::load_or_create_data_dir(&data, &Default::default(), OffsetDateTime::now_utc())
-            .unwrap();
+    let material = store::load_or_create_data_dir(
+        &data,
+        &Default::default(),
+        time::Duration::days(3650),
+        OffsetDateTime::now_utc(),
+    )
+    .unwrap();
     let authority = Arc::new(Authority::new(material, TtlPolicy::default()));
     let issuer: TokenIssuer = store::load_or_create_token_issuer(&data).unwrap();
     let authn = AuthenticatorChain::new().with(Arc::new(

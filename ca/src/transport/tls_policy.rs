@@ -154,6 +154,7 @@ mod tests {
         let material = crate::store::load_or_create_data_dir(
             dir.path(),
             &Default::default(),
+            time::Duration::days(3650),
             OffsetDateTime::now_utc(),
         )
         .unwrap();
