@@ -54,11 +54,6 @@ impl StreamActivity {
         }
     }
 
-    /// When the connection was set up (this was made).
-    pub(crate) fn made(&self) -> Instant {
-        self.made
-    }
-
     /// Streams open now.
     pub(crate) fn open_streams(&self) -> usize {
         self.open.load(Ordering::Acquire)

@@ -72,12 +72,13 @@ pub(crate) const SEAT_WAIT: Duration = Duration::from_secs(2);
 /// room (a handshake may have stalled, a connection gone idle, meanwhile).
 const MAKE_ROOM_RETRY: Duration = Duration::from_millis(100);
 
-/// At the cap, a connection still in its TLS handshake after this long
-/// gives its seat to a newcomer (it is cut off). A handshake takes a few
-/// round trips; one that lasts this long is a client that connected and
-/// sends nothing, or next to nothing, and without this a few hundred raw
-/// TCP connections, each reopened when `--tls-handshake-timeout` closes
-/// it, would hold every seat.
+/// At the cap, a connection whose TLS handshake has waited this long for
+/// the client (its last read found nothing, and nothing came since) gives
+/// its seat to a newcomer (it is cut off). A client that connected and
+/// sends nothing is such a one; without this a few hundred raw TCP
+/// connections, each reopened when `--tls-handshake-timeout` closes it,
+/// would hold every seat. A handshake waiting for the server (in a storm,
+/// its task not run yet) is not cut off: its client did nothing wrong.
 pub(crate) const STALLED_HANDSHAKE: Duration = Duration::from_secs(2);
 
 /// What a connection holds for as long as it lives: its seat among the
@@ -123,16 +124,18 @@ impl KillSwitch {
 #[derive(Debug)]
 pub(crate) struct Guarded<S, G> {
     inner: S,
-    kill: Arc<KillSwitch>,
+    state: Arc<ConnectionState>,
     _guard: G,
 }
 
 impl<S, G> Guarded<S, G> {
-    /// Wraps `inner`, holding `guard` until the stream is dropped.
-    pub(crate) fn new(inner: S, guard: G, kill: Arc<KillSwitch>) -> Self {
+    /// Wraps `inner`, holding `guard` until the stream is dropped; its
+    /// reads tell `state` when they wait for the peer, and `state`'s
+    /// kill switch ends it.
+    pub(crate) fn new(inner: S, guard: G, state: Arc<ConnectionState>) -> Self {
         Self {
             inner,
-            kill,
+            state,
             _guard: guard,
         }
     }
@@ -155,9 +158,17 @@ impl<S: AsyncRead + Unpin, G: Unpin> AsyncRead for Guarded<S, G> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
-        this.kill.reader.register(cx.waker());
-        this.kill.check()?;
-        Pin::new(&mut this.inner).poll_read(cx, buf)
+        let kill = &this.state.kill;
+        kill.reader.register(cx.waker());
+        kill.check()?;
+        let filled = buf.filled().len();
+        let read = Pin::new(&mut this.inner).poll_read(cx, buf);
+        match &read {
+            Poll::Pending => this.state.peer_wait.started(),
+            Poll::Ready(Ok(())) if buf.filled().len() > filled => this.state.peer_wait.ended(),
+            Poll::Ready(_) => {}
+        }
+        read
     }
 }
 
@@ -168,7 +179,7 @@ impl<S: AsyncWrite + Unpin, G: Unpin> AsyncWrite for Guarded<S, G> {
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        this.kill.check()?;
+        this.state.kill.check()?;
         Pin::new(&mut this.inner).poll_write(cx, buf)
     }
 
@@ -178,7 +189,7 @@ impl<S: AsyncWrite + Unpin, G: Unpin> AsyncWrite for Guarded<S, G> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
-        this.kill.check()?;
+        this.state.kill.check()?;
         Pin::new(&mut this.inner).poll_write_vectored(cx, bufs)
     }
 
@@ -231,6 +242,58 @@ pub(crate) struct ConnectionState {
     pub(crate) evict: Notify,
     /// Ends its stream when it does not go away when told.
     pub(crate) kill: Arc<KillSwitch>,
+    /// Whether, and since when, its reads wait for the peer.
+    peer_wait: PeerWait,
+}
+
+/// Since when a connection's reads have been waiting for its peer (the
+/// last read found nothing to read, and none has returned bytes since).
+/// A handshake that waits so is the client's doing; one whose task has
+/// not been run yet, in a storm, is the server's.
+#[derive(Debug)]
+struct PeerWait {
+    /// Milliseconds after `base` when the wait started; [`NOT_WAITING`]
+    /// when the last read returned bytes, or none was tried yet.
+    since: AtomicU64,
+    base: tokio::time::Instant,
+}
+
+/// [`PeerWait::since`] when nothing is waited for.
+const NOT_WAITING: u64 = u64::MAX;
+
+impl Default for PeerWait {
+    fn default() -> Self {
+        Self {
+            since: AtomicU64::new(NOT_WAITING),
+            base: tokio::time::Instant::now(),
+        }
+    }
+}
+
+impl PeerWait {
+    /// A read found nothing: the wait starts now, unless it already has.
+    fn started(&self) {
+        if self.since.load(Ordering::Relaxed) == NOT_WAITING {
+            let millis = tokio::time::Instant::now().saturating_duration_since(self.base);
+            let millis = u64::try_from(millis.as_millis()).unwrap_or(NOT_WAITING - 1);
+            self.since.store(millis, Ordering::Release);
+        }
+    }
+
+    /// A read returned bytes.
+    fn ended(&self) {
+        if self.since.load(Ordering::Relaxed) != NOT_WAITING {
+            self.since.store(NOT_WAITING, Ordering::Release);
+        }
+    }
+
+    /// Since when the reads have been waiting, if they are.
+    fn since(&self) -> Option<tokio::time::Instant> {
+        match self.since.load(Ordering::Acquire) {
+            NOT_WAITING => None,
+            millis => Some(self.base + Duration::from_millis(millis)),
+        }
+    }
 }
 
 impl ConnectionState {
@@ -240,13 +303,14 @@ impl ConnectionState {
         self.established.store(true, Ordering::Release);
     }
 
-    /// Since when it has been in its TLS handshake, if it still is and
-    /// has not been evicted.
-    fn handshaking_since(&self) -> Option<tokio::time::Instant> {
+    /// Since when its TLS handshake has been waiting for the client, if
+    /// it is in its handshake, waiting, and not evicted. A handshake the
+    /// server has not got round to (a storm) is not waiting.
+    fn handshake_waiting_since(&self) -> Option<tokio::time::Instant> {
         if self.established.load(Ordering::Acquire) || self.evicted.load(Ordering::Acquire) {
             return None;
         }
-        Some(self.activity.made())
+        self.peer_wait.since()
     }
 
     /// Since when it has been established and without an open stream.
@@ -334,16 +398,17 @@ impl OpenConnections {
                 .min_by_key(|(since, seat, _)| (*since, *seat))
                 .map(|(_, _, state)| state)
         };
-        let (state, evicted) =
-            if let Some(state) = oldest(ConnectionState::handshaking_since, STALLED_HANDSHAKE) {
-                (state, Evicted::StalledHandshake)
-            } else if let Some(state) =
-                min_idle.and_then(|min| oldest(ConnectionState::idle_since, min))
-            {
-                (state, Evicted::Idle)
-            } else {
-                return None;
-            };
+        let (state, evicted) = if let Some(state) =
+            oldest(ConnectionState::handshake_waiting_since, STALLED_HANDSHAKE)
+        {
+            (state, Evicted::StalledHandshake)
+        } else if let Some(state) =
+            min_idle.and_then(|min| oldest(ConnectionState::idle_since, min))
+        {
+            (state, Evicted::Idle)
+        } else {
+            return None;
+        };
         state.evicted.store(true, Ordering::Release);
         self.leaving.fetch_add(1, Ordering::AcqRel);
         match evicted {
@@ -550,7 +615,7 @@ async fn handshake(
 ) {
     match tokio::time::timeout(
         timeout,
-        acceptor.accept(Guarded::new(tcp, life, state.kill.clone())),
+        acceptor.accept(Guarded::new(tcp, life, state.clone())),
     )
     .await
     {
@@ -586,8 +651,8 @@ mod tests {
         let exported = Gauge::<i64>::default();
         let connections = OpenConnections::new(exported.clone());
         let (near, mut far) = tokio::io::duplex(64);
-        let kill = Arc::new(KillSwitch::default());
-        let mut stream = Guarded::new(near, connections.seat(), kill.clone());
+        let state = Arc::new(ConnectionState::default());
+        let mut stream = Guarded::new(near, connections.seat(), state.clone());
         let other = connections.seat();
         assert_eq!((connections.open(), exported.get()), (2, 2));
         stream.write_all(b"ping").await.unwrap();
@@ -598,13 +663,18 @@ mod tests {
         far.write_all(b"pong").await.unwrap();
         stream.read_exact(&mut got).await.unwrap();
         assert_eq!(&got, b"pong");
+        assert_eq!(state.peer_wait.since(), None, "nothing waited for yet");
         // Killed while a read waits: the read fails at once.
         let waiting = tokio::spawn(async move {
             let result = stream.read_exact(&mut got).await;
             (stream, result)
         });
         tokio::task::yield_now().await;
-        kill.kill();
+        assert!(
+            state.peer_wait.since().is_some(),
+            "the read waits for the peer"
+        );
+        state.kill.kill();
         let (mut stream, result) = waiting.await.unwrap();
         assert_eq!(result.unwrap_err().kind(), io::ErrorKind::ConnectionAborted);
         assert!(stream.write_all(b"more").await.is_err());
@@ -662,6 +732,9 @@ mod tests {
         idle.state().set_established();
         tokio::time::advance(Duration::from_secs(60)).await;
         let (older, younger) = (connections.seat(), connections.seat());
+        // Both handshakes wait for their clients from the start.
+        older.state().peer_wait.started();
+        younger.state().peer_wait.started();
         tokio::time::advance(STALLED_HANDSHAKE - Duration::from_millis(1)).await;
         // Handshakes younger than the limit are left alone; with idle
         // eviction off, nobody makes room.
@@ -686,6 +759,29 @@ mod tests {
         assert_eq!(connections.leaving.load(Ordering::Acquire), 3);
         drop((idle, older, younger));
         assert_eq!(connections.leaving.load(Ordering::Acquire), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_handshake_waiting_for_the_server_is_not_stalled() {
+        let connections = OpenConnections::new(Gauge::default());
+        // In a storm: accepted long ago, its task not run yet.
+        let starved = connections.seat();
+        tokio::time::advance(STALLED_HANDSHAKE * 5).await;
+        assert_eq!(connections.make_room(None), None);
+        // Run at last, its read finds the ClientHello: still not stalled.
+        starved.state().peer_wait.ended();
+        assert_eq!(connections.make_room(None), None);
+        // Then it waits for the client's next flight, in vain.
+        starved.state().peer_wait.started();
+        tokio::time::advance(STALLED_HANDSHAKE - Duration::from_millis(1)).await;
+        assert_eq!(connections.make_room(None), None);
+        // Bytes came: the clock starts again at the next wait.
+        starved.state().peer_wait.ended();
+        starved.state().peer_wait.started();
+        tokio::time::advance(STALLED_HANDSHAKE - Duration::from_millis(1)).await;
+        assert_eq!(connections.make_room(None), None);
+        tokio::time::advance(Duration::from_millis(1)).await;
+        assert_eq!(connections.make_room(None), Some(Evicted::StalledHandshake));
     }
 
     #[tokio::test(start_paused = true)]
@@ -733,6 +829,7 @@ mod tests {
     async fn a_handshake_that_stalls_while_a_newcomer_waits_gives_up_its_seat() {
         let connections = OpenConnections::new(Gauge::default());
         let handshaking = connections.seat();
+        handshaking.state().peer_wait.started();
         tokio::time::advance(STALLED_HANDSHAKE - Duration::from_millis(50)).await;
         // Not stalled yet when the newcomer arrives; stalled during its wait.
         let seated = connections.find_seat(1, None, Duration::from_secs(1)).await;
