@@ -1135,13 +1135,23 @@ async fn streams_that_send_only_headers_cannot_hold_every_open_request_place() {
 
     // With a token and no message, a stream holds its place only until
     // its message is overdue (5 s), not for --request-timeout (30 s).
+    // The probe's connection is made first: within the 5 s, each probe
+    // is one request, not a handshake too.
+    let prober = server.client().await;
+    let probe = || async {
+        let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+        prober
+            .clone()
+            .create_certificate(with_token(request, &token))
+            .await
+    };
     let started = std::time::Instant::now();
     let held: Vec<_> = (0..8)
         .map(|_| tokio::spawn(headers_only(channel.clone(), Some(token.clone()))))
         .collect();
     let full = async {
         loop {
-            match certificate().await {
+            match probe().await {
                 Err(status) if status.code() == Code::ResourceExhausted => return status,
                 _ => tokio::time::sleep(Duration::from_millis(50)).await,
             }
