@@ -50,8 +50,39 @@ pub use profile::{IssuedCert, SigningCa, SubjectKey, SubjectName, Validity};
 pub use spiffe::{SpiffeId, SpiffeIdError, TrustDomain};
 pub use verify::{TrustBundle, VerifiedSvid, VerifyError};
 
-/// Parses a duration written like `30s`, `15m`, `24h`, `90d` (also `1h30m`).
+/// The longest duration [`parse_duration`] accepts: 100 years (of 365.25
+/// days, as humantime counts `100y`). Longer values are certainly typos,
+/// and every time computed from a flag stays far inside what X.509 and
+/// `time` can represent.
+pub const MAX_DURATION: std::time::Duration = std::time::Duration::from_secs(36_525 * 86_400);
+
+/// Parses a duration written like `30s`, `15m`, `24h`, `90d` (also `1h30m`),
+/// at most [`MAX_DURATION`] (100 years). Used as a clap value parser, so
+/// clap's message names the flag.
 pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
-    humantime::parse_duration(text.trim())
-        .map_err(|e| format!("invalid duration {text:?}: {e} (write e.g. 30s, 15m, 24h, 90d)"))
+    let d = humantime::parse_duration(text.trim())
+        .map_err(|e| format!("invalid duration {text:?}: {e} (write e.g. 30s, 15m, 24h, 90d)"))?;
+    if d > MAX_DURATION {
+        return Err(format!(
+            "duration {text:?} is too long: at most 100 years (36525d)"
+        ));
+    }
+    Ok(d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_over_a_hundred_years_are_refused() {
+        assert_eq!(
+            parse_duration("90d"),
+            Ok(std::time::Duration::from_secs(90 * 86_400))
+        );
+        assert_eq!(parse_duration("100y"), Ok(MAX_DURATION));
+        let err = parse_duration("10000y").unwrap_err();
+        assert!(err.contains("10000y") && err.contains("too long"), "{err}");
+        assert!(parse_duration("36526d").is_err());
+    }
 }

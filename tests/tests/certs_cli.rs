@@ -420,3 +420,61 @@ async fn meshca_serves_from_intermediate_ca_output() {
     ]);
     assert!(good.starts_with("OK"), "{good}");
 }
+
+/// Runs `meshca-certs` expecting a clean failure (exit 1, not a panic's
+/// 101) and returns its stderr.
+fn fails(args: &[&str]) -> String {
+    let out = certs(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        matches!(out.status.code(), Some(1 | 2)),
+        "{args:?}: {:?} {stderr}",
+        out.status
+    );
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    stderr
+}
+
+#[test]
+fn absurd_lifetimes_are_refused_or_capped_without_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    make_pki(dir.path());
+    let ca = p(&dir.path().join("cluster1"));
+    let out = p(&dir.path().join("long"));
+    // Used to panic at profile.rs ("resulting value is out of range").
+    let stderr = fails(&[
+        "workload",
+        "--ca",
+        &ca,
+        "--spiffe-id",
+        WEB,
+        "--out",
+        &out,
+        "--ttl",
+        "10000y",
+    ]);
+    assert!(
+        stderr.contains("--ttl") && stderr.contains("too long"),
+        "{stderr}"
+    );
+    // Up to 100 years is accepted and capped at the CA's notAfter.
+    ok(&[
+        "workload",
+        "--ca",
+        &ca,
+        "--spiffe-id",
+        WEB,
+        "--out",
+        &out,
+        "--ttl",
+        "100y",
+    ]);
+    let json: serde_json::Value = serde_json::from_str(&ok(&[
+        "inspect",
+        "--json",
+        &p(&dir.path().join("long").join("cert-chain.pem")),
+    ]))
+    .unwrap();
+    let certs = json["certificates"].as_array().unwrap();
+    assert_eq!(certs[0]["not_after"], certs[1]["not_after"]);
+}
