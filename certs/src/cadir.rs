@@ -101,6 +101,8 @@ pub struct LoadedCa {
     pub anchor_root: Vec<u8>,
     /// Every trusted root.
     pub bundle: TrustBundle,
+    /// The file the signing certificate was read from.
+    pub cert_file: PathBuf,
 }
 
 /// Loads and checks a CA directory in any of the three layouts.
@@ -168,19 +170,35 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
 
     // The full chain: signing cert first, then whatever the chain file says
     // (which usually repeats the signing cert and ends with the root).
+    // Which file each certificate of `full` came from, for messages.
     let mut full = vec![certs[0].clone()];
-    let mut rest: Vec<Vec<u8>> = certs[1..].to_vec();
+    let mut origin = vec![cert_file];
+    let mut rest: Vec<(Vec<u8>, &str)> =
+        certs[1..].iter().map(|c| (c.clone(), cert_file)).collect();
     if let Some(chain_file) = chain_file {
-        rest.extend(bundle::read_certs_file(&dir.join(chain_file))?);
+        rest.extend(
+            bundle::read_certs_file(&dir.join(chain_file))?
+                .into_iter()
+                .map(|c| (c, chain_file)),
+        );
     }
-    for der in rest {
+    for (der, file) in rest {
         if !full.contains(&der) {
             full.push(der);
+            origin.push(file);
         }
     }
-    let files = match chain_file {
+    let all_files = match chain_file {
         Some(chain_file) => format!("{cert_file}, {chain_file}, {root_file}"),
         None => format!("{cert_file}, {root_file}"),
+    };
+    // A rule broken by one certificate names the file it is in (a root
+    // found only in the bundle is in the roots file).
+    let files_for = |e: &VerifyError| match e {
+        VerifyError::BadCa { index, .. } => origin
+            .get(index.saturating_sub(1))
+            .map_or(root_file.to_string(), |f| f.to_string()),
+        _ => all_files.clone(),
     };
     let signing =
         SigningCa::new(full[0].clone(), key).map_err(|source| CaDirError::NotSigningCa {
@@ -190,7 +208,7 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
         })?;
     let anchor_root = verify_ca_chain(&full, &bundle, now).map_err(|source| CaDirError::Chain {
         dir: dir.to_path_buf(),
-        files,
+        files: files_for(&source),
         source,
     })?;
     let chain: Vec<Vec<u8>> = full.into_iter().filter(|c| !bundle.contains(c)).collect();
@@ -199,6 +217,7 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
         chain,
         anchor_root,
         bundle,
+        cert_file: cert_path,
     })
 }
 
@@ -212,4 +231,77 @@ pub fn read_key(path: &Path) -> Result<PrivateKey, CaDirError> {
         path: path.to_path_buf(),
         source,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::KeyAlgorithm;
+    use crate::profile::{self_signed_root, SubjectKey, SubjectName, Validity};
+
+    fn name(cn: &str) -> SubjectName {
+        SubjectName {
+            common_name: Some(cn.into()),
+            ..Default::default()
+        }
+    }
+
+    /// A CA under a pathLen:0 intermediate, in the cacerts layout.
+    #[test]
+    fn a_ca_its_chain_forbids_is_refused_naming_the_file_and_the_constraint() {
+        let now = OffsetDateTime::now_utc();
+        let validity = Validity::backdated(now, time::Duration::days(30));
+        let root_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let root_cert = self_signed_root(&root_key, &name("Root"), validity).unwrap();
+        let root = SigningCa::new(root_cert.der.clone(), root_key).unwrap();
+        let int_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let int_cert = root
+            .issue_ca(
+                &SubjectKey::of(&int_key).unwrap(),
+                &name("Int"),
+                Some(0),
+                validity,
+            )
+            .unwrap();
+        let int = SigningCa::new(int_cert.der.clone(), int_key).unwrap();
+        let sub_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let sub_cert = int
+            .issue_ca(
+                &SubjectKey::of(&sub_key).unwrap(),
+                &name("Sub"),
+                Some(0),
+                validity,
+            )
+            .unwrap();
+
+        let dir = tempfile::tempdir().unwrap();
+        let write = |file: &str, text: String| std::fs::write(dir.path().join(file), text).unwrap();
+        write(CA_CERT_FILE, sub_cert.to_pem());
+        write(CA_KEY_FILE, sub_key.to_pkcs8_pem().to_string());
+        write(
+            CERT_CHAIN_FILE,
+            bundle::encode_certs_pem(&[&sub_cert.der, &int_cert.der, &root_cert.der]),
+        );
+        write(ROOT_CERT_FILE, root_cert.to_pem());
+        let err = load_ca_dir(dir.path(), now).unwrap_err();
+        assert!(matches!(err, CaDirError::Chain { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(
+            text.contains("(cert-chain.pem)")
+                && text.contains("CN=Int")
+                && text.contains("pathLenConstraint is 0"),
+            "{text}"
+        );
+
+        // The intermediate itself loads, and has no room for a sub-CA.
+        write(CA_CERT_FILE, int_cert.to_pem());
+        write(CA_KEY_FILE, int.key().to_pkcs8_pem().to_string());
+        write(
+            CERT_CHAIN_FILE,
+            bundle::encode_certs_pem(&[&int_cert.der, &root_cert.der]),
+        );
+        let loaded = load_ca_dir(dir.path(), now).unwrap();
+        assert_eq!(loaded.cert_file, dir.path().join(CA_CERT_FILE));
+        assert!(crate::verify::check_room_for_sub_ca(&loaded.chain).is_err());
+    }
 }

@@ -325,6 +325,7 @@ pub fn verify_ca_chain(
                 })?;
         }
     }
+    check_path_len(&parsed, 0)?;
     let last_index = parsed.len() - 1;
     let last = &parsed[last_index];
     if bundle.contains(&chain[last_index]) {
@@ -347,6 +348,7 @@ pub fn verify_ca_chain(
                 subject: root.subject().to_string(),
                 reason: r,
             })?;
+            check_path_len_of(&root, parsed.len() + 1, parsed.len())?;
             return Ok(root_der.clone());
         }
     }
@@ -355,6 +357,73 @@ pub fn verify_ca_chain(
         last,
         "does not chain to any root in the trust bundle".to_string(),
     ))
+}
+
+/// Checks that a CA chain (`chain[0]` the signing certificate, then up
+/// towards the root) leaves room, under every basicConstraints
+/// pathLenConstraint in it, for the signing certificate to issue a CA
+/// certificate of its own: what `meshca-certs intermediate-ca` is about to
+/// do with it. [`verify_ca_chain`] makes the same check for issuing end
+/// entities only.
+pub fn check_room_for_sub_ca(chain: &[Vec<u8>]) -> Result<(), VerifyError> {
+    let parsed: Vec<X509Certificate<'_>> = chain
+        .iter()
+        .enumerate()
+        .map(|(i, der)| {
+            X509Certificate::from_der(der)
+                .map(|(_, c)| c)
+                .map_err(|e| VerifyError::Malformed {
+                    index: i + 1,
+                    reason: e.to_string(),
+                })
+        })
+        .collect::<Result<_, _>>()?;
+    check_path_len(&parsed, 1)
+}
+
+/// Checks basicConstraints pathLenConstraint along `chain` (signing
+/// certificate first), with `below` more CA certificates to come under
+/// `chain[0]`. Certificate #i (1-based) has `i - 1 + below` CA
+/// certificates under it before the end entity, and its pathLen must allow
+/// that many. Self-issued certificates are counted like the others, as
+/// webpki (rustls) counts them, so what passes here verifies in every
+/// client.
+fn check_path_len(chain: &[X509Certificate<'_>], below: usize) -> Result<(), VerifyError> {
+    for (i, cert) in chain.iter().enumerate() {
+        check_path_len_of(cert, i + 1, i + below)?;
+    }
+    Ok(())
+}
+
+/// [`check_path_len`] for one certificate at 1-based position `index`
+/// with `cas_below` CA certificates under it.
+fn check_path_len_of(
+    cert: &X509Certificate<'_>,
+    index: usize,
+    cas_below: usize,
+) -> Result<(), VerifyError> {
+    let Ok(Some(bc)) = cert.basic_constraints() else {
+        return Ok(());
+    };
+    let Some(max) = bc.value.path_len_constraint else {
+        return Ok(());
+    };
+    let max = usize::try_from(max).unwrap_or(usize::MAX);
+    if cas_below <= max {
+        return Ok(());
+    }
+    let allowed = match max {
+        0 => "no CA certificate under it (it may sign only end-entity certificates)".to_string(),
+        1 => "1 CA certificate under it".to_string(),
+        n => format!("{n} CA certificates under it"),
+    };
+    Err(VerifyError::BadCa {
+        index,
+        subject: cert.subject().to_string(),
+        reason: format!(
+            "its basicConstraints pathLenConstraint is {max}, which allows {allowed}, but this chain puts {cas_below} under it; every certificate issued below it would fail path validation"
+        ),
+    })
 }
 
 /// One problem found by [`audit_svid_chain`].
@@ -747,5 +816,59 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("not a CA"));
+    }
+
+    #[test]
+    fn a_ca_below_a_path_len_zero_ca_is_refused() {
+        let ca = root();
+        let now = OffsetDateTime::now_utc();
+        let name = |cn: &str| SubjectName {
+            common_name: Some(cn.into()),
+            ..Default::default()
+        };
+        let int_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let int = ca
+            .issue_ca(
+                &SubjectKey::of(&int_key).unwrap(),
+                &name("Int"),
+                Some(0),
+                Validity::backdated(now, Duration::days(1)),
+            )
+            .unwrap();
+        let int_ca = SigningCa::new(int.der.clone(), int_key).unwrap();
+        let sub_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let sub = int_ca
+            .issue_ca(
+                &SubjectKey::of(&sub_key).unwrap(),
+                &name("Sub"),
+                Some(0),
+                Validity::backdated(now, Duration::days(1)),
+            )
+            .unwrap();
+        let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
+        // The chain used to pass; every leaf of Sub then failed path
+        // validation (PathLenConstraintViolated).
+        let err = verify_ca_chain(&[sub.der.clone(), int.der.clone()], &bundle, now).unwrap_err();
+        assert!(
+            matches!(err, VerifyError::BadCa { index: 2, .. }),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("CN=Int") && text.contains("pathLenConstraint is 0"),
+            "{text}"
+        );
+        // With the root in the chain, too.
+        assert!(verify_ca_chain(
+            &[sub.der.clone(), int.der.clone(), ca.cert_der().to_vec()],
+            &bundle,
+            now
+        )
+        .is_err());
+        // Room for a sub-CA: none under Int, some under the root.
+        assert!(check_room_for_sub_ca(&[int.der.clone(), ca.cert_der().to_vec()]).is_err());
+        assert!(check_room_for_sub_ca(&[ca.cert_der().to_vec()]).is_ok());
+        // Int itself still signs leaves.
+        assert!(verify_ca_chain(&[int.der], &bundle, now).is_ok());
     }
 }

@@ -478,3 +478,25 @@ fn absurd_lifetimes_are_refused_or_capped_without_a_panic() {
     let certs = json["certificates"].as_array().unwrap();
     assert_eq!(certs[0]["not_after"], certs[1]["not_after"]);
 }
+
+#[test]
+fn intermediate_ca_refuses_a_root_whose_path_length_is_used_up() {
+    let dir = tempfile::tempdir().unwrap();
+    make_pki(dir.path());
+    // cluster1 is an intermediate with pathlen:0: a CA under it would make
+    // certificates nobody can verify.
+    let stderr = fails(&[
+        "intermediate-ca",
+        "--root",
+        &p(&dir.path().join("cluster1")),
+        "--cluster",
+        "sub",
+        "--out",
+        &p(dir.path()),
+    ]);
+    assert!(
+        stderr.contains("ca-cert.pem") && stderr.contains("pathLenConstraint is 0"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("sub").exists());
+}

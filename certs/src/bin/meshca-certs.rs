@@ -208,6 +208,22 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 bail!("--cluster {cluster:?} must be a plain name (it becomes a directory under --out)");
             }
             let root_ca = load_signing(&root)?;
+            // The new CA goes under the signing certificate: every
+            // pathLenConstraint above must leave room for one more CA.
+            let mut path = root_ca.chain.clone();
+            if path.first().map(Vec::as_slice) != Some(root_ca.signing.cert_der()) {
+                path.insert(0, root_ca.signing.cert_der().to_vec());
+            }
+            if !path.contains(&root_ca.anchor_root) {
+                path.push(root_ca.anchor_root.clone());
+            }
+            if let Err(e) = meshca_certs::verify::check_room_for_sub_ca(&path) {
+                bail!(
+                    "--root {}: {} cannot sign an intermediate CA: {e} (use a root-ca directory, or a CA without pathlen:0, as --root)",
+                    root.display(),
+                    root_ca.cert_file.display()
+                );
+            }
             let dir = out.join(&cluster);
             let paths =
                 [CA_KEY_FILE, CA_CERT_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE].map(|f| dir.join(f));
