@@ -41,6 +41,16 @@ pub enum BundleError {
     /// The text is not valid PEM.
     #[error("not valid PEM: {0}")]
     NotPem(String),
+    /// A BEGIN line has no END line (a truncated file), or an END line
+    /// has no BEGIN line. The `pem` crate skips such a block silently, so
+    /// it is looked for before parsing.
+    #[error("line {line}: {problem}")]
+    BrokenPem {
+        /// 1-based line of the BEGIN (or stray END) line.
+        line: usize,
+        /// What is wrong.
+        problem: String,
+    },
     /// The PEM holds no CERTIFICATE block.
     #[error("no CERTIFICATE block found")]
     NoCertificates,
@@ -78,6 +88,7 @@ pub struct FileError {
 /// Parses every `CERTIFICATE` block of a PEM text into DER, checking that
 /// each is a valid X.509 certificate. Other blocks are ignored.
 pub fn parse_certs_pem(text: &str) -> Result<Vec<Vec<u8>>, BundleError> {
+    check_pem_framing(text)?;
     let blocks = pem::parse_many(text).map_err(|e| BundleError::NotPem(e.to_string()))?;
     let mut certs = Vec::new();
     for block in blocks.into_iter().filter(|b| b.tag() == CERTIFICATE_TAG) {
@@ -103,6 +114,49 @@ pub fn parse_certs_pem(text: &str) -> Result<Vec<Vec<u8>>, BundleError> {
         return Err(BundleError::NoCertificates);
     }
     Ok(certs)
+}
+
+/// Checks that every `-----BEGIN …-----` line is closed by an
+/// `-----END …-----` line before the next BEGIN or the end of the text,
+/// and that no END line comes without a BEGIN. `pem::parse_many` drops an
+/// unterminated block without a word, so a truncated bundle would lose its
+/// last certificate silently. Text outside the blocks (`openssl x509
+/// -text` output, comments) is still allowed.
+fn check_pem_framing(text: &str) -> Result<(), BundleError> {
+    let mut open: Option<(usize, &str)> = None;
+    for (i, line) in text.lines().enumerate() {
+        let line_no = i + 1;
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix("-----BEGIN ") {
+            let label = rest.trim_end_matches('-');
+            if let Some((begin, open_label)) = open {
+                return Err(BundleError::BrokenPem {
+                    line: begin,
+                    problem: format!(
+                        "BEGIN {open_label} has no END line before the next BEGIN at line {line_no} (truncated or damaged PEM)"
+                    ),
+                });
+            }
+            open = Some((line_no, label));
+        } else if let Some(rest) = line.strip_prefix("-----END ") {
+            if open.take().is_none() {
+                return Err(BundleError::BrokenPem {
+                    line: line_no,
+                    problem: format!(
+                        "END {} without a BEGIN line (damaged PEM)",
+                        rest.trim_end_matches('-')
+                    ),
+                });
+            }
+        }
+    }
+    match open {
+        Some((begin, label)) => Err(BundleError::BrokenPem {
+            line: begin,
+            problem: format!("BEGIN {label} has no END line: the file is truncated or damaged"),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Reads a PEM file of certificates.
@@ -317,6 +371,26 @@ mod tests {
         assert!(matches!(
             parse_certs_pem(&bad),
             Err(BundleError::BadCertificate { index: 1, .. })
+        ));
+        // A truncated last block is an error, not a shorter bundle.
+        let one = encode_cert_pem(&[0x30, 0x01, 0x00]);
+        let two = format!("{one}{}", &one[..40]);
+        let err = parse_certs_pem(&two).unwrap_err();
+        assert!(
+            matches!(err, BundleError::BrokenPem { line, .. } if line == one.lines().count() + 1),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("no END line"), "{err}");
+        let cut = one.find("-----END").unwrap();
+        let no_end_then_begin = format!("{}{one}", &one[..cut]);
+        assert!(matches!(
+            parse_certs_pem(&no_end_then_begin),
+            Err(BundleError::BrokenPem { line: 1, .. })
+        ));
+        let stray_end = format!("{one}-----END CERTIFICATE-----\n");
+        assert!(matches!(
+            parse_certs_pem(&stray_end),
+            Err(BundleError::BrokenPem { .. })
         ));
         let missing = Path::new("/nonexistent/meshca/root.pem");
         let err = read_certs_file(missing).unwrap_err();
