@@ -29,7 +29,9 @@ pub enum SignError {
     /// The CA cannot sign now (`UNAVAILABLE`): its certificate is not yet
     /// valid, expired, or expires within the safety margin.
     #[error(
-        "the CA cannot sign: its signing certificate is valid from {not_before} until {not_after}, and signing stops {margin_secs}s before it expires; the operator must renew or rotate the CA"
+        "the CA cannot sign: its signing certificate is valid from {} until {}, and signing stops {margin_secs}s before it expires; the operator must renew or rotate the CA",
+        meshca_certs::Rfc3339(*not_before),
+        meshca_certs::Rfc3339(*not_after)
     )]
     CaOutsideValidity {
         /// CA notBefore.
@@ -41,7 +43,13 @@ pub enum SignError {
     },
     /// Signing failed (`INTERNAL`).
     #[error("signing failed: {0}")]
-    Signing(#[from] ProfileError),
+    Signing(ProfileError),
+}
+
+impl From<ProfileError> for SignError {
+    fn from(e: ProfileError) -> Self {
+        Self::Signing(e)
+    }
 }
 
 /// A signed certificate and its chain.

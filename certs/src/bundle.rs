@@ -23,20 +23,34 @@ pub const PUBLIC_FILE_MODE: u32 = 0o644;
 #[derive(Debug, thiserror::Error)]
 pub enum BundleError {
     /// A file could not be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {}: {cause}", path.display())]
     Read {
         /// The file.
         path: PathBuf,
-        /// The OS error.
-        source: io::Error,
+        /// The OS error (in the message, so not a `source()`).
+        cause: io::Error,
     },
     /// A file could not be written.
-    #[error("cannot write {path}: {source}")]
+    #[error("cannot write {}: {cause}", path.display())]
     Write {
         /// The file.
         path: PathBuf,
-        /// The OS error.
-        source: io::Error,
+        /// The OS error (in the message, so not a `source()`).
+        cause: io::Error,
+    },
+    /// The file is binary, not PEM text (usually DER).
+    #[error("{}: binary data, not PEM text (a DER file? convert it with `openssl x509 -inform der -in FILE -out FILE.pem` for a certificate, `openssl pkey -inform der` for a key)", path.display())]
+    NotText {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The path is a symbolic link to nothing.
+    #[error("{} is a dangling symbolic link (to {}, which does not exist)", path.display(), target.display())]
+    DanglingSymlink {
+        /// The link.
+        path: PathBuf,
+        /// Where it points.
+        target: PathBuf,
     },
     /// The text is not valid PEM.
     #[error("not valid PEM: {0}")]
@@ -55,7 +69,7 @@ pub enum BundleError {
     #[error("no CERTIFICATE block found")]
     NoCertificates,
     /// A CERTIFICATE block does not hold a valid X.509 certificate.
-    #[error("certificate #{index} is not valid X.509: {reason}")]
+    #[error("certificate #{index}: {reason}")]
     BadCertificate {
         /// 1-based position of the block.
         index: usize,
@@ -69,20 +83,35 @@ impl BundleError {
     pub(crate) fn in_file(self, path: &Path) -> FileError {
         FileError {
             path: path.to_path_buf(),
-            source: self,
+            cause: self,
         }
     }
 }
 
 /// A bundle error with the file it was found in.
+///
+/// Like every error of the workspace, its message is complete: it says
+/// the cause, so the cause is not also a `source()` (`{:#}` in the
+/// binaries would print it twice).
 #[derive(Debug, thiserror::Error)]
-#[error("{}: {source}", path.display())]
 pub struct FileError {
     /// The file.
     pub path: PathBuf,
-    /// The problem.
-    #[source]
-    pub source: BundleError,
+    /// The problem (in the message, so not a `source()`).
+    pub cause: BundleError,
+}
+
+impl std::fmt::Display for FileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.cause {
+            // These name the file already.
+            BundleError::Read { .. }
+            | BundleError::Write { .. }
+            | BundleError::NotText { .. }
+            | BundleError::DanglingSymlink { .. } => self.cause.fmt(f),
+            other => write!(f, "{}: {other}", self.path.display()),
+        }
+    }
 }
 
 /// Parses every `CERTIFICATE` block of a PEM text into DER, checking that
@@ -105,7 +134,7 @@ pub fn parse_certs_pem(text: &str) -> Result<Vec<Vec<u8>>, BundleError> {
             Err(e) => {
                 return Err(BundleError::BadCertificate {
                     index,
-                    reason: e.to_string(),
+                    reason: crate::verify::describe_x509_error(&e),
                 })
             }
         }
@@ -166,10 +195,25 @@ pub fn read_certs_file(path: &Path) -> Result<Vec<Vec<u8>>, FileError> {
 }
 
 /// Reads a text file; the error names the file.
+/// A file that is not UTF-8 (a DER certificate or key) is
+/// [`BundleError::NotText`], a link to nothing [`BundleError::DanglingSymlink`].
 pub(crate) fn read_text(path: &Path) -> Result<String, BundleError> {
-    fs::read_to_string(path).map_err(|source| BundleError::Read {
+    let bytes = fs::read(path).map_err(|cause| {
+        if cause.kind() == io::ErrorKind::NotFound {
+            if let Ok(target) = fs::read_link(path) {
+                return BundleError::DanglingSymlink {
+                    path: path.to_path_buf(),
+                    target,
+                };
+            }
+        }
+        BundleError::Read {
+            path: path.to_path_buf(),
+            cause,
+        }
+    })?;
+    String::from_utf8(bytes).map_err(|_| BundleError::NotText {
         path: path.to_path_buf(),
-        source,
     })
 }
 
@@ -234,9 +278,9 @@ pub struct StagedFile {
 impl StagedFile {
     /// Renames the staged file over its destination and syncs the directory.
     pub(crate) fn commit(mut self) -> Result<(), BundleError> {
-        fs::rename(&self.tmp, &self.path).map_err(|source| BundleError::Write {
+        fs::rename(&self.tmp, &self.path).map_err(|cause| BundleError::Write {
             path: self.path.clone(),
-            source,
+            cause,
         })?;
         self.committed = true;
         if let Ok(d) = fs::File::open(&self.dir) {
@@ -260,9 +304,9 @@ impl Drop for StagedFile {
 pub fn commit_all(files: Vec<StagedFile>) -> Result<(), BundleError> {
     let mut dirs = Vec::new();
     for mut file in files {
-        fs::rename(&file.tmp, &file.path).map_err(|source| BundleError::Write {
+        fs::rename(&file.tmp, &file.path).map_err(|cause| BundleError::Write {
             path: file.path.clone(),
-            source,
+            cause,
         })?;
         file.committed = true;
         if !dirs.contains(&file.dir) {
@@ -280,9 +324,9 @@ pub fn commit_all(files: Vec<StagedFile>) -> Result<(), BundleError> {
 /// Writes and syncs `contents` to a temporary file next to `path` (with
 /// `mode` from creation on) without touching `path` yet.
 pub fn stage_file(path: &Path, contents: &[u8], mode: u32) -> Result<StagedFile, BundleError> {
-    let err = |source| BundleError::Write {
+    let err = |cause| BundleError::Write {
         path: path.to_path_buf(),
-        source,
+        cause,
     };
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -392,6 +436,25 @@ mod tests {
             parse_certs_pem(&stray_end),
             Err(BundleError::BrokenPem { .. })
         ));
+        // DER and dangling links say what they are.
+        let dir = tempfile::tempdir().unwrap();
+        let der = dir.path().join("ca.der");
+        fs::write(&der, [0x30, 0x82, 0x01, 0xff, 0xa0, 0x03]).unwrap();
+        let err = read_certs_file(&der).unwrap_err().to_string();
+        assert!(
+            err.contains("ca.der") && err.contains("not PEM") && err.contains("DER"),
+            "{err}"
+        );
+        #[cfg(unix)]
+        {
+            let link = dir.path().join("ca-key.pem");
+            std::os::unix::fs::symlink(dir.path().join("gone.pem"), &link).unwrap();
+            let err = read_certs_file(&link).unwrap_err().to_string();
+            assert!(
+                err.contains("dangling symbolic link") && err.contains("gone.pem"),
+                "{err}"
+            );
+        }
         let missing = Path::new("/nonexistent/meshca/root.pem");
         let err = read_certs_file(missing).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/meshca/root.pem"));

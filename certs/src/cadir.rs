@@ -33,7 +33,8 @@ pub const TLS_KEY_FILE: &str = "tls.key";
 /// TLS-secret file: roots.
 pub const TLS_CA_FILE: &str = "ca.crt";
 
-/// Why a CA directory could not be used. Each message names the file.
+/// Why a CA directory could not be used. Each message names the file and
+/// says the cause, which is therefore not also a `source()`.
 #[derive(Debug, thiserror::Error)]
 pub enum CaDirError {
     /// A required file is missing.
@@ -46,47 +47,63 @@ pub enum CaDirError {
         /// The whole set that is needed.
         needed: &'static str,
     },
+    /// The directory does not exist, or is not a directory.
+    #[error("{}: {problem}", dir.display())]
+    NotADirectory {
+        /// The path given.
+        dir: PathBuf,
+        /// "does not exist" or "is a file, not a directory".
+        problem: &'static str,
+    },
+    /// A CA file is a symbolic link to nothing (a broken Secret mount).
+    #[error("{} is a dangling symbolic link (to {}, which does not exist)", path.display(), target.display())]
+    DanglingSymlink {
+        /// The link.
+        path: PathBuf,
+        /// Where it points.
+        target: PathBuf,
+    },
     /// The directory holds none of the CA files.
     #[error("{0}: no CA files found: expected ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem (or tls.crt, tls.key, ca.crt; or root-cert.pem, root-key.pem)")]
     NoCaFiles(PathBuf),
     /// A certificate file is unreadable or malformed.
     #[error(transparent)]
     CertFile(#[from] FileError),
-    /// The key file is unreadable.
-    #[error("{path}: {source}")]
+    /// The key file is unreadable (the read error names the file).
+    #[error("{cause}")]
     ReadKey {
         /// The key file.
         path: PathBuf,
         /// The read error.
-        source: BundleError,
+        cause: BundleError,
     },
     /// The key file holds no usable key.
-    #[error("{path}: {source}")]
+    #[error("{}: {cause}", path.display())]
     Key {
         /// The key file.
         path: PathBuf,
         /// What is wrong.
-        source: KeyError,
+        cause: KeyError,
     },
     /// The certificate and key do not form a signing CA.
-    #[error("{cert} with {key}: {source}")]
+    #[error("{} with {}: {cause}", cert.display(), key.display())]
     NotSigningCa {
         /// The certificate file.
         cert: PathBuf,
         /// The key file.
         key: PathBuf,
         /// What is wrong.
-        source: ProfileError,
+        cause: ProfileError,
     },
     /// The chain check failed.
-    #[error("{dir}: CA chain check failed ({files}): {source}")]
+    #[error("{}: CA chain check failed ({files}): {cause}", dir.display())]
     Chain {
         /// The directory.
         dir: PathBuf,
         /// The files the chain came from.
         files: String,
         /// What is wrong.
-        source: VerifyError,
+        cause: VerifyError,
     },
 }
 
@@ -110,8 +127,32 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
     const ISTIO_SET: &str = "ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem";
     const TLS_SET: &str = "tls.crt, tls.key, ca.crt";
     const ROOT_SET: &str = "root-cert.pem, root-key.pem";
-    let exists = |f: &str| dir.join(f).exists();
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(CaDirError::NotADirectory {
+                dir: dir.to_path_buf(),
+                problem: "is a file, not a directory",
+            })
+        }
+        Err(_) => {
+            return Err(CaDirError::NotADirectory {
+                dir: dir.to_path_buf(),
+                problem: "no such directory",
+            })
+        }
+    }
+    // A link to nothing counts as present, so that reading it says what it is.
+    let exists = |f: &str| dir.join(f).symlink_metadata().is_ok();
     let require = |files: &[&'static str], needed: &'static str| -> Result<(), CaDirError> {
+        for f in files {
+            let path = dir.join(f);
+            if path.symlink_metadata().is_ok() && !path.exists() {
+                if let Ok(target) = std::fs::read_link(&path) {
+                    return Err(CaDirError::DanglingSymlink { path, target });
+                }
+            }
+        }
         match files.iter().find(|f| !exists(f)) {
             Some(missing) => Err(CaDirError::MissingFile {
                 dir: dir.to_path_buf(),
@@ -201,15 +242,15 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
         _ => all_files.clone(),
     };
     let signing =
-        SigningCa::new(full[0].clone(), key).map_err(|source| CaDirError::NotSigningCa {
+        SigningCa::new(full[0].clone(), key).map_err(|cause| CaDirError::NotSigningCa {
             cert: cert_path.clone(),
             key: key_path.clone(),
-            source,
+            cause,
         })?;
-    let anchor_root = verify_ca_chain(&full, &bundle, now).map_err(|source| CaDirError::Chain {
+    let anchor_root = verify_ca_chain(&full, &bundle, now).map_err(|cause| CaDirError::Chain {
         dir: dir.to_path_buf(),
-        files: files_for(&source),
-        source,
+        files: files_for(&cause),
+        cause,
     })?;
     let chain: Vec<Vec<u8>> = full.into_iter().filter(|c| !bundle.contains(c)).collect();
     Ok(LoadedCa {
@@ -223,13 +264,13 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
 
 /// Reads a private key file; errors name the file.
 pub fn read_key(path: &Path) -> Result<PrivateKey, CaDirError> {
-    let text = bundle::read_text(path).map_err(|source| CaDirError::ReadKey {
+    let text = bundle::read_text(path).map_err(|cause| CaDirError::ReadKey {
         path: path.to_path_buf(),
-        source,
+        cause,
     })?;
-    PrivateKey::from_pem(&text).map_err(|source| CaDirError::Key {
+    PrivateKey::from_pem(&text).map_err(|cause| CaDirError::Key {
         path: path.to_path_buf(),
-        source,
+        cause,
     })
 }
 
@@ -243,6 +284,35 @@ mod tests {
         SubjectName {
             common_name: Some(cn.into()),
             ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_missing_directory_or_a_file_is_named_as_such() {
+        let now = OffsetDateTime::now_utc();
+        let err = load_ca_dir(Path::new("/nonexistent-dir"), now)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "/nonexistent-dir: no such directory");
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let err = load_ca_dir(file.path(), now).unwrap_err().to_string();
+        assert!(err.ends_with("is a file, not a directory"), "{err}");
+        #[cfg(unix)]
+        {
+            let dir = tempfile::tempdir().unwrap();
+            for f in [CA_CERT_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE] {
+                std::fs::write(dir.path().join(f), "").unwrap();
+            }
+            std::os::unix::fs::symlink(
+                dir.path().join("..data/ca-key.pem"),
+                dir.path().join(CA_KEY_FILE),
+            )
+            .unwrap();
+            let err = load_ca_dir(dir.path(), now).unwrap_err().to_string();
+            assert!(
+                err.contains("ca-key.pem is a dangling symbolic link"),
+                "{err}"
+            );
         }
     }
 

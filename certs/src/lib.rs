@@ -70,9 +70,69 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, String> {
     Ok(d)
 }
 
+/// A time as people and scripts read it: RFC 3339 in UTC to the second,
+/// `2028-12-01T02:47:56Z` (what `time`'s own Display, `2028-12-01
+/// 2:47:56.0 +00:00:00`, is not). For text output and logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rfc3339(pub time::OffsetDateTime);
+
+impl std::fmt::Display for Rfc3339 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let t = self.0.to_offset(time::UtcOffset::UTC);
+        write!(
+            f,
+            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}Z",
+            t.year(),
+            u8::from(t.month()),
+            t.day(),
+            t.hour(),
+            t.minute(),
+            t.second()
+        )
+    }
+}
+
+/// An error and every error in its `source()` chain, joined with ": ",
+/// each text once (a cause whose text the message so far already ends
+/// with is left out). For wrapping a third-party error whose message
+/// leaves the details to its sources (tonic, hyper, kube) into a message
+/// of ours: the workspace's errors say their cause in their message and
+/// do not also expose it as `source()`.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut message = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let text = cause.to_string();
+        if !text.is_empty() && !message.ends_with(&text) {
+            message = format!("{message}: {text}");
+        }
+        next = cause.source();
+    }
+    message
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn times_print_as_rfc3339_utc() {
+        let t = time::macros::datetime!(2028-12-01 2:47:56.5 +01:00);
+        assert_eq!(Rfc3339(t).to_string(), "2028-12-01T01:47:56Z");
+    }
+
+    #[test]
+    fn error_chains_print_each_cause_once() {
+        let e = std::io::Error::other("disk on fire");
+        assert_eq!(error_chain(&e), "disk on fire");
+        let read = bundle::read_certs_file(std::path::Path::new("/nonexistent/x.pem")).unwrap_err();
+        // The message says the cause once and does not hand it out again
+        // as a source (anyhow's `{:#}` would print it a second time).
+        let text = error_chain(&read);
+        assert_eq!(text.matches("No such file").count(), 1, "{text}");
+        assert_eq!(text.matches("/nonexistent/x.pem").count(), 1, "{text}");
+        assert!(std::error::Error::source(&read).is_none());
+    }
 
     #[test]
     fn durations_over_a_hundred_years_are_refused() {

@@ -57,7 +57,7 @@ pub enum ProfileError {
     #[error("the subject public key is not a valid SubjectPublicKeyInfo: {0}")]
     BadSubjectKey(String),
     /// The requested validity is empty or inverted.
-    #[error("notAfter ({not_after}) is not after notBefore ({not_before})")]
+    #[error("notAfter ({}) is not after notBefore ({})", crate::Rfc3339(*not_after), crate::Rfc3339(*not_before))]
     EmptyValidity {
         /// Requested notBefore.
         not_before: OffsetDateTime,

@@ -23,7 +23,7 @@ pub enum VerifyError {
     #[error("the trust bundle holds no certificates")]
     EmptyBundle,
     /// A certificate could not be parsed.
-    #[error("certificate #{index} is not valid X.509: {reason}")]
+    #[error("certificate #{index}: {reason}")]
     Malformed {
         /// 1-based position in the chain.
         index: usize,
@@ -195,7 +195,7 @@ fn verify_path(
     let leaf = CertificateDer::from(leaf_der.as_slice());
     let ee = webpki::EndEntityCert::try_from(&leaf).map_err(|e| VerifyError::Malformed {
         index: 1,
-        reason: format!("{e:?}"),
+        reason: describe_webpki_error(&e),
     })?;
     let since_epoch = now
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -213,21 +213,99 @@ fn verify_path(
     Ok(())
 }
 
-fn describe_webpki_error(e: &webpki::Error) -> String {
+/// A webpki path-validation error in plain words, with webpki's name of it
+/// in parentheses (never the raw Debug of its context, which is bytes).
+/// For messages to people: `meshca-certs verify`, the CA's refusals of a
+/// client certificate, the agent's report of a CA it cannot trust.
+pub fn describe_webpki_error(e: &webpki::Error) -> String {
+    use webpki::Error as E;
+    let (plain, name) = match e {
+        E::CertExpired { .. } => return "a certificate in the chain has expired".into(),
+        E::CertNotValidYet { .. } => return "a certificate in the chain is not valid yet".into(),
+        E::UnknownIssuer => return "no path to a root in the bundle (unknown issuer)".into(),
+        E::InvalidSignatureForPublicKey => {
+            return "a signature in the chain does not verify (is a root of the same name but another key in the bundle?)".into()
+        }
+        E::CaUsedAsEndEntity => return "the leaf is a CA certificate".into(),
+        E::RequiredEkuNotFoundContext(_) | E::RequiredEkuNotFound => {
+            return "the leaf lacks extKeyUsage clientAuth".into()
+        }
+        E::PathLenConstraintViolated => (
+            "a CA in the chain has a basicConstraints pathLenConstraint that forbids a chain this long",
+            "PathLenConstraintViolated",
+        ),
+        E::UnsupportedSignatureAlgorithmForPublicKeyContext(_)
+        | E::UnsupportedSignatureAlgorithmForPublicKey => (
+            "a signature in the chain was not made with its issuer's key type (is a root of another key type, e.g. RSA for an ECDSA chain, in the bundle?)",
+            "UnsupportedSignatureAlgorithmForPublicKey",
+        ),
+        E::UnsupportedSignatureAlgorithmContext(_) | E::UnsupportedSignatureAlgorithm => (
+            "a certificate in the chain is signed with an algorithm that is not supported",
+            "UnsupportedSignatureAlgorithm",
+        ),
+        E::SignatureAlgorithmMismatch => (
+            "a certificate's two signature algorithm fields disagree",
+            "SignatureAlgorithmMismatch",
+        ),
+        E::BadDer | E::BadDerTime | E::TrailingData(_) => (
+            "a certificate in the chain is not valid DER",
+            "BadDer",
+        ),
+        E::NameConstraintViolation => (
+            "a CA's name constraints forbid the leaf's names",
+            "NameConstraintViolation",
+        ),
+        E::EndEntityUsedAsCa => (
+            "an end-entity certificate is used as a CA in the chain",
+            "EndEntityUsedAsCa",
+        ),
+        E::UnsupportedCriticalExtension => (
+            "a certificate in the chain has a critical extension that is not understood",
+            "UnsupportedCriticalExtension",
+        ),
+        E::UnsupportedCertVersion => (
+            "a certificate in the chain is not X.509 version 3",
+            "UnsupportedCertVersion",
+        ),
+        E::MaximumPathDepthExceeded
+        | E::MaximumPathBuildCallsExceeded
+        | E::MaximumSignatureChecksExceeded => (
+            "the chain is too long or too tangled to build a path through",
+            "MaximumPathDepthExceeded",
+        ),
+        E::CertRevoked => ("a certificate in the chain is revoked", "CertRevoked"),
+        E::InvalidCertValidity => (
+            "a certificate in the chain has notAfter before notBefore",
+            "InvalidCertValidity",
+        ),
+        other => {
+            // The variant's name only, never its fields.
+            let debug = format!("{other:?}");
+            let name: String = debug
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric())
+                .collect();
+            return format!("path validation failed ({name})");
+        }
+    };
+    format!("{plain} ({name})")
+}
+
+/// An x509-parser error in plain words: what the parser said is a nom
+/// error with DER tags in Debug form, which tells a person nothing.
+pub(crate) fn describe_x509_error(
+    e: &x509_parser::nom::Err<x509_parser::error::X509Error>,
+) -> String {
     match e {
-        webpki::Error::CertExpired { .. } => "a certificate in the chain has expired".into(),
-        webpki::Error::CertNotValidYet { .. } => {
-            "a certificate in the chain is not valid yet".into()
+        x509_parser::nom::Err::Incomplete(_) => {
+            "the DER is cut short (a truncated or damaged certificate)".into()
         }
-        webpki::Error::UnknownIssuer => "no path to a root in the bundle (unknown issuer)".into(),
-        webpki::Error::InvalidSignatureForPublicKey => {
-            "a signature in the chain does not verify (is a root of the same name but another key in the bundle?)".into()
-        }
-        webpki::Error::CaUsedAsEndEntity => "the leaf is a CA certificate".into(),
-        webpki::Error::RequiredEkuNotFoundContext(_) => {
-            "the leaf lacks extKeyUsage clientAuth".into()
-        }
-        other => format!("{other:?}"),
+        x509_parser::nom::Err::Error(x) | x509_parser::nom::Err::Failure(x) => match x {
+            x509_parser::error::X509Error::Der(_) => {
+                "not a DER-encoded X.509 certificate (damaged, or another kind of object in a CERTIFICATE block)".into()
+            }
+            other => format!("not a valid X.509 certificate ({other})"),
+        },
     }
 }
 
@@ -235,7 +313,7 @@ fn describe_webpki_error(e: &webpki::Error) -> String {
 pub fn check_svid_leaf(der: &[u8]) -> Result<VerifiedSvid, VerifyError> {
     let (_, cert) = X509Certificate::from_der(der).map_err(|e| VerifyError::Malformed {
         index: 1,
-        reason: e.to_string(),
+        reason: describe_x509_error(&e),
     })?;
     if let Some(first) = svid_leaf_violations(der).into_iter().next() {
         return Err(VerifyError::NotSvid(first));
@@ -288,7 +366,7 @@ pub fn verify_ca_chain(
                 .map(|(_, c)| c)
                 .map_err(|e| VerifyError::Malformed {
                     index: i + 1,
-                    reason: e.to_string(),
+                    reason: describe_x509_error(&e),
                 })
         })
         .collect::<Result<_, _>>()?;
@@ -374,7 +452,7 @@ pub fn check_room_for_sub_ca(chain: &[Vec<u8>]) -> Result<(), VerifyError> {
                 .map(|(_, c)| c)
                 .map_err(|e| VerifyError::Malformed {
                     index: i + 1,
-                    reason: e.to_string(),
+                    reason: describe_x509_error(&e),
                 })
         })
         .collect::<Result<_, _>>()?;
@@ -489,7 +567,7 @@ pub fn audit_svid_chain(
                 problems.push(Problem {
                     index: i + 1,
                     name: "unparsable".into(),
-                    rule: format!("not valid X.509: {e}"),
+                    rule: describe_x509_error(&e),
                 });
                 return problems;
             }
@@ -598,10 +676,16 @@ fn check_ca_bits(cert: &X509Certificate<'_>) -> Result<(), String> {
 fn check_time(cert: &X509Certificate<'_>, now: OffsetDateTime) -> Result<(), String> {
     let v = cert.validity();
     if now < v.not_before.to_datetime() {
-        return Err(format!("not valid before {}", v.not_before));
+        return Err(format!(
+            "not valid before {}",
+            crate::Rfc3339(v.not_before.to_datetime())
+        ));
     }
     if now > v.not_after.to_datetime() {
-        return Err(format!("expired at {}", v.not_after));
+        return Err(format!(
+            "expired at {}",
+            crate::Rfc3339(v.not_after.to_datetime())
+        ));
     }
     Ok(())
 }
@@ -816,6 +900,31 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("not a CA"));
+    }
+
+    #[test]
+    fn webpki_and_parser_errors_are_plain_words_not_debug() {
+        let pathlen = describe_webpki_error(&webpki::Error::PathLenConstraintViolated);
+        assert!(pathlen.starts_with("a CA in the chain has a basicConstraints pathLenConstraint"));
+        assert!(
+            pathlen.ends_with("(PathLenConstraintViolated)"),
+            "{pathlen}"
+        );
+        let alg = describe_webpki_error(&webpki::Error::UnsupportedSignatureAlgorithmForPublicKey);
+        assert!(alg.contains("key type"), "{alg}");
+        // A chain under an ECDSA root checked against an RSA root of the
+        // same name used to print the error's Debug, OID bytes and all.
+        let other = describe_webpki_error(&webpki::Error::UnsupportedCrlVersion);
+        assert_eq!(other, "path validation failed (UnsupportedCrlVersion)");
+        let not_cert = crate::bundle::parse_certs_pem(&crate::bundle::encode_cert_pem(&[
+            0xa0, 0x03, 0x02, 0x01, 0x02,
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            not_cert.contains("not a DER-encoded X.509 certificate") && !not_cert.contains("Tag("),
+            "{not_cert}"
+        );
     }
 
     #[test]
