@@ -29,7 +29,9 @@ pub enum SignError {
     /// The CA cannot sign now (`UNAVAILABLE`): its certificate is not yet
     /// valid, expired, or expires within the safety margin.
     #[error(
-        "the CA cannot sign: its signing certificate is valid from {not_before} until {not_after}, and signing stops {margin_secs}s before it expires; the operator must renew or rotate the CA"
+        "the CA cannot sign: its signing certificate is valid from {} until {}, and signing stops {margin_secs}s before it expires; the operator must renew or rotate the CA",
+        meshca_certs::Rfc3339(*not_before),
+        meshca_certs::Rfc3339(*not_after)
     )]
     CaOutsideValidity {
         /// CA notBefore.
@@ -41,7 +43,13 @@ pub enum SignError {
     },
     /// Signing failed (`INTERNAL`).
     #[error("signing failed: {0}")]
-    Signing(#[from] ProfileError),
+    Signing(ProfileError),
+}
+
+impl From<ProfileError> for SignError {
+    fn from(e: ProfileError) -> Self {
+        Self::Signing(e)
+    }
 }
 
 /// A signed certificate and its chain.
@@ -250,7 +258,9 @@ fn check_ca_validity(
     margin: time::Duration,
 ) -> Result<Validity, SignError> {
     let v = ca.validity();
-    if now < v.not_before || now + margin >= v.not_after {
+    // Checked: the margin comes from a flag.
+    let too_late = now.checked_add(margin).is_none_or(|end| end >= v.not_after);
+    if now < v.not_before || too_late {
         return Err(SignError::CaOutsideValidity {
             not_before: v.not_before,
             not_after: v.not_after,
@@ -447,6 +457,45 @@ mod tests {
             Err(SignError::CaOutsideValidity { .. })
         ));
         assert!(!a.can_sign(ca_not_after));
+    }
+
+    #[test]
+    fn extreme_lifetimes_and_margins_are_capped_not_a_panic() {
+        // `--max-workload-cert-ttl 10000y` (now refused by the flag parser,
+        // but the authority must not depend on that) and a request for as
+        // long: the certificate ends with the CA, no worker panics.
+        let dir = tempfile::tempdir().unwrap();
+        let material =
+            load_or_create_data_dir(dir.path(), &Default::default(), OffsetDateTime::now_utc())
+                .unwrap();
+        let huge = Duration::from_secs(10_000 * 31_557_600);
+        let a = Authority::new(
+            material,
+            TtlPolicy {
+                default: huge,
+                max: Duration::MAX,
+            },
+        );
+        let ca_not_after = a.current().material.signing.validity().not_after;
+        let now = OffsetDateTime::now_utc();
+        for requested in [0, 315_576_000_000, i64::MAX] {
+            let issued = a.sign_workload(&subject(), &id(), requested, now).unwrap();
+            assert_eq!(
+                parse_not_after(&issued.chain_pem[0]),
+                ca_not_after.unix_timestamp(),
+                "requested {requested}"
+            );
+            let within = a
+                .sign_workload_within(&subject(), &id(), requested, Some(Duration::MAX), now)
+                .unwrap();
+            assert_eq!(within.not_after, ca_not_after);
+        }
+        // A margin longer than time can count means "never sign", not a panic.
+        let a = a.with_expiry_margin(Duration::MAX);
+        assert!(matches!(
+            a.sign_workload(&subject(), &id(), 0, now),
+            Err(SignError::CaOutsideValidity { .. })
+        ));
     }
 
     #[test]

@@ -846,6 +846,14 @@ mod tests {
         ])
         .unwrap_err()
         .contains("longer than"));
+        // Absurd lifetimes are refused by the flag parser, naming the flag
+        // (10000y used to reach the signer and panic a worker).
+        let err = parse(&["--max-workload-cert-ttl", "10000y"]).unwrap_err();
+        assert!(
+            err.contains("--max-workload-cert-ttl") && err.contains("too long"),
+            "{err}"
+        );
+        assert!(parse(&["--ca-expiry-margin", "200y"]).is_err());
         assert!(parse(&["--trust-domain", "Bad TD"]).is_err());
         assert!(
             parse(&["--jwks", "/x"]).is_err(),

@@ -79,7 +79,7 @@ pub(crate) async fn watch_ca_dir(
                 }
                 tracing::info!(
                     dir = %dir.display(),
-                    not_after = %material.signing.validity().not_after,
+                    not_after = %meshca_certs::Rfc3339(material.signing.validity().not_after),
                     chain = material.chain.len(),
                     roots = material.bundle.roots().len(),
                     "the CA files changed: signing with the new set"

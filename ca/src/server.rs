@@ -66,18 +66,24 @@ pub enum ServeError {
     #[error(transparent)]
     Tls(#[from] TlsError),
     /// The TLS configuration is invalid.
-    #[error("TLS configuration: {0}")]
-    TlsConfig(#[from] rustls::Error),
+    #[error("TLS configuration: {}", meshca_certs::error_chain(.0))]
+    TlsConfig(rustls::Error),
     /// A listen address could not be bound.
-    #[error("cannot listen on {flag} {addr}: {source}")]
+    #[error("cannot listen on {flag} {addr}: {cause}")]
     Bind {
         /// The flag.
         flag: &'static str,
         /// The address.
         addr: SocketAddr,
         /// The OS error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
+}
+
+impl From<rustls::Error> for ServeError {
+    fn from(e: rustls::Error) -> Self {
+        Self::TlsConfig(e)
+    }
 }
 
 /// A running server's addresses (useful when binding port 0).
@@ -304,10 +310,10 @@ fn spawn_monitoring_thread(
     let addr = listener
         .local_addr()
         .unwrap_or_else(|_| SocketAddr::from(([0, 0, 0, 0], 0)));
-    let bind_error = move |source: std::io::Error| ServeError::Bind {
+    let bind_error = move |cause: std::io::Error| ServeError::Bind {
         flag: "--monitoring-listen",
         addr,
-        source,
+        cause,
     };
     let std_listener = listener.into_std().map_err(bind_error)?;
     let (done_tx, done_rx) = tokio::sync::oneshot::channel();
@@ -578,7 +584,7 @@ fn start_authority(config: &Config, material: CaMaterial) -> Arc<Authority> {
     tracing::info!(
         source = ?material.source,
         trust_domain = %config.trust_domain,
-        ca_not_after = %material.signing.validity().not_after,
+        ca_not_after = %meshca_certs::Rfc3339(material.signing.validity().not_after),
         "CA material loaded"
     );
     let authority =
@@ -666,18 +672,18 @@ struct Listeners {
 /// monitoring port.
 async fn bind_listeners(config: &Config) -> Result<Listeners, ServeError> {
     let grpc = transport::bind_with_backlog(config.listen, transport::LISTEN_BACKLOG).map_err(
-        |source| ServeError::Bind {
+        |cause| ServeError::Bind {
             flag: "--listen",
             addr: config.listen,
-            source,
+            cause,
         },
     )?;
     let monitoring = TcpListener::bind(config.monitoring_listen)
         .await
-        .map_err(|source| ServeError::Bind {
+        .map_err(|cause| ServeError::Bind {
             flag: "--monitoring-listen",
             addr: config.monitoring_listen,
-            source,
+            cause,
         })?;
     let bound = BoundAddrs {
         grpc: grpc.local_addr().unwrap_or(config.listen),

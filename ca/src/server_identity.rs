@@ -28,10 +28,16 @@ const RENEW_RETRY: Duration = Duration::from_secs(30);
 pub enum TlsError {
     /// The CA could not issue the server certificate.
     #[error("issuing the server's TLS certificate failed: {0}")]
-    Issue(#[from] SignError),
+    Issue(SignError),
     /// Key generation or conversion failed.
     #[error("the server's TLS key: {0}")]
     Key(String),
+}
+
+impl From<SignError> for TlsError {
+    fn from(e: SignError) -> Self {
+        Self::Issue(e)
+    }
 }
 
 /// The server certificate in use, swapped on renewal.
@@ -122,7 +128,7 @@ pub(crate) async fn renew_server_cert(
         match issue_server_identity(&authority, &dns, OffsetDateTime::now_utc()) {
             Ok((key, not_after)) => {
                 resolver.store(key, not_after);
-                tracing::info!(%not_after, "renewed the server's TLS certificate");
+                tracing::info!(not_after = %meshca_certs::Rfc3339(not_after), "renewed the server's TLS certificate");
             }
             Err(e) => {
                 tracing::error!(error = %e, "renewing the server's TLS certificate failed; retrying");

@@ -252,7 +252,7 @@ impl CaService {
             pod = caller.pod_name.as_deref().unwrap_or(""),
             identity = %identity,
             serial = %issued.serial_hex,
-            not_after = %issued.not_after,
+            not_after = %meshca_certs::Rfc3339(issued.not_after),
             "issued certificate"
         );
         self.metrics.success_cert_issuance_count.inc();

@@ -48,12 +48,12 @@ pub enum StoreError {
         missing: &'static str,
     },
     /// The data directory could not be created.
-    #[error("cannot create data directory {path}: {source}")]
+    #[error("cannot create data directory {path}: {cause}")]
     CreateDir {
         /// The directory.
         path: PathBuf,
         /// The OS error.
-        source: std::io::Error,
+        cause: std::io::Error,
     },
     /// Writing a file failed.
     #[error(transparent)]
@@ -171,7 +171,7 @@ pub fn load_or_create_data_dir(
             tracing::info!(
                 dir = %dir.display(),
                 serial = %root.serial_hex,
-                not_after = %root.validity.not_after,
+                not_after = %meshca_certs::Rfc3339(root.validity.not_after),
                 "generated a new self-signed root CA"
             );
         }
@@ -193,17 +193,17 @@ pub fn load_or_create_data_dir(
     let certs = bundle::read_certs_file(&cert_path)?;
     let key = cadir::read_key(&key_path)?;
     let root = certs[0].clone();
-    let signing = SigningCa::new(root.clone(), key).map_err(|source| CaDirError::NotSigningCa {
+    let signing = SigningCa::new(root.clone(), key).map_err(|cause| CaDirError::NotSigningCa {
         cert: cert_path.clone(),
         key: key_path.clone(),
-        source,
+        cause,
     })?;
     let bundle = TrustBundle::new(vec![root.clone()]);
-    verify_ca_chain(std::slice::from_ref(&root), &bundle, now).map_err(|source| {
+    verify_ca_chain(std::slice::from_ref(&root), &bundle, now).map_err(|cause| {
         CaDirError::Chain {
             dir: dir.to_path_buf(),
             files: CA_CERT_FILE.to_string(),
-            source,
+            cause,
         }
     })?;
     publish_bundle(dir, &bundle)?;
@@ -258,9 +258,9 @@ pub(crate) fn create_private_dir(dir: &Path) -> Result<(), StoreError> {
         use std::os::unix::fs::DirBuilderExt;
         builder.mode(0o700);
     }
-    builder.create(dir).map_err(|source| StoreError::CreateDir {
+    builder.create(dir).map_err(|cause| StoreError::CreateDir {
         path: dir.to_path_buf(),
-        source,
+        cause,
     })
 }
 

@@ -50,12 +50,12 @@ pub enum AnswerError {
     )]
     NoRoots,
     /// An element is not PEM certificates.
-    #[error("chain element #{index}: {source}")]
+    #[error("chain element #{index}: {cause}")]
     Element {
         /// 1-based position of the element.
         index: usize,
         /// What is wrong with it.
-        source: BundleError,
+        cause: BundleError,
     },
     /// The leaf's element holds more than one certificate.
     #[error("chain element #1 holds {count} certificates; it must be the leaf alone")]
@@ -115,9 +115,9 @@ impl ChainAnswer {
             return Err(AnswerError::NoRoots);
         }
         let element = |index: usize, pem: &str| {
-            parse_certs_pem(pem).map_err(|source| AnswerError::Element {
+            parse_certs_pem(pem).map_err(|cause| AnswerError::Element {
                 index: index + 1,
-                source,
+                cause,
             })
         };
         let mut leaf = element(0, &rest[0])?;

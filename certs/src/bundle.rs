@@ -23,29 +23,53 @@ pub const PUBLIC_FILE_MODE: u32 = 0o644;
 #[derive(Debug, thiserror::Error)]
 pub enum BundleError {
     /// A file could not be read.
-    #[error("cannot read {path}: {source}")]
+    #[error("cannot read {}: {cause}", path.display())]
     Read {
         /// The file.
         path: PathBuf,
-        /// The OS error.
-        source: io::Error,
+        /// The OS error (in the message, so not a `source()`).
+        cause: io::Error,
     },
     /// A file could not be written.
-    #[error("cannot write {path}: {source}")]
+    #[error("cannot write {}: {cause}", path.display())]
     Write {
         /// The file.
         path: PathBuf,
-        /// The OS error.
-        source: io::Error,
+        /// The OS error (in the message, so not a `source()`).
+        cause: io::Error,
+    },
+    /// The file is binary, not PEM text (usually DER).
+    #[error("{}: binary data, not PEM text (a DER file? convert it with `openssl x509 -inform der -in FILE -out FILE.pem` for a certificate, `openssl pkey -inform der` for a key)", path.display())]
+    NotText {
+        /// The file.
+        path: PathBuf,
+    },
+    /// The path is a symbolic link to nothing.
+    #[error("{} is a dangling symbolic link (to {}, which does not exist)", path.display(), target.display())]
+    DanglingSymlink {
+        /// The link.
+        path: PathBuf,
+        /// Where it points.
+        target: PathBuf,
     },
     /// The text is not valid PEM.
     #[error("not valid PEM: {0}")]
     NotPem(String),
+    /// A BEGIN line has no END line (a truncated file), or an END line
+    /// has no BEGIN line. The `pem` crate skips such a block silently, so
+    /// it is looked for before parsing.
+    #[error("line {line}: {problem}")]
+    BrokenPem {
+        /// 1-based line of the BEGIN (or stray END) line.
+        line: usize,
+        /// What is wrong.
+        problem: String,
+    },
     /// The PEM holds no CERTIFICATE block.
     #[error("no CERTIFICATE block found")]
     NoCertificates,
     /// A CERTIFICATE block does not hold a valid X.509 certificate.
-    #[error("certificate #{index} is not valid X.509: {reason}")]
+    #[error("certificate #{index}: {reason}")]
     BadCertificate {
         /// 1-based position of the block.
         index: usize,
@@ -59,25 +83,41 @@ impl BundleError {
     pub(crate) fn in_file(self, path: &Path) -> FileError {
         FileError {
             path: path.to_path_buf(),
-            source: self,
+            cause: self,
         }
     }
 }
 
 /// A bundle error with the file it was found in.
+///
+/// Like every error of the workspace, its message is complete: it says
+/// the cause, so the cause is not also a `source()` (`{:#}` in the
+/// binaries would print it twice).
 #[derive(Debug, thiserror::Error)]
-#[error("{}: {source}", path.display())]
 pub struct FileError {
     /// The file.
     pub path: PathBuf,
-    /// The problem.
-    #[source]
-    pub source: BundleError,
+    /// The problem (in the message, so not a `source()`).
+    pub cause: BundleError,
+}
+
+impl std::fmt::Display for FileError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.cause {
+            // These name the file already.
+            BundleError::Read { .. }
+            | BundleError::Write { .. }
+            | BundleError::NotText { .. }
+            | BundleError::DanglingSymlink { .. } => self.cause.fmt(f),
+            other => write!(f, "{}: {other}", self.path.display()),
+        }
+    }
 }
 
 /// Parses every `CERTIFICATE` block of a PEM text into DER, checking that
 /// each is a valid X.509 certificate. Other blocks are ignored.
 pub fn parse_certs_pem(text: &str) -> Result<Vec<Vec<u8>>, BundleError> {
+    check_pem_framing(text)?;
     let blocks = pem::parse_many(text).map_err(|e| BundleError::NotPem(e.to_string()))?;
     let mut certs = Vec::new();
     for block in blocks.into_iter().filter(|b| b.tag() == CERTIFICATE_TAG) {
@@ -94,7 +134,7 @@ pub fn parse_certs_pem(text: &str) -> Result<Vec<Vec<u8>>, BundleError> {
             Err(e) => {
                 return Err(BundleError::BadCertificate {
                     index,
-                    reason: e.to_string(),
+                    reason: crate::verify::describe_x509_error(&e),
                 })
             }
         }
@@ -105,6 +145,49 @@ pub fn parse_certs_pem(text: &str) -> Result<Vec<Vec<u8>>, BundleError> {
     Ok(certs)
 }
 
+/// Checks that every `-----BEGIN …-----` line is closed by an
+/// `-----END …-----` line before the next BEGIN or the end of the text,
+/// and that no END line comes without a BEGIN. `pem::parse_many` drops an
+/// unterminated block without a word, so a truncated bundle would lose its
+/// last certificate silently. Text outside the blocks (`openssl x509
+/// -text` output, comments) is still allowed.
+fn check_pem_framing(text: &str) -> Result<(), BundleError> {
+    let mut open: Option<(usize, &str)> = None;
+    for (i, line) in text.lines().enumerate() {
+        let line_no = i + 1;
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix("-----BEGIN ") {
+            let label = rest.trim_end_matches('-');
+            if let Some((begin, open_label)) = open {
+                return Err(BundleError::BrokenPem {
+                    line: begin,
+                    problem: format!(
+                        "BEGIN {open_label} has no END line before the next BEGIN at line {line_no} (truncated or damaged PEM)"
+                    ),
+                });
+            }
+            open = Some((line_no, label));
+        } else if let Some(rest) = line.strip_prefix("-----END ") {
+            if open.take().is_none() {
+                return Err(BundleError::BrokenPem {
+                    line: line_no,
+                    problem: format!(
+                        "END {} without a BEGIN line (damaged PEM)",
+                        rest.trim_end_matches('-')
+                    ),
+                });
+            }
+        }
+    }
+    match open {
+        Some((begin, label)) => Err(BundleError::BrokenPem {
+            line: begin,
+            problem: format!("BEGIN {label} has no END line: the file is truncated or damaged"),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Reads a PEM file of certificates.
 pub fn read_certs_file(path: &Path) -> Result<Vec<Vec<u8>>, FileError> {
     let text = read_text(path).map_err(|e| e.in_file(path))?;
@@ -112,10 +195,25 @@ pub fn read_certs_file(path: &Path) -> Result<Vec<Vec<u8>>, FileError> {
 }
 
 /// Reads a text file; the error names the file.
+/// A file that is not UTF-8 (a DER certificate or key) is
+/// [`BundleError::NotText`], a link to nothing [`BundleError::DanglingSymlink`].
 pub(crate) fn read_text(path: &Path) -> Result<String, BundleError> {
-    fs::read_to_string(path).map_err(|source| BundleError::Read {
+    let bytes = fs::read(path).map_err(|cause| {
+        if cause.kind() == io::ErrorKind::NotFound {
+            if let Ok(target) = fs::read_link(path) {
+                return BundleError::DanglingSymlink {
+                    path: path.to_path_buf(),
+                    target,
+                };
+            }
+        }
+        BundleError::Read {
+            path: path.to_path_buf(),
+            cause,
+        }
+    })?;
+    String::from_utf8(bytes).map_err(|_| BundleError::NotText {
         path: path.to_path_buf(),
-        source,
     })
 }
 
@@ -180,9 +278,9 @@ pub struct StagedFile {
 impl StagedFile {
     /// Renames the staged file over its destination and syncs the directory.
     pub(crate) fn commit(mut self) -> Result<(), BundleError> {
-        fs::rename(&self.tmp, &self.path).map_err(|source| BundleError::Write {
+        fs::rename(&self.tmp, &self.path).map_err(|cause| BundleError::Write {
             path: self.path.clone(),
-            source,
+            cause,
         })?;
         self.committed = true;
         if let Ok(d) = fs::File::open(&self.dir) {
@@ -206,9 +304,9 @@ impl Drop for StagedFile {
 pub fn commit_all(files: Vec<StagedFile>) -> Result<(), BundleError> {
     let mut dirs = Vec::new();
     for mut file in files {
-        fs::rename(&file.tmp, &file.path).map_err(|source| BundleError::Write {
+        fs::rename(&file.tmp, &file.path).map_err(|cause| BundleError::Write {
             path: file.path.clone(),
-            source,
+            cause,
         })?;
         file.committed = true;
         if !dirs.contains(&file.dir) {
@@ -226,9 +324,9 @@ pub fn commit_all(files: Vec<StagedFile>) -> Result<(), BundleError> {
 /// Writes and syncs `contents` to a temporary file next to `path` (with
 /// `mode` from creation on) without touching `path` yet.
 pub fn stage_file(path: &Path, contents: &[u8], mode: u32) -> Result<StagedFile, BundleError> {
-    let err = |source| BundleError::Write {
+    let err = |cause| BundleError::Write {
         path: path.to_path_buf(),
-        source,
+        cause,
     };
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -318,6 +416,45 @@ mod tests {
             parse_certs_pem(&bad),
             Err(BundleError::BadCertificate { index: 1, .. })
         ));
+        // A truncated last block is an error, not a shorter bundle.
+        let one = encode_cert_pem(&[0x30, 0x01, 0x00]);
+        let two = format!("{one}{}", &one[..40]);
+        let err = parse_certs_pem(&two).unwrap_err();
+        assert!(
+            matches!(err, BundleError::BrokenPem { line, .. } if line == one.lines().count() + 1),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("no END line"), "{err}");
+        let cut = one.find("-----END").unwrap();
+        let no_end_then_begin = format!("{}{one}", &one[..cut]);
+        assert!(matches!(
+            parse_certs_pem(&no_end_then_begin),
+            Err(BundleError::BrokenPem { line: 1, .. })
+        ));
+        let stray_end = format!("{one}-----END CERTIFICATE-----\n");
+        assert!(matches!(
+            parse_certs_pem(&stray_end),
+            Err(BundleError::BrokenPem { .. })
+        ));
+        // DER and dangling links say what they are.
+        let dir = tempfile::tempdir().unwrap();
+        let der = dir.path().join("ca.der");
+        fs::write(&der, [0x30, 0x82, 0x01, 0xff, 0xa0, 0x03]).unwrap();
+        let err = read_certs_file(&der).unwrap_err().to_string();
+        assert!(
+            err.contains("ca.der") && err.contains("not PEM") && err.contains("DER"),
+            "{err}"
+        );
+        #[cfg(unix)]
+        {
+            let link = dir.path().join("ca-key.pem");
+            std::os::unix::fs::symlink(dir.path().join("gone.pem"), &link).unwrap();
+            let err = read_certs_file(&link).unwrap_err().to_string();
+            assert!(
+                err.contains("dangling symbolic link") && err.contains("gone.pem"),
+                "{err}"
+            );
+        }
         let missing = Path::new("/nonexistent/meshca/root.pem");
         let err = read_certs_file(missing).unwrap_err();
         assert!(err.to_string().contains("/nonexistent/meshca/root.pem"));

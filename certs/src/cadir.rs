@@ -33,7 +33,8 @@ pub const TLS_KEY_FILE: &str = "tls.key";
 /// TLS-secret file: roots.
 pub const TLS_CA_FILE: &str = "ca.crt";
 
-/// Why a CA directory could not be used. Each message names the file.
+/// Why a CA directory could not be used. Each message names the file and
+/// says the cause, which is therefore not also a `source()`.
 #[derive(Debug, thiserror::Error)]
 pub enum CaDirError {
     /// A required file is missing.
@@ -46,47 +47,63 @@ pub enum CaDirError {
         /// The whole set that is needed.
         needed: &'static str,
     },
+    /// The directory does not exist, or is not a directory.
+    #[error("{}: {problem}", dir.display())]
+    NotADirectory {
+        /// The path given.
+        dir: PathBuf,
+        /// "does not exist" or "is a file, not a directory".
+        problem: &'static str,
+    },
+    /// A CA file is a symbolic link to nothing (a broken Secret mount).
+    #[error("{} is a dangling symbolic link (to {}, which does not exist)", path.display(), target.display())]
+    DanglingSymlink {
+        /// The link.
+        path: PathBuf,
+        /// Where it points.
+        target: PathBuf,
+    },
     /// The directory holds none of the CA files.
     #[error("{0}: no CA files found: expected ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem (or tls.crt, tls.key, ca.crt; or root-cert.pem, root-key.pem)")]
     NoCaFiles(PathBuf),
     /// A certificate file is unreadable or malformed.
     #[error(transparent)]
     CertFile(#[from] FileError),
-    /// The key file is unreadable.
-    #[error("{path}: {source}")]
+    /// The key file is unreadable (the read error names the file).
+    #[error("{cause}")]
     ReadKey {
         /// The key file.
         path: PathBuf,
         /// The read error.
-        source: BundleError,
+        cause: BundleError,
     },
     /// The key file holds no usable key.
-    #[error("{path}: {source}")]
+    #[error("{}: {cause}", path.display())]
     Key {
         /// The key file.
         path: PathBuf,
         /// What is wrong.
-        source: KeyError,
+        cause: KeyError,
     },
     /// The certificate and key do not form a signing CA.
-    #[error("{cert} with {key}: {source}")]
+    #[error("{} with {}: {cause}", cert.display(), key.display())]
     NotSigningCa {
         /// The certificate file.
         cert: PathBuf,
         /// The key file.
         key: PathBuf,
         /// What is wrong.
-        source: ProfileError,
+        cause: ProfileError,
     },
     /// The chain check failed.
-    #[error("{dir}: CA chain check failed ({files}): {source}")]
+    #[error("{}: CA chain check failed ({files}): {cause}", dir.display())]
     Chain {
         /// The directory.
         dir: PathBuf,
         /// The files the chain came from.
         files: String,
         /// What is wrong.
-        source: VerifyError,
+        cause: VerifyError,
     },
 }
 
@@ -101,6 +118,8 @@ pub struct LoadedCa {
     pub anchor_root: Vec<u8>,
     /// Every trusted root.
     pub bundle: TrustBundle,
+    /// The file the signing certificate was read from.
+    pub cert_file: PathBuf,
 }
 
 /// Loads and checks a CA directory in any of the three layouts.
@@ -108,8 +127,32 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
     const ISTIO_SET: &str = "ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem";
     const TLS_SET: &str = "tls.crt, tls.key, ca.crt";
     const ROOT_SET: &str = "root-cert.pem, root-key.pem";
-    let exists = |f: &str| dir.join(f).exists();
+    match std::fs::metadata(dir) {
+        Ok(m) if m.is_dir() => {}
+        Ok(_) => {
+            return Err(CaDirError::NotADirectory {
+                dir: dir.to_path_buf(),
+                problem: "is a file, not a directory",
+            })
+        }
+        Err(_) => {
+            return Err(CaDirError::NotADirectory {
+                dir: dir.to_path_buf(),
+                problem: "no such directory",
+            })
+        }
+    }
+    // A link to nothing counts as present, so that reading it says what it is.
+    let exists = |f: &str| dir.join(f).symlink_metadata().is_ok();
     let require = |files: &[&'static str], needed: &'static str| -> Result<(), CaDirError> {
+        for f in files {
+            let path = dir.join(f);
+            if path.symlink_metadata().is_ok() && !path.exists() {
+                if let Ok(target) = std::fs::read_link(&path) {
+                    return Err(CaDirError::DanglingSymlink { path, target });
+                }
+            }
+        }
         match files.iter().find(|f| !exists(f)) {
             Some(missing) => Err(CaDirError::MissingFile {
                 dir: dir.to_path_buf(),
@@ -168,30 +211,46 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
 
     // The full chain: signing cert first, then whatever the chain file says
     // (which usually repeats the signing cert and ends with the root).
+    // Which file each certificate of `full` came from, for messages.
     let mut full = vec![certs[0].clone()];
-    let mut rest: Vec<Vec<u8>> = certs[1..].to_vec();
+    let mut origin = vec![cert_file];
+    let mut rest: Vec<(Vec<u8>, &str)> =
+        certs[1..].iter().map(|c| (c.clone(), cert_file)).collect();
     if let Some(chain_file) = chain_file {
-        rest.extend(bundle::read_certs_file(&dir.join(chain_file))?);
+        rest.extend(
+            bundle::read_certs_file(&dir.join(chain_file))?
+                .into_iter()
+                .map(|c| (c, chain_file)),
+        );
     }
-    for der in rest {
+    for (der, file) in rest {
         if !full.contains(&der) {
             full.push(der);
+            origin.push(file);
         }
     }
-    let files = match chain_file {
+    let all_files = match chain_file {
         Some(chain_file) => format!("{cert_file}, {chain_file}, {root_file}"),
         None => format!("{cert_file}, {root_file}"),
     };
+    // A rule broken by one certificate names the file it is in (a root
+    // found only in the bundle is in the roots file).
+    let files_for = |e: &VerifyError| match e {
+        VerifyError::BadCa { index, .. } => origin
+            .get(index.saturating_sub(1))
+            .map_or(root_file.to_string(), |f| f.to_string()),
+        _ => all_files.clone(),
+    };
     let signing =
-        SigningCa::new(full[0].clone(), key).map_err(|source| CaDirError::NotSigningCa {
+        SigningCa::new(full[0].clone(), key).map_err(|cause| CaDirError::NotSigningCa {
             cert: cert_path.clone(),
             key: key_path.clone(),
-            source,
+            cause,
         })?;
-    let anchor_root = verify_ca_chain(&full, &bundle, now).map_err(|source| CaDirError::Chain {
+    let anchor_root = verify_ca_chain(&full, &bundle, now).map_err(|cause| CaDirError::Chain {
         dir: dir.to_path_buf(),
-        files,
-        source,
+        files: files_for(&cause),
+        cause,
     })?;
     let chain: Vec<Vec<u8>> = full.into_iter().filter(|c| !bundle.contains(c)).collect();
     Ok(LoadedCa {
@@ -199,17 +258,120 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
         chain,
         anchor_root,
         bundle,
+        cert_file: cert_path,
     })
 }
 
 /// Reads a private key file; errors name the file.
 pub fn read_key(path: &Path) -> Result<PrivateKey, CaDirError> {
-    let text = bundle::read_text(path).map_err(|source| CaDirError::ReadKey {
+    let text = bundle::read_text(path).map_err(|cause| CaDirError::ReadKey {
         path: path.to_path_buf(),
-        source,
+        cause,
     })?;
-    PrivateKey::from_pem(&text).map_err(|source| CaDirError::Key {
+    PrivateKey::from_pem(&text).map_err(|cause| CaDirError::Key {
         path: path.to_path_buf(),
-        source,
+        cause,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::KeyAlgorithm;
+    use crate::profile::{self_signed_root, SubjectKey, SubjectName, Validity};
+
+    fn name(cn: &str) -> SubjectName {
+        SubjectName {
+            common_name: Some(cn.into()),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_missing_directory_or_a_file_is_named_as_such() {
+        let now = OffsetDateTime::now_utc();
+        let err = load_ca_dir(Path::new("/nonexistent-dir"), now)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(err, "/nonexistent-dir: no such directory");
+        let file = tempfile::NamedTempFile::new().unwrap();
+        let err = load_ca_dir(file.path(), now).unwrap_err().to_string();
+        assert!(err.ends_with("is a file, not a directory"), "{err}");
+        #[cfg(unix)]
+        {
+            let dir = tempfile::tempdir().unwrap();
+            for f in [CA_CERT_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE] {
+                std::fs::write(dir.path().join(f), "").unwrap();
+            }
+            std::os::unix::fs::symlink(
+                dir.path().join("..data/ca-key.pem"),
+                dir.path().join(CA_KEY_FILE),
+            )
+            .unwrap();
+            let err = load_ca_dir(dir.path(), now).unwrap_err().to_string();
+            assert!(
+                err.contains("ca-key.pem is a dangling symbolic link"),
+                "{err}"
+            );
+        }
+    }
+
+    /// A CA under a pathLen:0 intermediate, in the cacerts layout.
+    #[test]
+    fn a_ca_its_chain_forbids_is_refused_naming_the_file_and_the_constraint() {
+        let now = OffsetDateTime::now_utc();
+        let validity = Validity::backdated(now, time::Duration::days(30));
+        let root_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let root_cert = self_signed_root(&root_key, &name("Root"), validity).unwrap();
+        let root = SigningCa::new(root_cert.der.clone(), root_key).unwrap();
+        let int_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let int_cert = root
+            .issue_ca(
+                &SubjectKey::of(&int_key).unwrap(),
+                &name("Int"),
+                Some(0),
+                validity,
+            )
+            .unwrap();
+        let int = SigningCa::new(int_cert.der.clone(), int_key).unwrap();
+        let sub_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let sub_cert = int
+            .issue_ca(
+                &SubjectKey::of(&sub_key).unwrap(),
+                &name("Sub"),
+                Some(0),
+                validity,
+            )
+            .unwrap();
+
+        let dir = tempfile::tempdir().unwrap();
+        let write = |file: &str, text: String| std::fs::write(dir.path().join(file), text).unwrap();
+        write(CA_CERT_FILE, sub_cert.to_pem());
+        write(CA_KEY_FILE, sub_key.to_pkcs8_pem().to_string());
+        write(
+            CERT_CHAIN_FILE,
+            bundle::encode_certs_pem(&[&sub_cert.der, &int_cert.der, &root_cert.der]),
+        );
+        write(ROOT_CERT_FILE, root_cert.to_pem());
+        let err = load_ca_dir(dir.path(), now).unwrap_err();
+        assert!(matches!(err, CaDirError::Chain { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(
+            text.contains("(cert-chain.pem)")
+                && text.contains("CN=Int")
+                && text.contains("pathLenConstraint is 0"),
+            "{text}"
+        );
+
+        // The intermediate itself loads, and has no room for a sub-CA.
+        write(CA_CERT_FILE, int_cert.to_pem());
+        write(CA_KEY_FILE, int.key().to_pkcs8_pem().to_string());
+        write(
+            CERT_CHAIN_FILE,
+            bundle::encode_certs_pem(&[&int_cert.der, &root_cert.der]),
+        );
+        let loaded = load_ca_dir(dir.path(), now).unwrap();
+        assert_eq!(loaded.cert_file, dir.path().join(CA_CERT_FILE));
+        assert!(crate::verify::check_room_for_sub_ca(&loaded.chain).is_err());
+    }
 }

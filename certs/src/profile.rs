@@ -57,7 +57,7 @@ pub enum ProfileError {
     #[error("the subject public key is not a valid SubjectPublicKeyInfo: {0}")]
     BadSubjectKey(String),
     /// The requested validity is empty or inverted.
-    #[error("notAfter ({not_after}) is not after notBefore ({not_before})")]
+    #[error("notAfter ({}) is not after notBefore ({})", crate::Rfc3339(*not_after), crate::Rfc3339(*not_before))]
     EmptyValidity {
         /// Requested notBefore.
         not_before: OffsetDateTime,
@@ -82,13 +82,21 @@ pub struct Validity {
 }
 
 impl Validity {
+    /// The latest time a certificate can carry: GeneralizedTime
+    /// 99991231235959Z (RFC 5280 §4.1.2.5, "no well-defined expiration
+    /// date"). Lifetimes that would end later end here instead.
+    pub const LATEST: OffsetDateTime = time::macros::datetime!(9999-12-31 23:59:59 UTC);
+
     /// A window from `now - backdate(ttl)` to `now + ttl`, truncated to
-    /// whole seconds (X.509 times have no fractions).
+    /// whole seconds (X.509 times have no fractions). The arithmetic
+    /// saturates: a `ttl` that would end after [`Validity::LATEST`] ends
+    /// there (callers then cap it at the issuer's notAfter with
+    /// [`Validity::capped_at`]), so no input makes this panic.
     pub fn backdated(now: OffsetDateTime, ttl: Duration) -> Self {
         let now = truncate_to_seconds(now);
         Self {
-            not_before: now - Self::backdate(ttl),
-            not_after: now + ttl,
+            not_before: now.checked_sub(Self::backdate(ttl)).unwrap_or(now),
+            not_after: saturating_add(now, ttl),
         }
     }
 
@@ -110,7 +118,7 @@ impl Validity {
     pub fn with_lifetime_at_most(self, max: Duration) -> Self {
         Self {
             not_before: self.not_before,
-            not_after: self.not_after.min(self.not_before + max),
+            not_after: self.not_after.min(saturating_add(self.not_before, max)),
         }
     }
 
@@ -120,6 +128,16 @@ impl Validity {
             not_before: self.not_before,
             not_after: self.not_after.min(truncate_to_seconds(limit)),
         }
+    }
+}
+
+/// `t + d`, but never past [`Validity::LATEST`] (nor before the earliest
+/// time `time` represents, for a negative `d`).
+fn saturating_add(t: OffsetDateTime, d: Duration) -> OffsetDateTime {
+    match t.checked_add(d) {
+        Some(sum) => sum.min(Validity::LATEST),
+        None if d.is_negative() => OffsetDateTime::UNIX_EPOCH.min(t),
+        None => Validity::LATEST,
     }
 }
 
@@ -699,6 +717,31 @@ mod tests {
         let capped =
             Validity::backdated(t, Duration::hours(1)).with_lifetime_at_most(Duration::minutes(30));
         assert_eq!(capped.lifetime(), Duration::minutes(30));
+    }
+
+    #[test]
+    fn huge_lifetimes_saturate_instead_of_panicking() {
+        let t = now();
+        // 10000 years, and the largest Duration: both used to panic with
+        // "resulting value is out of range" in `now + ttl`.
+        for ttl in [Duration::days(10_000 * 366), Duration::MAX] {
+            let v = Validity::backdated(t, ttl);
+            assert_eq!(v.not_after, Validity::LATEST);
+            assert!(v.not_before < t);
+            let ca = root(KeyAlgorithm::EcdsaP256);
+            let capped = v.capped_at(ca.validity().not_after);
+            assert_eq!(capped.not_after, ca.validity().not_after);
+            let bounded =
+                Validity::backdated(t, Duration::hours(1)).with_lifetime_at_most(Duration::MAX);
+            assert_eq!(
+                bounded.lifetime(),
+                Duration::hours(1) + Duration::minutes(2)
+            );
+            // The window is signable once capped.
+            let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+            ca.issue_workload(&SubjectKey::of(&key).unwrap(), &id(), capped)
+                .unwrap();
+        }
     }
 
     #[test]

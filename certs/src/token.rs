@@ -32,12 +32,12 @@ pub enum TokenError {
     #[error(transparent)]
     File(#[from] BundleError),
     /// The issuer key is not a usable ES256 key.
-    #[error("token issuer key {path}: {source}")]
+    #[error("token issuer key {path}: {cause}")]
     Key {
         /// The key file.
         path: String,
         /// What is wrong.
-        source: KeyError,
+        cause: KeyError,
     },
     /// The issuer key is not P-256.
     #[error("token issuer key {path} is {kind}; the local issuer needs ECDSA P-256 (ES256)")]
@@ -245,9 +245,9 @@ impl TokenIssuer {
     pub fn load(data_dir: &Path) -> Result<Self, TokenError> {
         let path = data_dir.join(ISSUER_KEY_FILE);
         let text = bundle::read_text(&path)?;
-        let key = PrivateKey::from_pem(&text).map_err(|source| TokenError::Key {
+        let key = PrivateKey::from_pem(&text).map_err(|cause| TokenError::Key {
             path: path.display().to_string(),
-            source,
+            cause,
         })?;
         if key.kind() != KeyKind::EcdsaP256 {
             return Err(TokenError::WrongKeyType {
@@ -255,9 +255,9 @@ impl TokenIssuer {
                 kind: key.kind(),
             });
         }
-        Self::from_key(key).map_err(|source| TokenError::Key {
+        Self::from_key(key).map_err(|cause| TokenError::Key {
             path: path.display().to_string(),
-            source,
+            cause,
         })
     }
 

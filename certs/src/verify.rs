@@ -23,7 +23,7 @@ pub enum VerifyError {
     #[error("the trust bundle holds no certificates")]
     EmptyBundle,
     /// A certificate could not be parsed.
-    #[error("certificate #{index} is not valid X.509: {reason}")]
+    #[error("certificate #{index}: {reason}")]
     Malformed {
         /// 1-based position in the chain.
         index: usize,
@@ -195,7 +195,7 @@ fn verify_path(
     let leaf = CertificateDer::from(leaf_der.as_slice());
     let ee = webpki::EndEntityCert::try_from(&leaf).map_err(|e| VerifyError::Malformed {
         index: 1,
-        reason: format!("{e:?}"),
+        reason: describe_webpki_error(&e),
     })?;
     let since_epoch = now
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -213,21 +213,98 @@ fn verify_path(
     Ok(())
 }
 
-fn describe_webpki_error(e: &webpki::Error) -> String {
+/// A webpki path-validation error in plain words, with webpki's name of it
+/// in parentheses (never the raw Debug of its context, which is bytes).
+/// For messages to people: `meshca-certs verify`, the CA's refusals of a
+/// client certificate, the agent's report of a CA it cannot trust.
+pub fn describe_webpki_error(e: &webpki::Error) -> String {
+    use webpki::Error as E;
+    let (plain, name) = match e {
+        E::CertExpired { .. } => return "a certificate in the chain has expired".into(),
+        E::CertNotValidYet { .. } => return "a certificate in the chain is not valid yet".into(),
+        E::UnknownIssuer => return "no path to a root in the bundle (unknown issuer)".into(),
+        E::InvalidSignatureForPublicKey => {
+            return "a signature in the chain does not verify (is a root of the same name but another key in the bundle?)".into()
+        }
+        E::CaUsedAsEndEntity => return "the leaf is a CA certificate".into(),
+        E::RequiredEkuNotFoundContext(_) => {
+            return "the leaf lacks extKeyUsage clientAuth".into()
+        }
+        E::PathLenConstraintViolated => (
+            "a CA in the chain has a basicConstraints pathLenConstraint that forbids a chain this long",
+            "PathLenConstraintViolated",
+        ),
+        E::UnsupportedSignatureAlgorithmForPublicKeyContext(_) => (
+            "a signature in the chain was not made with its issuer's key type (is a root of another key type, e.g. RSA for an ECDSA chain, in the bundle?)",
+            "UnsupportedSignatureAlgorithmForPublicKey",
+        ),
+        E::UnsupportedSignatureAlgorithmContext(_) => (
+            "a certificate in the chain is signed with an algorithm that is not supported",
+            "UnsupportedSignatureAlgorithm",
+        ),
+        E::SignatureAlgorithmMismatch => (
+            "a certificate's two signature algorithm fields disagree",
+            "SignatureAlgorithmMismatch",
+        ),
+        E::BadDer | E::BadDerTime | E::TrailingData(_) => (
+            "a certificate in the chain is not valid DER",
+            "BadDer",
+        ),
+        E::NameConstraintViolation => (
+            "a CA's name constraints forbid the leaf's names",
+            "NameConstraintViolation",
+        ),
+        E::EndEntityUsedAsCa => (
+            "an end-entity certificate is used as a CA in the chain",
+            "EndEntityUsedAsCa",
+        ),
+        E::UnsupportedCriticalExtension => (
+            "a certificate in the chain has a critical extension that is not understood",
+            "UnsupportedCriticalExtension",
+        ),
+        E::UnsupportedCertVersion => (
+            "a certificate in the chain is not X.509 version 3",
+            "UnsupportedCertVersion",
+        ),
+        E::MaximumPathDepthExceeded
+        | E::MaximumPathBuildCallsExceeded
+        | E::MaximumSignatureChecksExceeded => (
+            "the chain is too long or too tangled to build a path through",
+            "MaximumPathDepthExceeded",
+        ),
+        E::CertRevoked => ("a certificate in the chain is revoked", "CertRevoked"),
+        E::InvalidCertValidity => (
+            "a certificate in the chain has notAfter before notBefore",
+            "InvalidCertValidity",
+        ),
+        other => {
+            // The variant's name only, never its fields.
+            let debug = format!("{other:?}");
+            let name: String = debug
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric())
+                .collect();
+            return format!("path validation failed ({name})");
+        }
+    };
+    format!("{plain} ({name})")
+}
+
+/// An x509-parser error in plain words: what the parser said is a nom
+/// error with DER tags in Debug form, which tells a person nothing.
+pub(crate) fn describe_x509_error(
+    e: &x509_parser::nom::Err<x509_parser::error::X509Error>,
+) -> String {
     match e {
-        webpki::Error::CertExpired { .. } => "a certificate in the chain has expired".into(),
-        webpki::Error::CertNotValidYet { .. } => {
-            "a certificate in the chain is not valid yet".into()
+        x509_parser::nom::Err::Incomplete(_) => {
+            "the DER is cut short (a truncated or damaged certificate)".into()
         }
-        webpki::Error::UnknownIssuer => "no path to a root in the bundle (unknown issuer)".into(),
-        webpki::Error::InvalidSignatureForPublicKey => {
-            "a signature in the chain does not verify (is a root of the same name but another key in the bundle?)".into()
-        }
-        webpki::Error::CaUsedAsEndEntity => "the leaf is a CA certificate".into(),
-        webpki::Error::RequiredEkuNotFoundContext(_) => {
-            "the leaf lacks extKeyUsage clientAuth".into()
-        }
-        other => format!("{other:?}"),
+        x509_parser::nom::Err::Error(x) | x509_parser::nom::Err::Failure(x) => match x {
+            x509_parser::error::X509Error::Der(_) => {
+                "not a DER-encoded X.509 certificate (damaged, or another kind of object in a CERTIFICATE block)".into()
+            }
+            other => format!("not a valid X.509 certificate ({other})"),
+        },
     }
 }
 
@@ -235,7 +312,7 @@ fn describe_webpki_error(e: &webpki::Error) -> String {
 pub fn check_svid_leaf(der: &[u8]) -> Result<VerifiedSvid, VerifyError> {
     let (_, cert) = X509Certificate::from_der(der).map_err(|e| VerifyError::Malformed {
         index: 1,
-        reason: e.to_string(),
+        reason: describe_x509_error(&e),
     })?;
     if let Some(first) = svid_leaf_violations(der).into_iter().next() {
         return Err(VerifyError::NotSvid(first));
@@ -288,7 +365,7 @@ pub fn verify_ca_chain(
                 .map(|(_, c)| c)
                 .map_err(|e| VerifyError::Malformed {
                     index: i + 1,
-                    reason: e.to_string(),
+                    reason: describe_x509_error(&e),
                 })
         })
         .collect::<Result<_, _>>()?;
@@ -325,6 +402,7 @@ pub fn verify_ca_chain(
                 })?;
         }
     }
+    check_path_len(&parsed, 0)?;
     let last_index = parsed.len() - 1;
     let last = &parsed[last_index];
     if bundle.contains(&chain[last_index]) {
@@ -347,6 +425,7 @@ pub fn verify_ca_chain(
                 subject: root.subject().to_string(),
                 reason: r,
             })?;
+            check_path_len_of(&root, parsed.len() + 1, parsed.len())?;
             return Ok(root_der.clone());
         }
     }
@@ -355,6 +434,73 @@ pub fn verify_ca_chain(
         last,
         "does not chain to any root in the trust bundle".to_string(),
     ))
+}
+
+/// Checks that a CA chain (`chain[0]` the signing certificate, then up
+/// towards the root) leaves room, under every basicConstraints
+/// pathLenConstraint in it, for the signing certificate to issue a CA
+/// certificate of its own: what `meshca-certs intermediate-ca` is about to
+/// do with it. [`verify_ca_chain`] makes the same check for issuing end
+/// entities only.
+pub fn check_room_for_sub_ca(chain: &[Vec<u8>]) -> Result<(), VerifyError> {
+    let parsed: Vec<X509Certificate<'_>> = chain
+        .iter()
+        .enumerate()
+        .map(|(i, der)| {
+            X509Certificate::from_der(der)
+                .map(|(_, c)| c)
+                .map_err(|e| VerifyError::Malformed {
+                    index: i + 1,
+                    reason: describe_x509_error(&e),
+                })
+        })
+        .collect::<Result<_, _>>()?;
+    check_path_len(&parsed, 1)
+}
+
+/// Checks basicConstraints pathLenConstraint along `chain` (signing
+/// certificate first), with `below` more CA certificates to come under
+/// `chain[0]`. Certificate #i (1-based) has `i - 1 + below` CA
+/// certificates under it before the end entity, and its pathLen must allow
+/// that many. Self-issued certificates are counted like the others, as
+/// webpki (rustls) counts them, so what passes here verifies in every
+/// client.
+fn check_path_len(chain: &[X509Certificate<'_>], below: usize) -> Result<(), VerifyError> {
+    for (i, cert) in chain.iter().enumerate() {
+        check_path_len_of(cert, i + 1, i + below)?;
+    }
+    Ok(())
+}
+
+/// [`check_path_len`] for one certificate at 1-based position `index`
+/// with `cas_below` CA certificates under it.
+fn check_path_len_of(
+    cert: &X509Certificate<'_>,
+    index: usize,
+    cas_below: usize,
+) -> Result<(), VerifyError> {
+    let Ok(Some(bc)) = cert.basic_constraints() else {
+        return Ok(());
+    };
+    let Some(max) = bc.value.path_len_constraint else {
+        return Ok(());
+    };
+    let max = usize::try_from(max).unwrap_or(usize::MAX);
+    if cas_below <= max {
+        return Ok(());
+    }
+    let allowed = match max {
+        0 => "no CA certificate under it (it may sign only end-entity certificates)".to_string(),
+        1 => "1 CA certificate under it".to_string(),
+        n => format!("{n} CA certificates under it"),
+    };
+    Err(VerifyError::BadCa {
+        index,
+        subject: cert.subject().to_string(),
+        reason: format!(
+            "its basicConstraints pathLenConstraint is {max}, which allows {allowed}, but this chain puts {cas_below} under it; every certificate issued below it would fail path validation"
+        ),
+    })
 }
 
 /// One problem found by [`audit_svid_chain`].
@@ -420,7 +566,7 @@ pub fn audit_svid_chain(
                 problems.push(Problem {
                     index: i + 1,
                     name: "unparsable".into(),
-                    rule: format!("not valid X.509: {e}"),
+                    rule: describe_x509_error(&e),
                 });
                 return problems;
             }
@@ -529,10 +675,16 @@ fn check_ca_bits(cert: &X509Certificate<'_>) -> Result<(), String> {
 fn check_time(cert: &X509Certificate<'_>, now: OffsetDateTime) -> Result<(), String> {
     let v = cert.validity();
     if now < v.not_before.to_datetime() {
-        return Err(format!("not valid before {}", v.not_before));
+        return Err(format!(
+            "not valid before {}",
+            crate::Rfc3339(v.not_before.to_datetime())
+        ));
     }
     if now > v.not_after.to_datetime() {
-        return Err(format!("expired at {}", v.not_after));
+        return Err(format!(
+            "expired at {}",
+            crate::Rfc3339(v.not_after.to_datetime())
+        ));
     }
     Ok(())
 }
@@ -747,5 +899,82 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("not a CA"));
+    }
+
+    #[test]
+    fn webpki_and_parser_errors_are_plain_words_not_debug() {
+        let pathlen = describe_webpki_error(&webpki::Error::PathLenConstraintViolated);
+        assert!(pathlen.starts_with("a CA in the chain has a basicConstraints pathLenConstraint"));
+        assert!(
+            pathlen.ends_with("(PathLenConstraintViolated)"),
+            "{pathlen}"
+        );
+        // A chain under an ECDSA root checked against an RSA root of the
+        // same name used to print the error's Debug, OID bytes and all.
+        let other = describe_webpki_error(&webpki::Error::UnsupportedCrlVersion);
+        assert_eq!(other, "path validation failed (UnsupportedCrlVersion)");
+        let not_cert = crate::bundle::parse_certs_pem(&crate::bundle::encode_cert_pem(&[
+            0xa0, 0x03, 0x02, 0x01, 0x02,
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            not_cert.contains("not a DER-encoded X.509 certificate") && !not_cert.contains("Tag("),
+            "{not_cert}"
+        );
+    }
+
+    #[test]
+    fn a_ca_below_a_path_len_zero_ca_is_refused() {
+        let ca = root();
+        let now = OffsetDateTime::now_utc();
+        let name = |cn: &str| SubjectName {
+            common_name: Some(cn.into()),
+            ..Default::default()
+        };
+        let int_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let int = ca
+            .issue_ca(
+                &SubjectKey::of(&int_key).unwrap(),
+                &name("Int"),
+                Some(0),
+                Validity::backdated(now, Duration::days(1)),
+            )
+            .unwrap();
+        let int_ca = SigningCa::new(int.der.clone(), int_key).unwrap();
+        let sub_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let sub = int_ca
+            .issue_ca(
+                &SubjectKey::of(&sub_key).unwrap(),
+                &name("Sub"),
+                Some(0),
+                Validity::backdated(now, Duration::days(1)),
+            )
+            .unwrap();
+        let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
+        // The chain used to pass; every leaf of Sub then failed path
+        // validation (PathLenConstraintViolated).
+        let err = verify_ca_chain(&[sub.der.clone(), int.der.clone()], &bundle, now).unwrap_err();
+        assert!(
+            matches!(err, VerifyError::BadCa { index: 2, .. }),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(
+            text.contains("CN=Int") && text.contains("pathLenConstraint is 0"),
+            "{text}"
+        );
+        // With the root in the chain, too.
+        assert!(verify_ca_chain(
+            &[sub.der.clone(), int.der.clone(), ca.cert_der().to_vec()],
+            &bundle,
+            now
+        )
+        .is_err());
+        // Room for a sub-CA: none under Int, some under the root.
+        assert!(check_room_for_sub_ca(&[int.der.clone(), ca.cert_der().to_vec()]).is_err());
+        assert!(check_room_for_sub_ca(&[ca.cert_der().to_vec()]).is_ok());
+        // Int itself still signs leaves.
+        assert!(verify_ca_chain(&[int.der], &bundle, now).is_ok());
     }
 }

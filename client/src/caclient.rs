@@ -186,9 +186,9 @@ impl CaClient {
             metadata,
         });
         if let Some(path) = &self.config.token_file {
-            let token = std::fs::read_to_string(path).map_err(|source| ClientError::Token {
+            let token = std::fs::read_to_string(path).map_err(|cause| ClientError::Token {
                 path: path.clone(),
-                source,
+                cause,
             })?;
             let value = format!("Bearer {}", token.trim()).parse().map_err(|_| {
                 ClientError::Config(format!(

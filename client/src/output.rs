@@ -21,9 +21,9 @@ pub const ROOT_CERT_FILE: &str = "root-cert.pem";
 /// (root, key, chain), so no reader sees half a file and the window in
 /// which key and chain differ is two renames.
 pub fn write_credentials(dir: &Path, svid: &Svid) -> Result<(), BundleError> {
-    std::fs::create_dir_all(dir).map_err(|source| BundleError::Write {
+    std::fs::create_dir_all(dir).map_err(|cause| BundleError::Write {
         path: dir.to_path_buf(),
-        source,
+        cause,
     })?;
     let root = bundle::stage_file(
         &dir.join(ROOT_CERT_FILE),

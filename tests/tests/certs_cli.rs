@@ -420,3 +420,145 @@ async fn meshca_serves_from_intermediate_ca_output() {
     ]);
     assert!(good.starts_with("OK"), "{good}");
 }
+
+/// Runs `meshca-certs` expecting a clean failure (exit 1, not a panic's
+/// 101) and returns its stderr.
+fn fails(args: &[&str]) -> String {
+    let out = certs(args);
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        matches!(out.status.code(), Some(1 | 2)),
+        "{args:?}: {:?} {stderr}",
+        out.status
+    );
+    assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    stderr
+}
+
+#[test]
+fn absurd_lifetimes_are_refused_or_capped_without_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    make_pki(dir.path());
+    let ca = p(&dir.path().join("cluster1"));
+    let out = p(&dir.path().join("long"));
+    // Used to panic at profile.rs ("resulting value is out of range").
+    let stderr = fails(&[
+        "workload",
+        "--ca",
+        &ca,
+        "--spiffe-id",
+        WEB,
+        "--out",
+        &out,
+        "--ttl",
+        "10000y",
+    ]);
+    assert!(
+        stderr.contains("--ttl") && stderr.contains("too long"),
+        "{stderr}"
+    );
+    // Up to 100 years is accepted and capped at the CA's notAfter.
+    ok(&[
+        "workload",
+        "--ca",
+        &ca,
+        "--spiffe-id",
+        WEB,
+        "--out",
+        &out,
+        "--ttl",
+        "100y",
+    ]);
+    let json: serde_json::Value = serde_json::from_str(&ok(&[
+        "inspect",
+        "--json",
+        &p(&dir.path().join("long").join("cert-chain.pem")),
+    ]))
+    .unwrap();
+    let certs = json["certificates"].as_array().unwrap();
+    assert_eq!(certs[0]["not_after"], certs[1]["not_after"]);
+}
+
+#[test]
+fn intermediate_ca_refuses_a_root_whose_path_length_is_used_up() {
+    let dir = tempfile::tempdir().unwrap();
+    make_pki(dir.path());
+    // cluster1 is an intermediate with pathlen:0: a CA under it would make
+    // certificates nobody can verify.
+    let stderr = fails(&[
+        "intermediate-ca",
+        "--root",
+        &p(&dir.path().join("cluster1")),
+        "--cluster",
+        "sub",
+        "--out",
+        &p(dir.path()),
+    ]);
+    assert!(
+        stderr.contains("ca-cert.pem") && stderr.contains("pathLenConstraint is 0"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("sub").exists());
+}
+
+#[test]
+fn input_errors_are_said_once_and_in_words() {
+    let dir = tempfile::tempdir().unwrap();
+    make_pki(dir.path());
+    // D6: each cause once.
+    let stderr = fails(&["inspect", &p(&dir.path().join("nonexist.pem"))]);
+    assert_eq!(stderr.matches("No such file").count(), 1, "{stderr}");
+    assert_eq!(stderr.matches("nonexist.pem").count(), 1, "{stderr}");
+    // D8: a file where a directory is expected, a missing directory, DER.
+    let afile = dir.path().join("afile");
+    std::fs::write(&afile, "x").unwrap();
+    let stderr = fails(&["root-ca", "--out", &p(&afile)]);
+    assert!(
+        stderr.contains("--out") && stderr.contains("is a file, not a directory"),
+        "{stderr}"
+    );
+    let stderr = fails(&[
+        "workload",
+        "--ca",
+        &p(&dir.path().join("nope")),
+        "--spiffe-id",
+        WEB,
+        "--out",
+        "x",
+    ]);
+    assert!(stderr.contains("nope: no such directory"), "{stderr}");
+    let pem = std::fs::read_to_string(dir.path().join("root").join("root-cert.pem")).unwrap();
+    let der = dir.path().join("ca.der");
+    std::fs::write(&der, parse_certs_pem(&pem).unwrap().remove(0)).unwrap();
+    let stderr = fails(&["inspect", &p(&der)]);
+    assert!(
+        stderr.contains("not PEM") && !stderr.contains("UTF-8"),
+        "{stderr}"
+    );
+    // D2: a truncated last block is not dropped silently.
+    let chain = std::fs::read_to_string(dir.path().join("wl").join("cert-chain.pem")).unwrap();
+    let cut = dir.path().join("cut.pem");
+    std::fs::write(&cut, &chain[..chain.len() - 200]).unwrap();
+    let stderr = fails(&["inspect", &p(&cut)]);
+    assert!(
+        stderr.contains("cut.pem") && stderr.contains("no END line"),
+        "{stderr}"
+    );
+    // D9: empty and over-long subject attributes.
+    for (flag, value) in [
+        ("--common-name", String::new()),
+        ("--org", String::new()),
+        ("--common-name", "x".repeat(65)),
+    ] {
+        let stderr = fails(&["root-ca", "--out", &p(&dir.path().join("r2")), flag, &value]);
+        assert!(stderr.contains(flag), "{flag} {value:?}: {stderr}");
+    }
+    // D10: RFC 3339 times in text output.
+    let text = ok(&["inspect", &p(&dir.path().join("wl").join("cert-chain.pem"))]);
+    let line = text.lines().find(|l| l.contains("Not after:")).unwrap();
+    let stamp = line.split_whitespace().nth(2).unwrap();
+    assert!(
+        stamp.len() == 20 && stamp.ends_with('Z') && stamp.as_bytes()[10] == b'T',
+        "{line}"
+    );
+}

@@ -143,17 +143,26 @@ pub const RBAC_RULES: &[RbacRule] = &[
 pub enum ClusterError {
     /// The Secret exists but cannot be used; meshca never overwrites it.
     #[error("{0}; meshca never overwrites an existing CA Secret: fix or delete it")]
-    BadSecret(#[from] RootSecretError),
+    BadSecret(RootSecretError),
     /// A Kubernetes API call failed.
-    #[error("Kubernetes API: {action} Secret {namespace}/{SECRET_NAME}: {source}")]
+    #[error(
+        "Kubernetes API: {action} Secret {namespace}/{SECRET_NAME}: {}",
+        meshca_certs::error_chain(cause)
+    )]
     Api {
         /// What was being done.
         action: &'static str,
         /// The namespace.
         namespace: String,
         /// The error.
-        source: kube::Error,
+        cause: kube::Error,
     },
+}
+
+impl From<RootSecretError> for ClusterError {
+    fn from(e: RootSecretError) -> Self {
+        Self::BadSecret(e)
+    }
 }
 
 /// meshca's namespace: the flag, else `$POD_NAMESPACE`, else the
@@ -190,10 +199,10 @@ pub(crate) async fn load_or_create_root_secret(
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let api_error = |action: &'static str| {
         let namespace = namespace.to_string();
-        move |source| ClusterError::Api {
+        move |cause| ClusterError::Api {
             action,
             namespace,
-            source,
+            cause,
         }
     };
     let now = OffsetDateTime::now_utc();
@@ -219,7 +228,7 @@ pub(crate) async fn load_or_create_root_secret(
     match api.create(&PostParams::default(), &secret).await {
         Ok(_) => {
             let material = root.material(namespace, now)?;
-            tracing::info!(namespace, secret = SECRET_NAME, not_after = %material.signing.validity().not_after, "generated a new self-signed root and stored it in the Secret");
+            tracing::info!(namespace, secret = SECRET_NAME, not_after = %meshca_certs::Rfc3339(material.signing.validity().not_after), "generated a new self-signed root and stored it in the Secret");
             Ok(SecretLoad::Loaded(Box::new(material)))
         }
         Err(kube::Error::Api(e)) if e.code == 409 => {
@@ -325,7 +334,7 @@ fn adopt(secret: &Secret, namespace: &str, authority: &Authority, metrics: &Metr
             tracing::info!(
                 phase = root.phase.name(),
                 roots = root.bundle.len(),
-                not_after = %material.signing.validity().not_after,
+                not_after = %meshca_certs::Rfc3339(material.signing.validity().not_after),
                 "the CA Secret changed: signing with its root and publishing its bundle"
             );
             authority.replace(material);

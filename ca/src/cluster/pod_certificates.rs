@@ -208,10 +208,16 @@ pub(crate) fn requeue_delay(round: u32) -> Duration {
 /// Why one attempt did not end with an answer written; tried again.
 #[derive(Debug, thiserror::Error)]
 enum Transient {
-    #[error("Kubernetes API: {0}")]
-    Api(#[from] kube::Error),
+    #[error("Kubernetes API: {}", meshca_certs::error_chain(.0))]
+    Api(kube::Error),
     #[error("{0}")]
     CannotSign(String),
+}
+
+impl From<kube::Error> for Transient {
+    fn from(e: kube::Error) -> Self {
+        Self::Api(e)
+    }
 }
 
 /// The leader's pod-certificate work, for
@@ -822,7 +828,8 @@ fn issue(
         return Err(IssueError::Outcome(Outcome::Failed {
             reason: "CAExpiresTooSoon",
             message: format!(
-                "the CA's certificate expires at {not_after}, too soon for a certificate of at least one hour; the operator must rotate the CA"
+                "the CA's certificate expires at {}, too soon for a certificate of at least one hour; the operator must rotate the CA",
+                meshca_certs::Rfc3339(not_after)
             ),
         }));
     }

@@ -504,8 +504,11 @@ impl RootSecret {
                 let old_not_after = CertSummary::from_der(&self.signing.cert)
                     .map(|s| s.not_after)
                     .unwrap_or(now);
-                let retire = (now + to_time(policy.max_leaf_ttl) + to_time(policy.grace))
-                    .min(old_not_after.max(now));
+                // Checked: both durations come from flags.
+                let retire = now
+                    .checked_add(to_time(policy.max_leaf_ttl))
+                    .and_then(|t| t.checked_add(to_time(policy.grace)))
+                    .map_or(old_not_after.max(now), |t| t.min(old_not_after.max(now)));
                 next.bundle = vec![new.cert.clone(), self.signing.cert.clone()];
                 next.signing = new;
                 next.next = None;

@@ -18,7 +18,7 @@ use meshca_certs::inspect::CertSummary;
 use meshca_certs::profile::{self_signed_root, SubjectKey, SubjectName, Validity};
 use meshca_certs::token::{TokenIssuer, TokenRequest, DEFAULT_AUDIENCE};
 use meshca_certs::verify::audit_svid_chain;
-use meshca_certs::{parse_duration, KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle};
+use meshca_certs::{parse_duration, KeyAlgorithm, PrivateKey, Rfc3339, SpiffeId, TrustBundle};
 use time::OffsetDateTime;
 
 /// CA material and test credentials for meshca and Istio.
@@ -42,11 +42,11 @@ enum Command {
         /// Lifetime in days.
         #[arg(long, default_value_t = 3650, value_parser = clap::value_parser!(u32).range(1..=36500))]
         days: u32,
-        /// Organization (O=).
-        #[arg(long, default_value = "Istio")]
+        /// Organization (O=), 1 to 64 characters.
+        #[arg(long, default_value = "Istio", value_parser = subject_attribute)]
         org: String,
-        /// Common name (CN=).
-        #[arg(long, default_value = "Root CA")]
+        /// Common name (CN=), 1 to 64 characters.
+        #[arg(long, default_value = "Root CA", value_parser = subject_attribute)]
         common_name: String,
         /// Overwrite existing files, including the key.
         #[arg(long)]
@@ -70,8 +70,8 @@ enum Command {
         /// Lifetime in days (never past the root's own expiry).
         #[arg(long, default_value_t = 730, value_parser = clap::value_parser!(u32).range(1..=36500))]
         days: u32,
-        /// Organization (O=).
-        #[arg(long, default_value = "Istio")]
+        /// Organization (O=), 1 to 64 characters.
+        #[arg(long, default_value = "Istio", value_parser = subject_attribute)]
         org: String,
         /// Overwrite existing files, including the key.
         #[arg(long)]
@@ -165,6 +165,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             common_name,
             force,
         } => {
+            check_out_dir("--out", &out)?;
             let cert_path = out.join(ROOT_CERT_FILE);
             let key_path = out.join(ROOT_KEY_FILE);
             refuse_overwrite(&[&key_path, &cert_path], force)?;
@@ -188,7 +189,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 cert_path.display(),
                 key_path.display(),
                 root.serial_hex,
-                root.validity.not_after
+                Rfc3339(root.validity.not_after)
             );
         }
         Command::IntermediateCa {
@@ -207,8 +208,30 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             {
                 bail!("--cluster {cluster:?} must be a plain name (it becomes a directory under --out)");
             }
+            // L= has an upper bound of 128 (RFC 5280 ub-locality-name).
+            if cluster.chars().count() > 128 {
+                bail!("--cluster is {} characters; it becomes L= in the subject, which RFC 5280 limits to 128", cluster.chars().count());
+            }
             let root_ca = load_signing(&root)?;
+            // The new CA goes under the signing certificate: every
+            // pathLenConstraint above must leave room for one more CA.
+            let mut path = root_ca.chain.clone();
+            if path.first().map(Vec::as_slice) != Some(root_ca.signing.cert_der()) {
+                path.insert(0, root_ca.signing.cert_der().to_vec());
+            }
+            if !path.contains(&root_ca.anchor_root) {
+                path.push(root_ca.anchor_root.clone());
+            }
+            if let Err(e) = meshca_certs::verify::check_room_for_sub_ca(&path) {
+                bail!(
+                    "--root {}: {} cannot sign an intermediate CA: {e} (use a root-ca directory, or a CA without pathlen:0, as --root)",
+                    root.display(),
+                    root_ca.cert_file.display()
+                );
+            }
+            check_out_dir("--out", &out)?;
             let dir = out.join(&cluster);
+            check_out_dir("--out", &dir)?;
             let paths =
                 [CA_KEY_FILE, CA_CERT_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE].map(|f| dir.join(f));
             refuse_overwrite(&paths.iter().collect::<Vec<_>>(), force)?;
@@ -238,7 +261,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 "wrote {} (ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem; serial {}, valid until {})",
                 dir.display(),
                 cert.serial_hex,
-                cert.validity.not_after
+                Rfc3339(cert.validity.not_after)
             );
         }
         Command::Workload {
@@ -256,6 +279,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 bail!("--ttl must be more than zero");
             }
             let ca_loaded = load_signing(&ca)?;
+            check_out_dir("--out", &out)?;
             let paths = ["key.pem", "cert-chain.pem", "root-cert.pem"].map(|f| out.join(f));
             refuse_overwrite(&paths.iter().collect::<Vec<_>>(), force)?;
             let key = PrivateKey::generate(key).context("generating the workload key")?;
@@ -277,7 +301,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 "wrote {} (identity {spiffe_id}, serial {}, valid until {})",
                 out.display(),
                 cert.serial_hex,
-                cert.validity.not_after
+                Rfc3339(cert.validity.not_after)
             );
         }
         Command::Token {
@@ -357,7 +381,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                     "OK: {} is a valid X509-SVID for {} until {}",
                     chain_file.display(),
                     leaf.uris.first().map(String::as_str).unwrap_or("?"),
-                    leaf.not_after
+                    Rfc3339(leaf.not_after)
                 );
             } else {
                 for p in &problems {
@@ -371,10 +395,36 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
 }
 
 fn load_signing(dir: &Path) -> anyhow::Result<cadir::LoadedCa> {
-    if !dir.is_dir() {
-        bail!("{} is not a directory", dir.display());
-    }
+    // The loader says whether the directory is missing or a file.
     Ok(cadir::load_ca_dir(dir, OffsetDateTime::now_utc())?)
+}
+
+/// RFC 5280's upper bound for CN= and O= (ub-common-name,
+/// ub-organization-name).
+const MAX_SUBJECT_ATTRIBUTE_CHARS: usize = 64;
+
+/// Value parser of --org and --common-name: X.509 DirectoryStrings are
+/// 1..64 characters for these (RFC 5280 appendix A); clap names the flag.
+fn subject_attribute(text: &str) -> Result<String, String> {
+    let chars = text.chars().count();
+    if text.trim().is_empty() {
+        return Err("must not be empty (X.509 subject attributes are at least 1 character)".into());
+    }
+    if chars > MAX_SUBJECT_ATTRIBUTE_CHARS {
+        return Err(format!(
+            "is {chars} characters; RFC 5280 allows at most {MAX_SUBJECT_ATTRIBUTE_CHARS}"
+        ));
+    }
+    Ok(text.to_string())
+}
+
+/// Refuses an output path that exists but is not a directory, before any
+/// key is made.
+fn check_out_dir(flag: &str, dir: &Path) -> anyhow::Result<()> {
+    match std::fs::metadata(dir) {
+        Ok(m) if !m.is_dir() => bail!("{flag} {} is a file, not a directory", dir.display()),
+        _ => Ok(()),
+    }
 }
 
 fn refuse_overwrite(paths: &[&PathBuf], force: bool) -> anyhow::Result<()> {
@@ -492,8 +542,8 @@ fn print_summary(index: usize, s: &CertSummary, now: OffsetDateTime) {
     let ips: Vec<String> = s.ip_addresses.iter().map(|i| i.to_string()).collect();
     println!("  IP addresses:   {}", or_none(&ips));
     println!("  Key:            {}", s.key);
-    println!("  Not before:     {}", s.not_before);
-    println!("  Not after:      {} ({left})", s.not_after);
+    println!("  Not before:     {}", Rfc3339(s.not_before));
+    println!("  Not after:      {} ({left})", Rfc3339(s.not_after));
     let ca = match (s.is_ca, s.path_len) {
         (false, _) => "no".to_string(),
         (true, Some(n)) => format!("yes, path length {n}"),

@@ -175,7 +175,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             "identity={} serial={} not_after={} out={}",
             svid.leaf.spiffe_id,
             svid.leaf.serial_hex,
-            svid.leaf.not_after,
+            meshca_certs::Rfc3339(svid.leaf.not_after),
             out.display()
         );
         return Ok(());
@@ -232,7 +232,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     tracing::info!(
                         identity = %svid.leaf.spiffe_id,
                         serial = %svid.leaf.serial_hex,
-                        not_after = %svid.leaf.not_after,
+                        not_after = %meshca_certs::Rfc3339(svid.leaf.not_after),
                         rotation = last_serial.is_some(),
                         "certificate received"
                     );
@@ -244,7 +244,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
                         tracing::info!(
                             identity = %svid.leaf.spiffe_id,
                             serial = %svid.leaf.serial_hex,
-                            not_after = %svid.leaf.not_after,
+                            not_after = %meshca_certs::Rfc3339(svid.leaf.not_after),
                             out = %out.display(),
                             rotation = last_serial.is_some(),
                             "certificate written"

@@ -74,8 +74,14 @@ pub enum WorkloadApiError {
     #[error(transparent)]
     Socket(#[from] SocketError),
     /// The gRPC server failed.
-    #[error("serving the Workload API socket: {0}")]
-    Serve(#[from] tonic::transport::Error),
+    #[error("serving the Workload API socket: {}", meshca_certs::error_chain(.0))]
+    Serve(tonic::transport::Error),
+}
+
+impl From<tonic::transport::Error> for WorkloadApiError {
+    fn from(e: tonic::transport::Error) -> Self {
+        Self::Serve(e)
+    }
 }
 
 /// Serves both APIs on `listener` (from [`bind`]) until `shutdown`

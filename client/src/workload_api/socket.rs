@@ -43,14 +43,14 @@ pub enum SocketError {
         path: PathBuf,
     },
     /// An OS call failed.
-    #[error("{action} {path}: {source}")]
+    #[error("{action} {path}: {cause}")]
     Io {
         /// What was being done.
         action: &'static str,
         /// On which path.
         path: PathBuf,
         /// The OS error.
-        source: io::Error,
+        cause: io::Error,
     },
 }
 
@@ -58,10 +58,10 @@ fn io_error<'a>(
     action: &'static str,
     path: &'a Path,
 ) -> impl FnOnce(io::Error) -> SocketError + 'a {
-    move |source| SocketError::Io {
+    move |cause| SocketError::Io {
         action,
         path: path.to_path_buf(),
-        source,
+        cause,
     }
 }
 
