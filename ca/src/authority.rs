@@ -465,9 +465,13 @@ mod tests {
         // but the authority must not depend on that) and a request for as
         // long: the certificate ends with the CA, no worker panics.
         let dir = tempfile::tempdir().unwrap();
-        let material =
-            load_or_create_data_dir(dir.path(), &Default::default(), OffsetDateTime::now_utc())
-                .unwrap();
+        let material = load_or_create_data_dir(
+            dir.path(),
+            &Default::default(),
+            ROOT_TTL,
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap();
         let huge = Duration::from_secs(10_000 * 31_557_600);
         let a = Authority::new(
             material,

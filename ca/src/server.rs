@@ -103,7 +103,7 @@ pub(crate) fn load_material(config: &Config) -> Result<CaMaterial, StoreError> {
         None => store::load_or_create_data_dir(
             &config.data_dir,
             &config.trust_domain,
-            // At most 100 years (the configuration checks it).
+            // At most 100 years (the flag's parser checks it).
             time::Duration::try_from(config.cluster.root_ttl).unwrap_or(time::Duration::MAX),
             now,
         ),

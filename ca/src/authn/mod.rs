@@ -1168,8 +1168,17 @@ mod tests {
     }
 
     /// The chain a workload presents with an SVID of `authority` living
-    /// `ttl_secs`.
+    /// `ttl_secs` from now.
     fn presented_svid(authority: &Authority, ttl_secs: i64) -> Credentials {
+        presented_svid_issued_at(authority, ttl_secs, time::OffsetDateTime::now_utc())
+    }
+
+    /// As [`presented_svid`], issued at `issued_at` (a test clock's time).
+    fn presented_svid_issued_at(
+        authority: &Authority,
+        ttl_secs: i64,
+        issued_at: time::OffsetDateTime,
+    ) -> Credentials {
         let key =
             meshca_certs::PrivateKey::generate(meshca_certs::KeyAlgorithm::EcdsaP256).unwrap();
         let issued = authority
@@ -1177,7 +1186,7 @@ mod tests {
                 &meshca_certs::SubjectKey::of(&key).unwrap(),
                 &SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web").unwrap(),
                 ttl_secs,
-                time::OffsetDateTime::now_utc(),
+                issued_at,
             )
             .unwrap();
         let answer = meshca_certs::answer::ChainAnswer::parse(&issued.chain_pem).unwrap();
@@ -1249,7 +1258,10 @@ mod tests {
 
         // Back to the first material: an acceptance lasts until notAfter.
         authority.replace(material_in(dir_a.path()));
-        let svid_short = presented_svid(&authority, 60);
+        // Issued on the test clock: its notAfter is 60 s of that clock
+        // from now, however long the real work above took.
+        let svid_short =
+            presented_svid_issued_at(&authority, 60, time::OffsetDateTime::from(clock.now()));
         assert!(authn.authenticate(&svid_short).await.unwrap().is_some());
         tokio::time::advance(Duration::from_secs(58)).await;
         assert!(authn.authenticate(&svid_short).await.unwrap().is_some());
