@@ -357,18 +357,7 @@ pub fn verify_ca_chain(
     if chain.is_empty() {
         return Err(VerifyError::EmptyChain);
     }
-    let parsed: Vec<X509Certificate<'_>> = chain
-        .iter()
-        .enumerate()
-        .map(|(i, der)| {
-            X509Certificate::from_der(der)
-                .map(|(_, c)| c)
-                .map_err(|e| VerifyError::Malformed {
-                    index: i + 1,
-                    reason: describe_x509_error(&e),
-                })
-        })
-        .collect::<Result<_, _>>()?;
+    let parsed = parse_chain(chain)?;
     let bad = |index: usize, cert: &X509Certificate<'_>, reason: String| VerifyError::BadCa {
         index: index + 1,
         subject: cert.subject().to_string(),
@@ -436,14 +425,10 @@ pub fn verify_ca_chain(
     ))
 }
 
-/// Checks that a CA chain (`chain[0]` the signing certificate, then up
-/// towards the root) leaves room, under every basicConstraints
-/// pathLenConstraint in it, for the signing certificate to issue a CA
-/// certificate of its own: what `meshca-certs intermediate-ca` is about to
-/// do with it. [`verify_ca_chain`] makes the same check for issuing end
-/// entities only.
-pub fn check_room_for_sub_ca(chain: &[Vec<u8>]) -> Result<(), VerifyError> {
-    let parsed: Vec<X509Certificate<'_>> = chain
+/// Parses every certificate of `chain` (DER); the first that is not one is
+/// named by its place (1-based).
+fn parse_chain(chain: &[Vec<u8>]) -> Result<Vec<X509Certificate<'_>>, VerifyError> {
+    chain
         .iter()
         .enumerate()
         .map(|(i, der)| {
@@ -454,7 +439,17 @@ pub fn check_room_for_sub_ca(chain: &[Vec<u8>]) -> Result<(), VerifyError> {
                     reason: describe_x509_error(&e),
                 })
         })
-        .collect::<Result<_, _>>()?;
+        .collect()
+}
+
+/// Checks that a CA chain (`chain[0]` the signing certificate, then up
+/// towards the root) leaves room, under every basicConstraints
+/// pathLenConstraint in it, for the signing certificate to issue a CA
+/// certificate of its own: what `meshca-certs intermediate-ca` is about to
+/// do with it. [`verify_ca_chain`] makes the same check for issuing end
+/// entities only.
+pub fn check_room_for_sub_ca(chain: &[Vec<u8>]) -> Result<(), VerifyError> {
+    let parsed = parse_chain(chain)?;
     check_path_len(&parsed, 1)
 }
 
