@@ -1145,9 +1145,23 @@ async fn streams_that_send_only_headers_cannot_hold_every_open_request_place() {
             .create_certificate(with_token(request, &token))
             .await
     };
+    // A connection of their own, apart from the 32 refused streams'.
+    let held_channel = server.channel().await;
     let started = std::time::Instant::now();
     let held: Vec<_> = (0..8)
-        .map(|_| tokio::spawn(headers_only(channel.clone(), Some(token.clone()))))
+        .map(|_| {
+            let (channel, token) = (held_channel.clone(), token.clone());
+            tokio::spawn(async move {
+                // A probe that came in first may have taken the last
+                // place: such a stream is refused at once, and tries again.
+                loop {
+                    let status = headers_only(channel.clone(), Some(token.clone())).await;
+                    if status.code() != Code::ResourceExhausted {
+                        return status;
+                    }
+                }
+            })
+        })
         .collect();
     let full = async {
         loop {
