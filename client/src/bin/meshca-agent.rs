@@ -59,7 +59,7 @@ struct Args {
     #[arg(long, env = "MESHCA_KEY", default_value = "ecdsa-p256")]
     key: KeyAlgorithm,
     /// Requested lifetime (the CA may refuse or cap it).
-    #[arg(long, env = "MESHCA_TTL", value_parser = parse_duration)]
+    #[arg(long, env = "MESHCA_TTL", value_parser = parse_positive_duration, allow_hyphen_values = true)]
     ttl: Option<Duration>,
     /// Output directory: cert-chain.pem key.pem root-cert.pem.
     #[arg(
@@ -95,7 +95,7 @@ struct Args {
     #[arg(long, env = "MESHCA_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS)]
     max_streams: usize,
     /// How often to check --root-cert for a new trust bundle to push.
-    #[arg(long, env = "MESHCA_BUNDLE_REFRESH", value_parser = parse_duration, default_value = DEFAULT_BUNDLE_REFRESH)]
+    #[arg(long, env = "MESHCA_BUNDLE_REFRESH", value_parser = parse_positive_duration, default_value = DEFAULT_BUNDLE_REFRESH, allow_hyphen_values = true)]
     bundle_refresh: Duration,
     /// TLS name to verify the CA's certificate against.
     #[arg(long, env = "MESHCA_CA_SERVER_NAME")]
@@ -106,6 +106,18 @@ struct Args {
     /// Fetch one certificate, write it, print a summary and exit.
     #[arg(long, requires = "out")]
     once: bool,
+}
+
+/// A duration flag's value: zero is refused (a zero interval or lifetime
+/// means nothing useful, and a zero timer period panics).
+fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+    let duration = parse_duration(text)?;
+    if duration.is_zero() {
+        return Err(format!(
+            "{text:?} is zero; give a positive duration (e.g. 10s)"
+        ));
+    }
+    Ok(duration)
 }
 
 fn main() -> ExitCode {
@@ -398,4 +410,47 @@ async fn shutdown_signal() {
         }
     }
     let _ = tokio::signal::ctrl_c().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const REQUIRED: [&str; 5] = [
+        "meshca-agent",
+        "--root-cert",
+        "root.pem",
+        "--workload-api-socket",
+        "s.sock",
+    ];
+
+    /// The error of parsing `REQUIRED` plus `extra`, as the user sees it.
+    fn refusal(extra: &[&str]) -> String {
+        match Args::try_parse_from(REQUIRED.iter().chain(extra)) {
+            Ok(_) => panic!("{extra:?} was accepted"),
+            Err(e) => {
+                assert_eq!(e.exit_code(), 2, "{e}");
+                e.to_string()
+            }
+        }
+    }
+
+    #[test]
+    fn zero_durations_are_refused_naming_the_flag() {
+        for (flag, value) in [
+            ("--bundle-refresh", "0s"),
+            ("--ttl", "0s"),
+            ("--ttl", "-5s"),
+        ] {
+            let message = refusal(&[flag, value, "--spiffe-id", "spiffe://td/x"]);
+            assert!(message.contains(flag), "{flag} {value}: {message}");
+        }
+        let ok =
+            Args::try_parse_from(
+                REQUIRED
+                    .iter()
+                    .chain(&["--bundle-refresh", "1s", "--ttl", "1h"]),
+            );
+        assert!(ok.is_ok());
+    }
 }
