@@ -29,8 +29,8 @@ use tracing_subscriber::EnvFilter;
 #[derive(Parser)]
 #[command(name = "meshca-agent", version, about)]
 struct Args {
-    /// CA address.
-    #[arg(long, env = "MESHCA_CA_ADDR", default_value = DEFAULT_CA_ADDR)]
+    /// CA address (an `http://` or `https://` URL).
+    #[arg(long, env = "MESHCA_CA_ADDR", default_value = DEFAULT_CA_ADDR, value_parser = parse_ca_addr)]
     ca_addr: String,
     /// PEM bundle the CA's TLS certificate must chain to.
     #[arg(long, env = "MESHCA_ROOT_CERT")]
@@ -92,7 +92,7 @@ struct Args {
     #[arg(long, env = "MESHCA_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
     /// Most streams open on the socket at once (also the most connections).
-    #[arg(long, env = "MESHCA_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS)]
+    #[arg(long, env = "MESHCA_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS, value_parser = parse_positive_count)]
     max_streams: usize,
     /// How often to check --root-cert for a new trust bundle to push.
     #[arg(long, env = "MESHCA_BUNDLE_REFRESH", value_parser = parse_positive_duration, default_value = DEFAULT_BUNDLE_REFRESH, allow_hyphen_values = true)]
@@ -118,6 +118,34 @@ fn parse_positive_duration(text: &str) -> Result<Duration, String> {
         ));
     }
     Ok(duration)
+}
+
+/// A count flag's value: at least 1.
+fn parse_positive_count(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(0) => Err("0 serves nothing; give at least 1".to_string()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{text:?} is not a count: {e}")),
+    }
+}
+
+/// `--ca-addr`: an `http://` or `https://` URL with a host.
+fn parse_ca_addr(text: &str) -> Result<String, String> {
+    let uri: tonic::transport::Uri = text.parse().map_err(|e| {
+        format!("{text:?} is not a URL: {e} (write e.g. https://meshca.istio-system.svc:15012)")
+    })?;
+    match uri.scheme_str() {
+        Some("http" | "https") => {}
+        _ => {
+            return Err(format!(
+                "{text:?} is not an http:// or https:// URL (write e.g. https://meshca.istio-system.svc:15012)"
+            ))
+        }
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(format!("{text:?} names no host"));
+    }
+    Ok(text.to_string())
 }
 
 fn main() -> ExitCode {
@@ -436,21 +464,38 @@ mod tests {
     }
 
     #[test]
-    fn zero_durations_are_refused_naming_the_flag() {
+    fn zero_durations_and_counts_are_refused_naming_the_flag() {
         for (flag, value) in [
             ("--bundle-refresh", "0s"),
             ("--ttl", "0s"),
             ("--ttl", "-5s"),
+            ("--max-streams", "0"),
         ] {
             let message = refusal(&[flag, value, "--spiffe-id", "spiffe://td/x"]);
             assert!(message.contains(flag), "{flag} {value}: {message}");
         }
-        let ok =
-            Args::try_parse_from(
-                REQUIRED
-                    .iter()
-                    .chain(&["--bundle-refresh", "1s", "--ttl", "1h"]),
-            );
+        let ok = Args::try_parse_from(REQUIRED.iter().chain(&[
+            "--bundle-refresh",
+            "1s",
+            "--max-streams",
+            "1",
+            "--ttl",
+            "1h",
+        ]));
         assert!(ok.is_ok());
+    }
+
+    #[test]
+    fn the_ca_address_must_be_an_http_url() {
+        for bad in ["notaurl", "ftp://ca:15012", "127.0.0.1:15012", "https://"] {
+            let message = refusal(&["--ca-addr", bad]);
+            assert!(message.contains("--ca-addr"), "{bad}: {message}");
+        }
+        for good in [
+            "https://meshca.istio-system.svc:15012",
+            "http://127.0.0.1:15010",
+        ] {
+            assert_eq!(parse_ca_addr(good).as_deref(), Ok(good));
+        }
     }
 }
