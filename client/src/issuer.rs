@@ -53,7 +53,7 @@ pub enum ClientError {
     /// Generating the key or CSR failed.
     #[error("generating the key or CSR failed: {0}")]
     Csr(String),
-    /// The CA answered with an error.
+    /// The CA answered with an error (a gRPC status it sent).
     #[error("the CA refused: {code:?}: {message}")]
     Rpc {
         /// gRPC status code.
@@ -61,10 +61,15 @@ pub enum ClientError {
         /// The CA's message.
         message: String,
     },
-    /// The CA could not be reached or its TLS certificate was not
-    /// trusted: the call failed here, not at the CA.
-    #[error("could not talk to the CA: {0}")]
-    Unreachable(String),
+    /// The CA could not be reached, or did not answer in time: a status
+    /// made on this side (connection refused, TLS failure, timeout).
+    #[error("could not reach the CA: {code:?}: {message}")]
+    Unreachable {
+        /// gRPC status code tonic gave the failure.
+        code: tonic::Code,
+        /// What failed, with its causes.
+        message: String,
+    },
     /// The CA's answer is not a valid certificate for us.
     #[error("the CA's answer is not acceptable: {0}")]
     BadAnswer(String),
@@ -76,25 +81,13 @@ impl From<FileError> for ClientError {
     }
 }
 
-impl From<tonic::Status> for ClientError {
-    fn from(s: tonic::Status) -> Self {
-        // A status with a source was made here from a transport failure
-        // (connection, TLS handshake): the CA did not refuse anything.
-        if let Some(source) = std::error::Error::source(&s) {
-            let mut text = s.message().to_string();
-            let chain = meshca_certs::error_chain(source);
-            if !text.contains(&chain) {
-                text = if text.is_empty() {
-                    chain
-                } else {
-                    format!("{text}: {chain}")
-                };
-            }
-            return Self::Unreachable(describe_tls_failure(&text));
-        }
-        Self::Rpc {
-            code: s.code(),
-            message: s.message().to_string(),
+impl ClientError {
+    /// The gRPC code of a failed call (from the CA or made locally), if
+    /// the failure was a call's.
+    pub fn code(&self) -> Option<tonic::Code> {
+        match self {
+            Self::Rpc { code, .. } | Self::Unreachable { code, .. } => Some(*code),
+            _ => None,
         }
     }
 }
@@ -140,6 +133,34 @@ pub(crate) fn describe_tls_failure(text: &str) -> String {
     text.to_string()
 }
 
+impl From<tonic::Status> for ClientError {
+    /// A status the CA sent is [`ClientError::Rpc`]; one tonic made from a
+    /// transport failure (it carries the failure as its source) is
+    /// [`ClientError::Unreachable`].
+    fn from(s: tonic::Status) -> Self {
+        let Some(source) = std::error::Error::source(&s) else {
+            return Self::Rpc {
+                code: s.code(),
+                message: s.message().to_string(),
+            };
+        };
+        // The causes the message does not already say, innermost last.
+        let mut message = s.message().to_string();
+        let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(source);
+        while let Some(error) = cause {
+            let text = error.to_string();
+            if !message.contains(&text) {
+                message = format!("{message}: {text}");
+            }
+            cause = error.source();
+        }
+        Self::Unreachable {
+            code: s.code(),
+            message: describe_tls_failure(&message),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,7 +188,7 @@ mod tests {
             "invalid peer certificate: UnknownIssuer",
         )));
         let err = ClientError::from(local).to_string();
-        assert!(err.starts_with("could not talk to the CA: "), "{err}");
+        assert!(err.starts_with("could not reach the CA: "), "{err}");
         assert!(
             !err.contains("refused") && err.contains("(UnknownIssuer)"),
             "{err}"
@@ -177,5 +198,33 @@ mod tests {
             ClientError::from(remote).to_string(),
             "the CA refused: PermissionDenied: no"
         );
+    }
+
+    #[test]
+    fn a_status_from_the_ca_is_a_refusal_and_a_local_one_is_unreachable() {
+        let refused = ClientError::from(tonic::Status::permission_denied("not yours"));
+        assert!(matches!(
+            refused,
+            ClientError::Rpc {
+                code: tonic::Code::PermissionDenied,
+                ..
+            }
+        ));
+        assert_eq!(
+            refused.to_string(),
+            "the CA refused: PermissionDenied: not yours"
+        );
+        // What tonic makes of a connection failure: a status with a source.
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "connection refused");
+        let mut local = tonic::Status::unavailable("tcp connect error");
+        local.set_source(std::sync::Arc::new(io));
+        let unreachable = ClientError::from(local);
+        assert_eq!(unreachable.code(), Some(tonic::Code::Unavailable));
+        let text = unreachable.to_string();
+        assert!(
+            text.starts_with("could not reach the CA: Unavailable: tcp connect error"),
+            "{text}"
+        );
+        assert!(!text.contains("refused: "), "{text}");
     }
 }

@@ -327,7 +327,7 @@ impl Held {
 fn sds_held(response: &DiscoveryResponse, expected: &str) -> Held {
     let secrets = secrets(response);
     let names: Vec<&str> = secrets.iter().map(|s| s.name.as_str()).collect();
-    assert_eq!(names, ["default", "ROOTCA"], "unknown names are left out");
+    assert_eq!(names, ["default", "ROOTCA"]);
     let (chain, key) = match &secrets[0].r#type {
         Some(secret::Type::TlsCertificate(tls)) => (
             parse_certs_pem(&inline_bytes(&tls.certificate_chain)).unwrap(),
@@ -407,16 +407,11 @@ async fn pod_mode_serves_envoy_sds_with_ack_nack_and_pushes() {
         .into_inner();
     check_sds(&fetched, WEB);
 
-    // A stream: the first answer, an unknown name left out.
+    // A stream: the first answer.
     let (tx, rx) = tokio::sync::mpsc::channel(4);
-    tx.send(sds_request(
-        &["default", "ROOTCA", "no-such-secret"],
-        "",
-        "",
-        false,
-    ))
-    .await
-    .unwrap();
+    tx.send(sds_request(&["default", "ROOTCA"], "", "", false))
+        .await
+        .unwrap();
     let mut responses = client
         .stream_secrets(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await
@@ -428,27 +423,23 @@ async fn pod_mode_serves_envoy_sds_with_ack_nack_and_pushes() {
 
     // NACK it, then ask for other names: the stream still answers, with a
     // new version and nonce.
-    tx.send(sds_request(
-        &["default", "ROOTCA", "no-such-secret"],
-        "",
-        &first.nonce,
-        true,
-    ))
-    .await
-    .unwrap();
-    tx.send(sds_request(&["no-such-secret"], "", &first.nonce, false))
+    tx.send(sds_request(&["default", "ROOTCA"], "", &first.nonce, true))
         .await
         .unwrap();
-    let empty = responses.message().await.unwrap().unwrap();
-    assert!(empty.resources.is_empty(), "unknown names: an empty answer");
-    assert_ne!(empty.nonce, first.nonce);
-    assert_ne!(empty.version_info, first.version_info);
+    tx.send(sds_request(&["ROOTCA"], "", &first.nonce, false))
+        .await
+        .unwrap();
+    let roots_only = responses.message().await.unwrap().unwrap();
+    let names: Vec<String> = secrets(&roots_only).into_iter().map(|s| s.name).collect();
+    assert_eq!(names, ["ROOTCA"], "the names asked for");
+    assert_ne!(roots_only.nonce, first.nonce);
+    assert_ne!(roots_only.version_info, first.version_info);
 
     // Back to the real names, ACK, and wait for the rotation push.
     tx.send(sds_request(
         &["default", "ROOTCA"],
-        &empty.version_info,
-        &empty.nonce,
+        &roots_only.version_info,
+        &roots_only.nonce,
         false,
     ))
     .await
@@ -456,9 +447,9 @@ async fn pod_mode_serves_envoy_sds_with_ack_nack_and_pushes() {
     let again = responses.message().await.unwrap().unwrap();
     assert_eq!(check_sds(&again, WEB), first_serial, "same certificate");
     // A request naming an older nonce is stale and ignored, even with other
-    // names: otherwise the next answer would be an empty one for them, not
-    // the rotation push checked below.
-    tx.send(sds_request(&["no-such-secret"], "", &first.nonce, false))
+    // names: otherwise the next answer would be a ROOTCA-only one, not the
+    // rotation push checked below.
+    tx.send(sds_request(&["ROOTCA"], "", &first.nonce, false))
         .await
         .unwrap();
     tx.send(sds_request(
@@ -481,6 +472,29 @@ async fn pod_mode_serves_envoy_sds_with_ack_nack_and_pushes() {
     );
     assert_ne!(pushed.nonce, again.nonce);
 
+    // A name the agent does not serve fails the request, naming it (as
+    // SPIRE's agent does), on a stream and in a fetch.
+    let (bad_tx, bad_rx) = tokio::sync::mpsc::channel(1);
+    bad_tx
+        .send(sds_request(&["default", "no-such-secret"], "", "", false))
+        .await
+        .unwrap();
+    let status = client
+        .stream_secrets(tokio_stream::wrappers::ReceiverStream::new(bad_rx))
+        .await
+        .unwrap()
+        .into_inner()
+        .message()
+        .await
+        .expect_err("an unknown name");
+    assert_eq!(status.code(), Code::InvalidArgument);
+    assert!(status.message().contains("no-such-secret"), "{status:?}");
+    let status = client
+        .fetch_secrets(sds_request(&["no-such-secret"], "", "", false))
+        .await
+        .expect_err("an unknown name");
+    assert_eq!(status.code(), Code::InvalidArgument);
+
     // Incremental SDS is not implemented.
     let (_delta_tx, delta_rx) = tokio::sync::mpsc::channel(1);
     let status = client
@@ -493,6 +507,85 @@ async fn pod_mode_serves_envoy_sds_with_ack_nack_and_pushes() {
         "the NACK is logged:\n{}",
         agent.log()
     );
+}
+
+/// Waits up to `limit` for the agent to exit; its status and how long it took.
+async fn wait_for_exit(agent: &mut Agent, limit: Duration) -> (std::process::ExitStatus, Duration) {
+    let started = Instant::now();
+    loop {
+        if let Some(status) = agent.child.try_wait().unwrap() {
+            return (status, started.elapsed());
+        }
+        assert!(
+            started.elapsed() < limit,
+            "the agent is still running {limit:?} after the signal:\n{}",
+            agent.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_signal_stops_the_agent_promptly_with_streams_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = MeshcaServer::start(&dir.path().join("data"), &[]).unwrap();
+    std::fs::write(dir.path().join("root-cert.pem"), server.root_pem()).unwrap();
+    for signal in [
+        nix::sys::signal::Signal::SIGTERM,
+        nix::sys::signal::Signal::SIGINT,
+    ] {
+        let socket = dir.path().join(format!("{signal}.sock"));
+        let name = format!("agent-{signal}");
+        let mut agent = agent_on_socket(&server, dir.path(), &name, &socket.display().to_string());
+        wait_for_socket(&socket, &mut agent).await;
+        // The streams every real client keeps open: a Workload API one and
+        // an SDS one, each with its first answer read.
+        let channel = channel(&socket).await;
+        let mut request = tonic::Request::new(X509svidRequest {});
+        request
+            .metadata_mut()
+            .insert("workload.spiffe.io", "true".parse().unwrap());
+        let mut svids = SpiffeWorkloadApiClient::new(channel.clone())
+            .fetch_x509svid(request)
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(svids.message().await.unwrap().is_some());
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        tx.send(sds_request(&["default"], "", "", false))
+            .await
+            .unwrap();
+        let mut secrets = SecretDiscoveryServiceClient::new(channel)
+            .stream_secrets(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(secrets.message().await.unwrap().is_some());
+        // And a connection that sends nothing.
+        let _silent = UnixStream::connect(&socket).await.unwrap();
+
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(i32::try_from(agent.child.id()).unwrap()),
+            signal,
+        )
+        .unwrap();
+        for status in [
+            svids.message().await.expect_err("the stream ends"),
+            secrets.message().await.expect_err("the stream ends"),
+        ] {
+            assert_eq!(status.code(), Code::Unavailable, "{signal}: {status:?}");
+            assert!(status.message().contains("shutting down"), "{status:?}");
+        }
+        // Within the grace (CLOSE_GRACE, 2 s) and some start-up slack.
+        let (status, took) = wait_for_exit(&mut agent, Duration::from_secs(10)).await;
+        assert!(status.success(), "{signal}: {status}\n{}", agent.log());
+        assert!(
+            took < meshca_client::workload_api::CLOSE_GRACE + Duration::from_secs(3),
+            "{signal}: {took:?}"
+        );
+        assert!(!socket.exists(), "{signal}: the socket file is removed");
+        drop(tx);
+    }
 }
 
 /// What an `X509Source` holds, after [`check_source`]'s checks.

@@ -29,8 +29,8 @@ use tracing_subscriber::EnvFilter;
 #[derive(Parser)]
 #[command(name = "meshca-agent", version, about)]
 struct Args {
-    /// CA address.
-    #[arg(long, env = "MESHCA_CA_ADDR", default_value = DEFAULT_CA_ADDR)]
+    /// CA address (an `http://` or `https://` URL).
+    #[arg(long, env = "MESHCA_CA_ADDR", default_value = DEFAULT_CA_ADDR, value_parser = parse_ca_addr)]
     ca_addr: String,
     /// PEM bundle the CA's TLS certificate must chain to.
     #[arg(long, env = "MESHCA_ROOT_CERT")]
@@ -59,7 +59,7 @@ struct Args {
     #[arg(long, env = "MESHCA_KEY", default_value = "ecdsa-p256")]
     key: KeyAlgorithm,
     /// Requested lifetime (the CA may refuse or cap it).
-    #[arg(long, env = "MESHCA_TTL", value_parser = parse_duration)]
+    #[arg(long, env = "MESHCA_TTL", value_parser = parse_positive_duration, allow_hyphen_values = true)]
     ttl: Option<Duration>,
     /// Output directory: cert-chain.pem key.pem root-cert.pem.
     #[arg(
@@ -92,10 +92,10 @@ struct Args {
     #[arg(long, env = "MESHCA_KUBECONFIG")]
     kubeconfig: Option<PathBuf>,
     /// Most streams open on the socket at once (also the most connections).
-    #[arg(long, env = "MESHCA_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS)]
+    #[arg(long, env = "MESHCA_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS, value_parser = parse_positive_count)]
     max_streams: usize,
     /// How often to check --root-cert for a new trust bundle to push.
-    #[arg(long, env = "MESHCA_BUNDLE_REFRESH", value_parser = parse_duration, default_value = DEFAULT_BUNDLE_REFRESH)]
+    #[arg(long, env = "MESHCA_BUNDLE_REFRESH", value_parser = parse_positive_duration, default_value = DEFAULT_BUNDLE_REFRESH, allow_hyphen_values = true)]
     bundle_refresh: Duration,
     /// TLS name to verify the CA's certificate against.
     #[arg(long, env = "MESHCA_CA_SERVER_NAME")]
@@ -106,6 +106,46 @@ struct Args {
     /// Fetch one certificate, write it, print a summary and exit.
     #[arg(long, requires = "out")]
     once: bool,
+}
+
+/// A duration flag's value: zero is refused (a zero interval or lifetime
+/// means nothing useful, and a zero timer period panics).
+fn parse_positive_duration(text: &str) -> Result<Duration, String> {
+    let duration = parse_duration(text)?;
+    if duration.is_zero() {
+        return Err(format!(
+            "{text:?} is zero; give a positive duration (e.g. 10s)"
+        ));
+    }
+    Ok(duration)
+}
+
+/// A count flag's value: at least 1.
+fn parse_positive_count(text: &str) -> Result<usize, String> {
+    match text.trim().parse::<usize>() {
+        Ok(0) => Err("0 serves nothing; give at least 1".to_string()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{text:?} is not a count: {e}")),
+    }
+}
+
+/// `--ca-addr`: an `http://` or `https://` URL with a host.
+fn parse_ca_addr(text: &str) -> Result<String, String> {
+    let uri: tonic::transport::Uri = text.parse().map_err(|e| {
+        format!("{text:?} is not a URL: {e} (write e.g. https://meshca.istio-system.svc:15012)")
+    })?;
+    match uri.scheme_str() {
+        Some("http" | "https") => {}
+        _ => {
+            return Err(format!(
+                "{text:?} is not an http:// or https:// URL (write e.g. https://meshca.istio-system.svc:15012)"
+            ))
+        }
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(format!("{text:?} names no host"));
+    }
+    Ok(text.to_string())
 }
 
 fn main() -> ExitCode {
@@ -398,4 +438,64 @@ async fn shutdown_signal() {
         }
     }
     let _ = tokio::signal::ctrl_c().await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const REQUIRED: [&str; 5] = [
+        "meshca-agent",
+        "--root-cert",
+        "root.pem",
+        "--workload-api-socket",
+        "s.sock",
+    ];
+
+    /// The error of parsing `REQUIRED` plus `extra`, as the user sees it.
+    fn refusal(extra: &[&str]) -> String {
+        match Args::try_parse_from(REQUIRED.iter().chain(extra)) {
+            Ok(_) => panic!("{extra:?} was accepted"),
+            Err(e) => {
+                assert_eq!(e.exit_code(), 2, "{e}");
+                e.to_string()
+            }
+        }
+    }
+
+    #[test]
+    fn zero_durations_and_counts_are_refused_naming_the_flag() {
+        for (flag, value) in [
+            ("--bundle-refresh", "0s"),
+            ("--ttl", "0s"),
+            ("--ttl", "-5s"),
+            ("--max-streams", "0"),
+        ] {
+            let message = refusal(&[flag, value, "--spiffe-id", "spiffe://td/x"]);
+            assert!(message.contains(flag), "{flag} {value}: {message}");
+        }
+        let ok = Args::try_parse_from(REQUIRED.iter().chain(&[
+            "--bundle-refresh",
+            "1s",
+            "--max-streams",
+            "1",
+            "--ttl",
+            "1h",
+        ]));
+        assert!(ok.is_ok());
+    }
+
+    #[test]
+    fn the_ca_address_must_be_an_http_url() {
+        for bad in ["notaurl", "ftp://ca:15012", "127.0.0.1:15012", "https://"] {
+            let message = refusal(&["--ca-addr", bad]);
+            assert!(message.contains("--ca-addr"), "{bad}: {message}");
+        }
+        for good in [
+            "https://meshca.istio-system.svc:15012",
+            "http://127.0.0.1:15010",
+        ] {
+            assert_eq!(parse_ca_addr(good).as_deref(), Ok(good));
+        }
+    }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use meshca_certs::{SpiffeId, TrustDomain};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tonic::{Request, Status};
 
 use super::attest::PodUidLookup;
@@ -39,6 +39,8 @@ pub struct Callers {
     feeds: Arc<Feeds>,
     streams: Arc<Semaphore>,
     max_streams: usize,
+    /// Turns true when the agent stops: every stream ends.
+    closing: watch::Sender<bool>,
 }
 
 /// A stream's hold on its identity's feed and on a stream slot; dropping
@@ -47,7 +49,23 @@ pub struct Callers {
 pub(crate) struct StreamLease {
     /// The feed of the caller's identity.
     pub(crate) feed: Arc<Feed>,
+    /// Turns true when the agent stops; the stream then ends with
+    /// `UNAVAILABLE`.
+    pub(crate) closing: watch::Receiver<bool>,
     _slot: OwnedSemaphorePermit,
+}
+
+/// The status a stream ends with when the agent stops.
+pub(crate) fn shutting_down() -> Status {
+    Status::unavailable("meshca-agent is shutting down; reconnect to its successor")
+}
+
+impl StreamLease {
+    /// Completes when the agent stops.
+    pub(crate) async fn stopped(&mut self) {
+        // A dropped sender (the callers are gone) is a stop too.
+        let _ = self.closing.wait_for(|stop| *stop).await;
+    }
 }
 
 impl Callers {
@@ -59,7 +77,14 @@ impl Callers {
             feeds,
             streams: Arc::new(Semaphore::new(max_streams)),
             max_streams,
+            closing: watch::Sender::new(false),
         })
+    }
+
+    /// Ends every open stream (`UNAVAILABLE`) and refuses new ones: the
+    /// agent is stopping.
+    pub(crate) fn close(&self) {
+        self.closing.send_replace(true);
     }
 
     /// The identity of the caller of `request`: `PERMISSION_DENIED` for a
@@ -122,6 +147,9 @@ impl Callers {
     /// A stream slot and the feed of `identity`, or `RESOURCE_EXHAUSTED`
     /// when `max_streams` streams are open.
     pub(crate) fn lease(&self, identity: &SpiffeId) -> Result<StreamLease, Status> {
+        if *self.closing.borrow() {
+            return Err(shutting_down());
+        }
         let slot = self.streams.clone().try_acquire_owned().map_err(|_| {
             tracing::warn!(identity = %identity, max_streams = self.max_streams, "refused a stream: the stream limit is reached");
             Status::resource_exhausted(format!(
@@ -131,6 +159,7 @@ impl Callers {
         })?;
         Ok(StreamLease {
             feed: self.feeds.get(identity),
+            closing: self.closing.subscribe(),
             _slot: slot,
         })
     }

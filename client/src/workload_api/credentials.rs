@@ -1,14 +1,53 @@
 //! [`Credentials`]: what the socket serves for one identity at one moment,
 //! in the encodings both APIs need, computed once per certificate or bundle
-//! change and shared by every stream.
+//! change and shared by every stream; [`Roots`]: the trust bundle alone,
+//! which is known before any certificate.
 
 use std::fmt;
 use std::sync::Arc;
 
 use meshca_certs::bundle::{encode_certs_pem, parse_certs_pem};
 use meshca_certs::{SpiffeId, TrustBundle};
+use time::OffsetDateTime;
 
 use crate::issuer::Svid;
+
+/// Every root to trust, DER and PEM.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Roots {
+    /// Every trusted root, DER.
+    pub(crate) der: Vec<Vec<u8>>,
+    /// Every trusted root, PEM.
+    pub(crate) pem: String,
+}
+
+impl Roots {
+    /// The roots in the last element of `svid`'s answer (during a root
+    /// rotation it carries every root), if there is one, then those of
+    /// `file_bundle` not already among them.
+    pub(crate) fn new(svid: Option<&Svid>, file_bundle: &TrustBundle) -> Arc<Self> {
+        let mut der: Vec<Vec<u8>> = svid
+            .and_then(|svid| {
+                let n = svid.chain_pem.len();
+                (n > 1).then(|| parse_certs_pem(&svid.chain_pem[n - 1]).unwrap_or_default())
+            })
+            .unwrap_or_default();
+        for root in file_bundle.roots() {
+            if !der.contains(root) {
+                der.push(root.clone());
+            }
+        }
+        Arc::new(Self {
+            pem: encode_certs_pem(&der),
+            der,
+        })
+    }
+
+    /// Every root as one DER blob, as the Workload API sends a bundle.
+    pub(crate) fn der_concat(&self) -> Vec<u8> {
+        self.der.concat()
+    }
+}
 
 /// One identity's certificate, key and trust bundle.
 ///
@@ -21,18 +60,18 @@ pub(crate) struct Credentials {
     pub(crate) spiffe_id: SpiffeId,
     /// The leaf's serial, hex.
     pub(crate) serial_hex: String,
+    /// The leaf's notAfter.
+    pub(crate) not_after: OffsetDateTime,
     /// Leaf then intermediates, DER, one certificate per element.
     pub(crate) chain_der: Vec<Vec<u8>>,
-    /// Every trusted root, DER.
-    pub(crate) roots_der: Vec<Vec<u8>>,
+    /// Every trusted root.
+    pub(crate) roots: Arc<Roots>,
     /// The leaf's key, PKCS#8 DER.
     key_pkcs8_der: Vec<u8>,
     /// Leaf then intermediates, PEM.
     pub(crate) chain_pem: String,
     /// The leaf's key, PKCS#8 PEM.
     key_pem: String,
-    /// Every trusted root, PEM.
-    pub(crate) roots_pem: String,
 }
 
 impl fmt::Debug for Credentials {
@@ -41,7 +80,8 @@ impl fmt::Debug for Credentials {
             .field("spiffe_id", &self.spiffe_id.as_str())
             .field("serial_hex", &self.serial_hex)
             .field("chain", &self.chain_der.len())
-            .field("roots", &self.roots_der.len())
+            .field("not_after", &self.not_after)
+            .field("roots", &self.roots.der.len())
             .finish_non_exhaustive()
     }
 }
@@ -51,10 +91,10 @@ impl Credentials {
     /// those of `file_bundle`.
     pub(crate) fn new(svid: &Svid, file_bundle: &TrustBundle) -> Arc<Self> {
         let n = svid.chain_pem.len();
-        let (chain_elements, root_element) = if n > 1 {
-            (&svid.chain_pem[..n - 1], Some(&svid.chain_pem[n - 1]))
+        let chain_elements = if n > 1 {
+            &svid.chain_pem[..n - 1]
         } else {
-            (&svid.chain_pem[..], None)
+            &svid.chain_pem[..]
         };
         // The answer was parsed and verified when it arrived, so these
         // parse; an element that does not is skipped rather than served.
@@ -62,23 +102,15 @@ impl Credentials {
             .iter()
             .flat_map(|pem| parse_certs_pem(pem).unwrap_or_default())
             .collect();
-        let mut roots_der: Vec<Vec<u8>> = root_element
-            .map(|pem| parse_certs_pem(pem).unwrap_or_default())
-            .unwrap_or_default();
-        for root in file_bundle.roots() {
-            if !roots_der.contains(root) {
-                roots_der.push(root.clone());
-            }
-        }
         Arc::new(Self {
             spiffe_id: svid.leaf.spiffe_id.clone(),
             serial_hex: svid.leaf.serial_hex.clone(),
+            not_after: svid.leaf.not_after,
             chain_pem: encode_certs_pem(&chain_der),
-            roots_pem: encode_certs_pem(&roots_der),
+            roots: Roots::new(Some(svid), file_bundle),
             key_pkcs8_der: svid.key.to_pkcs8_der(),
             key_pem: svid.key.to_pkcs8_pem(),
             chain_der,
-            roots_der,
         })
     }
 
@@ -97,16 +129,11 @@ impl Credentials {
         self.chain_der.concat()
     }
 
-    /// Every root as one DER blob, as the Workload API sends a bundle.
-    pub(crate) fn roots_der_concat(&self) -> Vec<u8> {
-        self.roots_der.concat()
-    }
-
     /// Whether serving `self` after `other` is a change a client must see
     /// (a new certificate or a different bundle).
     pub(crate) fn differs_from(&self, other: &Self) -> bool {
         self.serial_hex != other.serial_hex
             || self.spiffe_id != other.spiffe_id
-            || self.roots_der != other.roots_der
+            || self.roots != other.roots
     }
 }

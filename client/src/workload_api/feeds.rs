@@ -2,25 +2,81 @@
 //! the [`CertManager`] (one renewal loop per identity, however many streams
 //! watch it) and the watched `--root-cert` bundle.
 //!
-//! A feed turns the manager's certificate and the file's bundle into
-//! [`Credentials`], once per change, for every stream of that identity.
+//! A feed turns the manager's certificate and the file's bundle into a
+//! [`FeedState`], once per change, for every stream of that identity: the
+//! roots (known from the file before any certificate) and the certificate's
+//! state ([`SvidState`]: pending, ready, refused by the CA, or expired).
+//! A certificate is never served past its notAfter: at that moment the
+//! feed turns it into [`SvidState::Expired`] until a new one arrives.
 //! When the last stream of an identity closes its feed is dropped, its task
 //! ends and the identity leaves the manager (unless it is pinned, as the
 //! configured identity of pod mode is).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use meshca_certs::{SpiffeId, TrustBundle};
+use time::OffsetDateTime;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tonic::Status;
 
-use super::credentials::Credentials;
+use super::credentials::{Credentials, Roots};
+use crate::issuer::{ClientError, Svid};
 use crate::manager::{CertManager, CertState};
 
-/// The credentials of one identity as they change; `None` until the first
-/// certificate has arrived.
-pub(crate) type CredentialsWatch = watch::Receiver<Option<Arc<Credentials>>>;
+/// What one identity's streams serve at one moment.
+#[derive(Debug, Clone)]
+pub(crate) struct FeedState {
+    /// Every root to trust: the last answer's and the file's (the file's
+    /// alone before the first certificate).
+    pub(crate) roots: Arc<Roots>,
+    /// The certificate.
+    pub(crate) svid: SvidState,
+}
+
+/// Where an identity's certificate stands.
+#[derive(Debug, Clone)]
+pub(crate) enum SvidState {
+    /// None yet: the first fetch is under way, or being retried after the
+    /// failure `last_error` says.
+    Pending {
+        /// Why the last fetch failed, if one did.
+        last_error: Option<Arc<str>>,
+    },
+    /// A valid certificate.
+    Ready(Arc<Credentials>),
+    /// The CA refused the identity (`PermissionDenied`); still retried.
+    Refused(Arc<str>),
+    /// The certificate expired and no new one could be fetched yet.
+    Expired(Arc<str>),
+}
+
+impl SvidState {
+    /// The status to end a stream (or answer a call) with, for the states
+    /// that have no certificate to serve and will not have one soon.
+    pub(crate) fn failure(&self) -> Option<Status> {
+        match self {
+            Self::Refused(why) => Some(Status::permission_denied(why.to_string())),
+            Self::Expired(why) => Some(Status::unavailable(why.to_string())),
+            Self::Pending { .. } | Self::Ready(_) => None,
+        }
+    }
+
+    fn same_as(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Pending { last_error: a }, Self::Pending { last_error: b }) => a == b,
+            (Self::Ready(a), Self::Ready(b)) => !a.differs_from(b),
+            (Self::Refused(a), Self::Refused(b)) | (Self::Expired(a), Self::Expired(b)) => a == b,
+            _ => false,
+        }
+    }
+}
+
+/// A receiver of one identity's [`FeedState`].
+pub(crate) type FeedWatch = watch::Receiver<FeedState>;
 
 /// The live feeds, by identity.
 #[derive(Debug)]
@@ -34,7 +90,7 @@ pub struct Feeds {
 #[derive(Debug)]
 pub struct Feed {
     identity: SpiffeId,
-    credentials: CredentialsWatch,
+    state: FeedWatch,
     task: JoinHandle<()>,
     feeds: Arc<Feeds>,
 }
@@ -57,11 +113,20 @@ impl Feeds {
             return feed;
         }
         let certificates = self.manager.add(identity.clone());
-        let (tx, credentials) = watch::channel(None);
-        let task = tokio::spawn(follow(certificates, self.bundle.clone(), tx));
+        // The file's roots are served at once, before any certificate.
+        let (tx, state) = watch::channel(FeedState {
+            roots: Roots::new(None, &self.bundle.borrow()),
+            svid: SvidState::Pending { last_error: None },
+        });
+        let task = tokio::spawn(follow(
+            identity.clone(),
+            certificates,
+            self.bundle.clone(),
+            tx,
+        ));
         let feed = Arc::new(Feed {
             identity: identity.clone(),
-            credentials,
+            state,
             task,
             feeds: self.clone(),
         });
@@ -88,9 +153,9 @@ impl Feed {
         &self.identity
     }
 
-    /// A receiver of the identity's credentials.
-    pub(crate) fn credentials(&self) -> CredentialsWatch {
-        self.credentials.clone()
+    /// A receiver of the identity's state.
+    pub(crate) fn state(&self) -> FeedWatch {
+        self.state.clone()
     }
 }
 
@@ -111,28 +176,100 @@ impl Drop for Feed {
     }
 }
 
-/// Publishes the credentials of the manager's certificate with the file's
-/// bundle, whenever either changes, until every receiver is gone or the
-/// manager drops the identity.
+/// How long from now until `not_after` (zero if it has passed).
+fn until(not_after: OffsetDateTime) -> Duration {
+    Duration::try_from(not_after - OffsetDateTime::now_utc()).unwrap_or(Duration::ZERO)
+}
+
+/// The state a failed fetch leaves: a refusal by the CA, an expired
+/// certificate (`had_one`), or still pending.
+fn failed(identity: &SpiffeId, error: &ClientError, had_one: bool) -> SvidState {
+    if matches!(
+        error,
+        ClientError::Rpc {
+            code: tonic::Code::PermissionDenied,
+            ..
+        }
+    ) {
+        return SvidState::Refused(
+            format!("the CA refused a certificate for {identity}: {error}").into(),
+        );
+    }
+    if had_one {
+        SvidState::Expired(
+            format!("the certificate of {identity} expired and no new one could be fetched yet: {error}")
+                .into(),
+        )
+    } else {
+        SvidState::Pending {
+            last_error: Some(error.to_string().into()),
+        }
+    }
+}
+
+/// Publishes the state of the manager's certificate with the file's
+/// bundle, whenever either changes and when the certificate expires, until
+/// every receiver is gone or the manager drops the identity.
 async fn follow(
+    identity: SpiffeId,
     mut certificates: watch::Receiver<CertState>,
     mut bundle: watch::Receiver<TrustBundle>,
-    tx: watch::Sender<Option<Arc<Credentials>>>,
+    tx: watch::Sender<FeedState>,
 ) {
     let mut bundle_open = true;
+    // The last certificate seen (the manager forgets it once it fails).
+    let mut last: Option<Arc<Svid>> = None;
+    // The serial whose notAfter has passed.
+    let mut expired: Option<String> = None;
     loop {
         let state = certificates.borrow_and_update().clone();
         let file_bundle = bundle.borrow_and_update().clone();
-        if let CertState::Available(svid) = state {
-            let fresh = Credentials::new(&svid, &file_bundle);
-            tx.send_if_modified(|current| match current {
-                Some(old) if !fresh.differs_from(old) => false,
-                _ => {
-                    *current = Some(fresh);
-                    true
-                }
-            });
+        if let CertState::Available(svid) = &state {
+            last = Some(svid.clone());
         }
+        let mut expires_at = None;
+        let svid_state = match &state {
+            CertState::Initializing => SvidState::Pending { last_error: None },
+            CertState::Unavailable(error) => failed(&identity, error, last.is_some()),
+            CertState::Available(svid) => {
+                let left = until(svid.leaf.not_after);
+                if left.is_zero() || expired.as_ref() == Some(&svid.leaf.serial_hex) {
+                    SvidState::Expired(
+                        format!(
+                            "the certificate of {identity} expired at {} and no new one could be fetched yet",
+                            svid.leaf.not_after
+                        )
+                        .into(),
+                    )
+                } else {
+                    expires_at = Some(Instant::now() + left);
+                    SvidState::Ready(Credentials::new(svid, &file_bundle))
+                }
+            }
+        };
+        let fresh = FeedState {
+            roots: match &svid_state {
+                SvidState::Ready(credentials) => credentials.roots.clone(),
+                _ => Roots::new(last.as_deref(), &file_bundle),
+            },
+            svid: svid_state,
+        };
+        tx.send_if_modified(|current| {
+            if current.roots == fresh.roots && current.svid.same_as(&fresh.svid) {
+                return false;
+            }
+            if let Some(status) = fresh.svid.failure() {
+                tracing::warn!(identity = %identity, code = ?status.code(), reason = %status.message(), "no certificate to serve");
+            }
+            *current = fresh;
+            true
+        });
+        let expiry = async {
+            match expires_at {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             changed = certificates.changed() => {
                 if changed.is_err() {
@@ -142,13 +279,16 @@ async fn follow(
             changed = bundle.changed(), if bundle_open => {
                 bundle_open = changed.is_ok();
             }
+            () = expiry => {
+                expired = last.as_ref().map(|svid| svid.leaf.serial_hex.clone());
+            }
             _ = tx.closed() => return,
         }
     }
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::issuer::{CertificateIssuer, ClientError, Svid};
     use crate::manager::ManagerConfig;
@@ -158,11 +298,15 @@ mod tests {
     use std::time::Duration;
     use time::OffsetDateTime;
 
-    /// Issues real certificates of a given lifetime from a test CA.
-    struct TestIssuer {
-        ca: SigningCa,
+    /// Issues real certificates of a given lifetime from a test CA; fails
+    /// every fetch with `fail` while it is set, never answers while `hang`
+    /// is set.
+    pub(crate) struct TestIssuer {
+        pub(crate) ca: SigningCa,
         lifetime: Duration,
-        calls: AtomicUsize,
+        pub(crate) calls: AtomicUsize,
+        pub(crate) fail: Mutex<Option<tonic::Code>>,
+        pub(crate) hang: std::sync::atomic::AtomicBool,
     }
 
     fn test_ca(name: &str) -> SigningCa {
@@ -183,6 +327,15 @@ mod tests {
     impl CertificateIssuer for TestIssuer {
         async fn fetch(&self, identity: &SpiffeId) -> Result<Svid, ClientError> {
             self.calls.fetch_add(1, Ordering::SeqCst);
+            if self.hang.load(Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+            if let Some(code) = *self.fail.lock().unwrap() {
+                return Err(ClientError::Rpc {
+                    code,
+                    message: "scripted".into(),
+                });
+            }
             let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
             let now = OffsetDateTime::now_utc().replace_nanosecond(0).unwrap();
             let validity = Validity {
@@ -203,15 +356,21 @@ mod tests {
         }
     }
 
-    fn id(name: &str) -> SpiffeId {
+    pub(crate) fn id(name: &str) -> SpiffeId {
         SpiffeId::parse(&format!("spiffe://cluster.local/ns/test/sa/{name}")).unwrap()
     }
 
-    fn setup(lifetime: Duration) -> (Arc<TestIssuer>, Arc<Feeds>, watch::Sender<TrustBundle>) {
+    /// An issuer of `lifetime` certificates, feeds over it, and the
+    /// `--root-cert` bundle's sender (it holds the issuer's root).
+    pub(crate) fn setup(
+        lifetime: Duration,
+    ) -> (Arc<TestIssuer>, Arc<Feeds>, watch::Sender<TrustBundle>) {
         let issuer = Arc::new(TestIssuer {
             ca: test_ca("root"),
             lifetime,
             calls: AtomicUsize::new(0),
+            fail: Mutex::new(None),
+            hang: std::sync::atomic::AtomicBool::new(false),
         });
         let manager = Arc::new(CertManager::new(
             issuer.clone(),
@@ -220,16 +379,25 @@ mod tests {
                 ..ManagerConfig::default()
             },
         ));
-        let (bundle_tx, bundle_rx) = watch::channel(TrustBundle::default());
+        let (bundle_tx, bundle_rx) =
+            watch::channel(TrustBundle::new(vec![issuer.ca.cert_der().to_vec()]));
         (issuer, Feeds::new(manager, bundle_rx), bundle_tx)
     }
 
-    async fn next(rx: &mut CredentialsWatch) -> Arc<Credentials> {
+    /// The next certificate the feed serves.
+    pub(crate) async fn next(rx: &mut FeedWatch) -> Arc<Credentials> {
         loop {
-            if let Some(c) = rx.borrow_and_update().clone() {
+            if let SvidState::Ready(c) = rx.borrow_and_update().svid.clone() {
                 return c;
             }
             rx.changed().await.unwrap();
+        }
+    }
+
+    fn ready(rx: &FeedWatch) -> Arc<Credentials> {
+        match rx.borrow().svid.clone() {
+            SvidState::Ready(c) => c,
+            other => panic!("not ready: {other:?}"),
         }
     }
 
@@ -237,10 +405,10 @@ mod tests {
     async fn one_renewal_loop_per_identity_and_released_with_the_last_stream() {
         let (issuer, feeds, _bundle) = setup(Duration::from_secs(100));
         let streams: Vec<Arc<Feed>> = (0..50).map(|_| feeds.get(&id("web"))).collect();
-        let mut rx = streams[0].credentials();
+        let mut rx = streams[0].state();
         let first = next(&mut rx).await;
         assert_eq!(first.spiffe_id, id("web"));
-        assert_eq!(first.roots_der.len(), 1, "the answer's root");
+        assert_eq!(first.roots.der.len(), 1, "the answer's root");
         assert_eq!(
             issuer.calls.load(Ordering::SeqCst),
             1,
@@ -249,12 +417,11 @@ mod tests {
         assert_eq!(feeds.len(), 1);
         // A rotation reaches every stream.
         rx.changed().await.unwrap();
-        let second = rx.borrow().clone().unwrap();
+        let second = ready(&rx);
         assert_ne!(second.serial_hex, first.serial_hex);
         assert_eq!(issuer.calls.load(Ordering::SeqCst), 2);
         for feed in &streams {
-            let c = feed.credentials().borrow().clone().unwrap();
-            assert_eq!(c.serial_hex, second.serial_hex);
+            assert_eq!(ready(&feed.state()).serial_hex, second.serial_hex);
         }
         drop(rx);
         drop(streams);
@@ -272,7 +439,7 @@ mod tests {
     async fn a_bundle_change_is_published_without_a_new_certificate() {
         let (issuer, feeds, bundle) = setup(Duration::from_secs(3600));
         let feed = feeds.get(&id("web"));
-        let mut rx = feed.credentials();
+        let mut rx = feed.state();
         let first = next(&mut rx).await;
         let second_root = test_ca("second root").cert_der().to_vec();
         bundle.send_replace(TrustBundle::new(vec![
@@ -280,15 +447,15 @@ mod tests {
             second_root.clone(),
         ]));
         rx.changed().await.unwrap();
-        let updated = rx.borrow().clone().unwrap();
+        let updated = ready(&rx);
         assert_eq!(updated.serial_hex, first.serial_hex, "same certificate");
         assert_eq!(
-            updated.roots_der,
+            updated.roots.der,
             vec![issuer.ca.cert_der().to_vec(), second_root],
             "the answer's root once, then the file's new one"
         );
         assert_eq!(
-            meshca_certs::bundle::parse_certs_pem(&updated.roots_pem)
+            meshca_certs::bundle::parse_certs_pem(&updated.roots.pem)
                 .unwrap()
                 .len(),
             2
@@ -301,5 +468,75 @@ mod tests {
                 .is_err(),
             "no update for an unchanged bundle"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_roots_are_served_before_any_certificate() {
+        let (issuer, feeds, _bundle) = setup(Duration::from_secs(100));
+        issuer.hang.store(true, Ordering::SeqCst);
+        let feed = feeds.get(&id("web"));
+        let state = feed.state().borrow().clone();
+        assert!(matches!(state.svid, SvidState::Pending { .. }));
+        assert_eq!(state.roots.der, vec![issuer.ca.cert_der().to_vec()]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_expired_certificate_is_withdrawn_and_a_new_one_served() {
+        let (issuer, feeds, _bundle) = setup(Duration::from_secs(100));
+        let feed = feeds.get(&id("web"));
+        let mut rx = feed.state();
+        let first = next(&mut rx).await;
+        // The CA goes away: renewals fail; the certificate expires.
+        *issuer.fail.lock().unwrap() = Some(tonic::Code::Unavailable);
+        let start = Instant::now();
+        let expired = loop {
+            rx.changed().await.unwrap();
+            let svid = rx.borrow().svid.clone();
+            if !matches!(svid, SvidState::Ready(_)) {
+                break svid;
+            }
+        };
+        let waited = Instant::now() - start;
+        assert!(
+            waited >= Duration::from_secs(99) && waited <= Duration::from_secs(101),
+            "withdrawn at its notAfter: {waited:?}"
+        );
+        let status = expired.failure().expect("a status for the expired state");
+        assert_eq!(status.code(), tonic::Code::Unavailable);
+        assert!(status.message().contains("expired"), "{status:?}");
+        assert_eq!(rx.borrow().roots, first.roots, "the roots are still served");
+        // The CA is back: the next retry's certificate is served.
+        *issuer.fail.lock().unwrap() = None;
+        let second = next(&mut rx).await;
+        assert_ne!(second.serial_hex, first.serial_hex);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_by_the_ca_is_published_and_retried() {
+        let (issuer, feeds, _bundle) = setup(Duration::from_secs(100));
+        *issuer.fail.lock().unwrap() = Some(tonic::Code::PermissionDenied);
+        let feed = feeds.get(&id("web"));
+        let mut rx = feed.state();
+        let status = loop {
+            if let Some(status) = rx.borrow_and_update().svid.failure() {
+                break status;
+            }
+            rx.changed().await.unwrap();
+        };
+        assert_eq!(status.code(), tonic::Code::PermissionDenied);
+        assert!(status.message().contains(id("web").as_str()), "{status:?}");
+        // A transient failure is no refusal: still pending.
+        *issuer.fail.lock().unwrap() = Some(tonic::Code::Unavailable);
+        loop {
+            rx.changed().await.unwrap();
+            if let SvidState::Pending { last_error } = &rx.borrow().svid {
+                assert!(last_error
+                    .as_deref()
+                    .is_some_and(|e| e.contains("Unavailable")));
+                break;
+            }
+        }
+        *issuer.fail.lock().unwrap() = None;
+        next(&mut rx).await;
     }
 }

@@ -11,7 +11,9 @@
 //!   and the stream limit;
 //! - `feeds`: one [`Feed`] of `credentials::Credentials` per identity over
 //!   the [`CertManager`](crate::CertManager) ([`Feeds`]);
-//! - `spiffe_api` and `sds`: the two gRPC services.
+//! - `spiffe_api` and `sds`: the two gRPC services;
+//! - `server`: each connection's HTTP/2 life (first-request and idle
+//!   timeouts, the bounded close when the agent stops).
 //!
 //! The submodules are private: the agent uses only what is re-exported here.
 //!
@@ -20,7 +22,11 @@
 //! there are any and again on each change, holding at most one response
 //! while the client reads (HTTP/2 flow control bounds the rest). Closing a
 //! stream frees its slot, and the last stream of an identity frees its
-//! feed. Connections are bounded by the same number.
+//! feed. Connections are bounded by the same number, and by the open-files
+//! limit ([`connection_cap`]); a connection must send its first request
+//! within [`FIRST_REQUEST_TIMEOUT`] and is closed after
+//! [`CONNECTION_IDLE_TIMEOUT`] without a stream. When the agent stops,
+//! streams end at once and connections are closed within [`CLOSE_GRACE`].
 
 mod attest;
 mod callers;
@@ -28,6 +34,7 @@ mod credentials;
 mod feeds;
 mod node_pods;
 mod sds;
+mod server;
 mod socket;
 mod spiffe_api;
 
@@ -37,6 +44,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_server::SecretDiscoveryServiceServer;
+use futures::StreamExt;
 use meshca_certs::TrustBundle;
 use meshca_proto::spiffe_workload::spiffe_workload_api_server::SpiffeWorkloadApiServer;
 use tokio::net::UnixListener;
@@ -46,7 +54,9 @@ use crate::caclient::CaClient;
 pub use callers::{CallerPolicy, Callers};
 pub use feeds::{Feed, Feeds};
 pub use node_pods::{watch_node_pods, NodePods};
-pub use socket::{bind, SocketError};
+use server::ConnectionTimers;
+pub use server::{CLOSE_GRACE, CONNECTION_IDLE_TIMEOUT, FIRST_REQUEST_TIMEOUT};
+pub use socket::{bind, connection_cap, raise_open_files_limit, SocketError, FD_RESERVE};
 
 /// Default most streams open at once (and most connections).
 pub const DEFAULT_MAX_STREAMS: usize = 4096;
@@ -73,39 +83,116 @@ pub enum WorkloadApiError {
     /// The socket could not be set up.
     #[error(transparent)]
     Socket(#[from] SocketError),
-    /// The gRPC server failed.
-    #[error("serving the Workload API socket: {}", meshca_certs::error_chain(.0))]
-    Serve(tonic::transport::Error),
-}
-
-impl From<tonic::transport::Error> for WorkloadApiError {
-    fn from(e: tonic::transport::Error) -> Self {
-        Self::Serve(e)
-    }
 }
 
 /// Serves both APIs on `listener` (from [`bind`]) until `shutdown`
-/// completes.
+/// completes; then stops accepting (the listener is closed), ends every
+/// open stream with `UNAVAILABLE`, tells every connection to go away and
+/// returns once all have closed, at most [`CLOSE_GRACE`] later.
+///
+/// Raises the soft limit of open files to the hard one, and takes at most
+/// [`connection_cap`] connections at once.
 pub async fn serve(
     listener: UnixListener,
     config: &WorkloadApiConfig,
     callers: Arc<Callers>,
     shutdown: impl Future<Output = ()> + Send,
 ) -> Result<(), WorkloadApiError> {
-    let incoming = socket::accept_callers(listener, config.max_streams, config.proc_root.clone());
-    tonic::transport::Server::builder()
-        .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
-        .http2_keepalive_interval(Some(Duration::from_secs(60)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-        .add_service(SpiffeWorkloadApiServer::new(
-            spiffe_api::WorkloadApiService::new(callers.clone()),
-        ))
-        .add_service(SecretDiscoveryServiceServer::new(sds::SdsService::new(
-            callers,
-        )))
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await?;
+    let open_files = raise_open_files_limit();
+    let max_connections = connection_cap(config.max_streams, open_files);
+    tracing::info!(
+        max_streams = config.max_streams,
+        max_connections,
+        open_files_limit = ?open_files,
+        first_request_timeout = ?FIRST_REQUEST_TIMEOUT,
+        idle_timeout = ?CONNECTION_IDLE_TIMEOUT,
+        "Workload API socket limits"
+    );
+    if max_connections < config.max_streams {
+        tracing::warn!(
+            max_streams = config.max_streams,
+            max_connections,
+            open_files_limit = ?open_files,
+            reserve = FD_RESERVE,
+            "the open-files limit allows fewer connections than --max-streams"
+        );
+    }
+    serve_with(
+        listener,
+        config,
+        max_connections,
+        ConnectionTimers::default(),
+        callers,
+        shutdown,
+    )
+    .await;
     Ok(())
+}
+
+/// [`serve`] with the connection cap and timers given.
+async fn serve_with(
+    listener: UnixListener,
+    config: &WorkloadApiConfig,
+    max_connections: usize,
+    timers: ConnectionTimers,
+    callers: Arc<Callers>,
+    shutdown: impl Future<Output = ()> + Send,
+) {
+    let routes = tonic::service::Routes::new(SpiffeWorkloadApiServer::new(
+        spiffe_api::WorkloadApiService::new(callers.clone()),
+    ))
+    .add_service(SecretDiscoveryServiceServer::new(sds::SdsService::new(
+        callers.clone(),
+    )))
+    .prepare();
+    // Boxed, so that dropping it below closes the listener.
+    let mut incoming = Box::pin(socket::accept_callers(
+        listener,
+        max_connections,
+        config.proc_root.clone(),
+    ));
+    tokio::pin!(shutdown);
+    let (stopping_tx, stopping) = watch::channel(false);
+    // One task per connection; at most `max_connections` (the accept
+    // loop's slots), reaped as they end.
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = incoming.next() => match accepted {
+                Some(connection) => {
+                    connections.spawn(server::serve_connection(
+                        connection,
+                        routes.clone(),
+                        timers,
+                        stopping.clone(),
+                    ));
+                }
+                None => break,
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            () = &mut shutdown => break,
+        }
+    }
+    // Stop accepting: the listener is closed here.
+    drop(incoming);
+    callers.close();
+    stopping_tx.send_replace(true);
+    let open = connections.len();
+    if open > 0 {
+        tracing::info!(connections = open, grace = ?timers.close_grace, "closing the workload connections");
+    }
+    // Each connection ends within its grace; the outer bound is a
+    // safety net (dropping the set aborts what is left).
+    let drained = tokio::time::timeout(timers.close_grace + Duration::from_secs(1), async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            connections = connections.len(),
+            "workload connections still open after the grace; cut off"
+        );
+    }
 }
 
 /// The `--root-cert` file's bundle, re-read every `interval` (the client
@@ -136,4 +223,394 @@ pub fn watch_root_file(client: CaClient, interval: Duration) -> watch::Receiver<
         }
     });
     rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::feeds::tests::{id, setup, TestIssuer};
+    use super::*;
+    use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
+    use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client::SecretDiscoveryServiceClient;
+    use hyper_util::rt::TokioIo;
+    use meshca_proto::spiffe_workload::spiffe_workload_api_client::SpiffeWorkloadApiClient;
+    use meshca_proto::spiffe_workload::{X509BundlesRequest, X509svidRequest};
+    use std::path::Path;
+    use std::sync::atomic::Ordering;
+    use tokio::io::AsyncReadExt;
+    use tokio::net::UnixStream;
+    use tokio::task::JoinHandle;
+    use tonic::transport::{Channel, Endpoint};
+    use tonic::Code;
+
+    /// A socket server over a test issuer, stopped by `stop`.
+    struct Harness {
+        _dir: tempfile::TempDir,
+        socket: PathBuf,
+        issuer: Arc<TestIssuer>,
+        _bundle: watch::Sender<TrustBundle>,
+        _pinned: Arc<Feed>,
+        stop: Option<tokio::sync::oneshot::Sender<()>>,
+        server: JoinHandle<()>,
+    }
+
+    async fn start(
+        lifetime: Duration,
+        max_connections: usize,
+        timers: ConnectionTimers,
+        before: impl FnOnce(&TestIssuer),
+    ) -> Harness {
+        let (issuer, feeds, bundle) = setup(lifetime);
+        before(&issuer);
+        // Pinned, as pod mode's identity is: managed with no stream open.
+        let pinned = feeds.get(&id("web"));
+        let callers = Callers::new(CallerPolicy::Pod(id("web")), feeds, 16);
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        let listener = bind(&socket).await.unwrap();
+        let config = WorkloadApiConfig {
+            socket: socket.clone(),
+            max_streams: 16,
+            proc_root: None,
+        };
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let server = tokio::spawn(async move {
+            let shutdown = async {
+                let _ = stopped.await;
+            };
+            serve_with(
+                listener,
+                &config,
+                max_connections,
+                timers,
+                callers,
+                shutdown,
+            )
+            .await;
+        });
+        Harness {
+            _dir: dir,
+            socket,
+            issuer,
+            _bundle: bundle,
+            _pinned: pinned,
+            stop: Some(stop),
+            server,
+        }
+    }
+
+    async fn channel(socket: &Path) -> Channel {
+        let socket = socket.to_path_buf();
+        Endpoint::from_static("http://localhost")
+            .connect_with_connector(tower::service_fn(move |_| {
+                let socket = socket.clone();
+                async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
+            }))
+            .await
+            .unwrap()
+    }
+
+    fn with_header<T>(message: T) -> tonic::Request<T> {
+        let mut request = tonic::Request::new(message);
+        request
+            .metadata_mut()
+            .insert(meshca_proto::WORKLOAD_API_HEADER, "true".parse().unwrap());
+        request
+    }
+
+    fn sds_request(names: &[&str]) -> DiscoveryRequest {
+        DiscoveryRequest {
+            resource_names: names.iter().map(|n| n.to_string()).collect(),
+            type_url: sds::SECRET_TYPE_URL.to_string(),
+            ..Default::default()
+        }
+    }
+
+    const LONG: Duration = Duration::from_secs(3600);
+    const WAIT: Duration = Duration::from_secs(20);
+
+    fn timers(first_request: Duration, idle: Duration, close_grace: Duration) -> ConnectionTimers {
+        ConnectionTimers {
+            first_request,
+            idle,
+            close_grace,
+        }
+    }
+
+    #[tokio::test]
+    async fn stopping_ends_open_streams_and_returns_within_the_grace() {
+        let grace = Duration::from_millis(500);
+        let mut h = start(LONG, 16, timers(LONG, LONG, grace), |_| {}).await;
+        let channel = channel(&h.socket).await;
+        let mut svids = SpiffeWorkloadApiClient::new(channel.clone())
+            .fetch_x509svid(with_header(X509svidRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(svids.message().await.unwrap().is_some());
+        let (requests, outbound) = tokio::sync::mpsc::channel(4);
+        requests.send(sds_request(&["default"])).await.unwrap();
+        let mut sds = SecretDiscoveryServiceClient::new(channel)
+            .stream_secrets(tokio_stream_of(outbound))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(sds.message().await.unwrap().unwrap().resources.len(), 1);
+        // A connection that never speaks, and one that never reads.
+        let _silent = UnixStream::connect(&h.socket).await.unwrap();
+        let started = tokio::time::Instant::now();
+        h.stop.take().unwrap().send(()).unwrap();
+        for status in [
+            svids.message().await.unwrap_err(),
+            sds.message().await.unwrap_err(),
+        ] {
+            assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+            assert!(status.message().contains("shutting down"), "{status:?}");
+        }
+        tokio::time::timeout(grace + Duration::from_secs(5), &mut h.server)
+            .await
+            .expect("serve returns within the grace")
+            .unwrap();
+        assert!(started.elapsed() < grace + Duration::from_secs(5));
+        assert!(
+            UnixStream::connect(&h.socket).await.is_err(),
+            "no longer accepting"
+        );
+        drop(requests);
+    }
+
+    /// A stream of requests from a channel's receiver.
+    fn tokio_stream_of<T: Send + 'static>(
+        mut rx: tokio::sync::mpsc::Receiver<T>,
+    ) -> impl futures::Stream<Item = T> + Send + 'static {
+        futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_sends_no_request_is_closed_and_frees_its_slot() {
+        let first_request = Duration::from_millis(300);
+        // One connection slot, taken by a connection that sends nothing.
+        let h = start(LONG, 1, timers(first_request, LONG, LONG), |_| {}).await;
+        let mut silent = UnixStream::connect(&h.socket).await.unwrap();
+        // A real client behind it gets in once the silent one is closed.
+        let socket = h.socket.clone();
+        let client = tokio::spawn(async move {
+            let mut bundles = SpiffeWorkloadApiClient::new(channel(&socket).await)
+                .fetch_x509_bundles(with_header(X509BundlesRequest {}))
+                .await
+                .unwrap()
+                .into_inner();
+            bundles.message().await.unwrap().unwrap()
+        });
+        // The agent's HTTP/2 SETTINGS, then the end.
+        let mut buf = Vec::new();
+        let read = tokio::time::timeout(WAIT, silent.read_to_end(&mut buf))
+            .await
+            .expect("the silent connection is closed");
+        assert!(read.is_ok() || buf.len() < 1024, "{read:?}");
+        let answer = tokio::time::timeout(WAIT, client).await.unwrap().unwrap();
+        assert_eq!(answer.bundles.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_connection_without_streams_is_told_to_go_away() {
+        let idle = Duration::from_millis(300);
+        let h = start(
+            LONG,
+            16,
+            timers(LONG, idle, Duration::from_millis(300)),
+            |_| {},
+        )
+        .await;
+        let io = TokioIo::new(UnixStream::connect(&h.socket).await.unwrap());
+        let (mut send, connection) =
+            hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+                .await
+                .unwrap();
+        let connection = tokio::spawn(connection);
+        // One request (an unknown method: answered at once), then nothing.
+        let request = tonic::codegen::http::Request::post("/no.such.Service/Method")
+            .header("content-type", "application/grpc")
+            .body(http_body_util::Empty::<tonic::codegen::Bytes>::new())
+            .unwrap();
+        let answer = send.send_request(request).await.unwrap();
+        assert_eq!(answer.headers()["grpc-status"], "12", "UNIMPLEMENTED");
+        drop(answer);
+        tokio::time::timeout(WAIT, connection)
+            .await
+            .expect("the idle connection is closed")
+            .unwrap()
+            .ok();
+    }
+
+    #[tokio::test]
+    async fn the_bundle_is_answered_before_any_certificate() {
+        let h = start(LONG, 16, ConnectionTimers::default(), |issuer| {
+            issuer.hang.store(true, Ordering::SeqCst)
+        })
+        .await;
+        let channel = channel(&h.socket).await;
+        let mut bundles = SpiffeWorkloadApiClient::new(channel.clone())
+            .fetch_x509_bundles(with_header(X509BundlesRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        let answer = tokio::time::timeout(WAIT, bundles.message())
+            .await
+            .expect("the bundle at once")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            answer.bundles["spiffe://cluster.local"],
+            h.issuer.ca.cert_der().to_vec()
+        );
+        let mut sds = SecretDiscoveryServiceClient::new(channel);
+        let fetched = tokio::time::timeout(WAIT, sds.fetch_secrets(sds_request(&["ROOTCA"])))
+            .await
+            .expect("ROOTCA at once")
+            .unwrap()
+            .into_inner();
+        assert_eq!(fetched.resources.len(), 1);
+        let (requests, outbound) = tokio::sync::mpsc::channel(4);
+        requests.send(sds_request(&["ROOTCA"])).await.unwrap();
+        let mut stream = sds
+            .stream_secrets(tokio_stream_of(outbound))
+            .await
+            .unwrap()
+            .into_inner();
+        let pushed = tokio::time::timeout(WAIT, stream.message())
+            .await
+            .expect("ROOTCA at once on a stream")
+            .unwrap()
+            .unwrap();
+        assert_eq!(pushed.resources.len(), 1);
+        assert_eq!(h.issuer.calls.load(Ordering::SeqCst), 1, "the fetch hangs");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_a_certificate_the_svid_is_unavailable_after_a_short_wait() {
+        let h = start(LONG, 16, ConnectionTimers::default(), |issuer| {
+            issuer.hang.store(true, Ordering::SeqCst)
+        })
+        .await;
+        let channel = channel(&h.socket).await;
+        let started = tokio::time::Instant::now();
+        let mut svids = SpiffeWorkloadApiClient::new(channel.clone())
+            .fetch_x509svid(with_header(X509svidRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        let status = svids.message().await.unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert!(status.message().contains("no certificate"), "{status:?}");
+        assert!(started.elapsed() >= spiffe_api::FIRST_SVID_WAIT);
+        let status = SecretDiscoveryServiceClient::new(channel)
+            .fetch_secrets(sds_request(&["default"]))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_expired_svid_is_never_served() {
+        let lifetime = Duration::from_secs(100);
+        let h = start(lifetime, 16, ConnectionTimers::default(), |_| {}).await;
+        let channel = channel(&h.socket).await;
+        let mut svids = SpiffeWorkloadApiClient::new(channel.clone())
+            .fetch_x509svid(with_header(X509svidRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(svids.message().await.unwrap().is_some());
+        // The CA becomes unreachable; the SVID expires.
+        *h.issuer.fail.lock().unwrap() = Some(Code::Unavailable);
+        let status = svids.message().await.unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert!(status.message().contains("expired"), "{status:?}");
+        // New callers are refused at once, not served the expired SVID.
+        let mut again = SpiffeWorkloadApiClient::new(channel.clone())
+            .fetch_x509svid(with_header(X509svidRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        let status = again.message().await.unwrap_err();
+        assert!(status.message().contains("expired"), "{status:?}");
+        let mut sds = SecretDiscoveryServiceClient::new(channel);
+        let status = sds
+            .fetch_secrets(sds_request(&["default"]))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        // The bundle still is.
+        let roots = sds.fetch_secrets(sds_request(&["ROOTCA"])).await.unwrap();
+        assert_eq!(roots.into_inner().resources.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_refusal_by_the_ca_reaches_the_caller() {
+        let h = start(LONG, 16, ConnectionTimers::default(), |issuer| {
+            *issuer.fail.lock().unwrap() = Some(Code::PermissionDenied)
+        })
+        .await;
+        let channel = channel(&h.socket).await;
+        let mut svids = SpiffeWorkloadApiClient::new(channel.clone())
+            .fetch_x509svid(with_header(X509svidRequest {}))
+            .await
+            .unwrap()
+            .into_inner();
+        let status = tokio::time::timeout(WAIT, svids.message())
+            .await
+            .expect("an answer")
+            .unwrap_err();
+        assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+        assert!(status.message().contains(id("web").as_str()), "{status:?}");
+        let (requests, outbound) = tokio::sync::mpsc::channel(4);
+        requests.send(sds_request(&["default"])).await.unwrap();
+        let mut stream = SecretDiscoveryServiceClient::new(channel)
+            .stream_secrets(tokio_stream_of(outbound))
+            .await
+            .unwrap()
+            .into_inner();
+        let status = tokio::time::timeout(WAIT, stream.message())
+            .await
+            .expect("an answer")
+            .unwrap_err();
+        assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    }
+
+    #[tokio::test]
+    async fn unknown_secret_names_are_refused_naming_them() {
+        let h = start(LONG, 16, ConnectionTimers::default(), |_| {}).await;
+        let mut sds = SecretDiscoveryServiceClient::new(channel(&h.socket).await);
+        let status = sds
+            .fetch_secrets(sds_request(&["default", "bogus"]))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        assert!(status.message().contains("\"bogus\""), "{status:?}");
+        let (requests, outbound) = tokio::sync::mpsc::channel(4);
+        requests.send(sds_request(&["bogus"])).await.unwrap();
+        let mut stream = sds
+            .stream_secrets(tokio_stream_of(outbound))
+            .await
+            .unwrap()
+            .into_inner();
+        let status = stream.message().await.unwrap_err();
+        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+        // No names at all is every secret (Envoy's wildcard), as before.
+        let all = sds
+            .fetch_secrets(sds_request(&[]))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(all.resources.len(), 2);
+    }
+
+    #[test]
+    fn the_connection_cap_leaves_room_for_the_agents_own_files() {
+        assert_eq!(connection_cap(4096, Some(1024)), 1024 - FD_RESERVE as usize);
+        assert_eq!(connection_cap(4096, Some(1 << 20)), 4096);
+        assert_eq!(connection_cap(4096, None), 4096);
+        assert_eq!(connection_cap(4096, Some(10)), 1, "at least one");
+        assert_eq!(connection_cap(0, Some(1024)), 1);
+    }
 }

@@ -5,8 +5,18 @@
 //!   chain and the key;
 //! - `ROOTCA`, `ALL`, or the trust domain's ID (`spiffe://cluster.local`):
 //!   a `validation_context` whose `trusted_ca` holds every root;
-//! - any other name is left out of the answer (an empty answer, never an
-//!   error); no names at all means `default` and `ROOTCA`.
+//! - any other name fails the request with `INVALID_ARGUMENT` naming it
+//!   (as SPIRE's agent does; Envoy logs the status, where an answer
+//!   without the secret would be rejected as "missing resources" with
+//!   nothing in the agent's log); no names at all means `default` and
+//!   `ROOTCA`.
+//!
+//! Bundle names are answered at once (the roots are known from
+//! `--root-cert` before any certificate); a request that names the
+//! certificate waits for it (`FetchSecrets` up to `FIRST_SVID_WAIT`, then
+//! `UNAVAILABLE`). A certificate refused by the CA (`PERMISSION_DENIED`)
+//! or expired with no successor (`UNAVAILABLE`) ends the stream with that
+//! status; so does the agent stopping (`UNAVAILABLE`).
 //!
 //! Each response carries a new `version_info` and `nonce`. A request that
 //! names the last nonce is an ACK, or a NACK when it carries `error_detail`
@@ -28,9 +38,12 @@ use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_server
 use futures::StreamExt;
 use tonic::{Request, Response, Status, Streaming};
 
-use super::callers::{Callers, StreamLease};
-use super::credentials::Credentials;
-use super::spiffe_api::ResponseStream;
+use meshca_certs::SpiffeId;
+
+use super::callers::{shutting_down, Callers, StreamLease};
+use super::credentials::{Credentials, Roots};
+use super::feeds::{FeedState, SvidState};
+use super::spiffe_api::{not_ready, ResponseStream, FIRST_SVID_WAIT};
 
 /// The type URL of SDS resources.
 pub(crate) const SECRET_TYPE_URL: &str =
@@ -62,22 +75,73 @@ fn inline(bytes: &str) -> Option<DataSource> {
     })
 }
 
-/// The secret named `name` for `credentials`, if the name is one we answer to.
-pub(crate) fn secret_for(name: &str, credentials: &Credentials) -> Option<Secret> {
-    let trust_domain_id = credentials.spiffe_id.trust_domain().id_string();
-    let kind = if name == DEFAULT_CERT_NAME || name == credentials.spiffe_id.as_str() {
-        secret::Type::TlsCertificate(TlsCertificate {
-            certificate_chain: inline(&credentials.chain_pem),
-            private_key: inline(credentials.key_pem()),
-            ..Default::default()
-        })
-    } else if name == ROOT_CA_NAME || name == ALL_BUNDLES_NAME || name == trust_domain_id {
-        secret::Type::ValidationContext(CertificateValidationContext {
-            trusted_ca: inline(&credentials.roots_pem),
-            ..Default::default()
-        })
+/// What a secret name stands for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SecretKind {
+    /// The certificate and key (`default`, or the SPIFFE ID).
+    Certificate,
+    /// The trust bundle (`ROOTCA`, `ALL`, or the trust domain's ID).
+    Roots,
+}
+
+/// What `name` stands for, for a caller with `identity`; `None` for a
+/// name this agent does not serve.
+pub(crate) fn kind_of(name: &str, identity: &SpiffeId) -> Option<SecretKind> {
+    if name == DEFAULT_CERT_NAME || name == identity.as_str() {
+        Some(SecretKind::Certificate)
+    } else if name == ROOT_CA_NAME
+        || name == ALL_BUNDLES_NAME
+        || name == identity.trust_domain().id_string()
+    {
+        Some(SecretKind::Roots)
     } else {
-        return None;
+        None
+    }
+}
+
+/// What an answer is made of: the certificate (with its roots), or the
+/// roots alone when only bundle names were asked for.
+#[derive(Debug, Clone)]
+enum Material {
+    Certificate(Arc<Credentials>),
+    Roots(Arc<Roots>),
+}
+
+impl Material {
+    fn roots(&self) -> &Roots {
+        match self {
+            Self::Certificate(credentials) => &credentials.roots,
+            Self::Roots(roots) => roots,
+        }
+    }
+
+    /// Whether serving `self` after `other` is a change the client must see.
+    fn differs_from(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Certificate(a), Self::Certificate(b)) => a.differs_from(b),
+            (Self::Roots(a), Self::Roots(b)) => a != b,
+            _ => true,
+        }
+    }
+}
+
+/// The secret named `name`, if `material` has it.
+fn secret_for(name: &str, identity: &SpiffeId, material: &Material) -> Option<Secret> {
+    let kind = match (kind_of(name, identity)?, material) {
+        (SecretKind::Certificate, Material::Certificate(credentials)) => {
+            secret::Type::TlsCertificate(TlsCertificate {
+                certificate_chain: inline(&credentials.chain_pem),
+                private_key: inline(credentials.key_pem()),
+                ..Default::default()
+            })
+        }
+        (SecretKind::Certificate, Material::Roots(_)) => return None,
+        (SecretKind::Roots, material) => {
+            secret::Type::ValidationContext(CertificateValidationContext {
+                trusted_ca: inline(&material.roots().pem),
+                ..Default::default()
+            })
+        }
     };
     Some(Secret {
         name: name.to_string(),
@@ -85,21 +149,70 @@ pub(crate) fn secret_for(name: &str, credentials: &Credentials) -> Option<Secret
     })
 }
 
-/// The names a request asks for (none: the certificate and the bundle).
-fn requested_names(request: &DiscoveryRequest) -> Vec<String> {
+/// The names a request asks for (none: the certificate and the bundle),
+/// or `INVALID_ARGUMENT` naming those this agent does not serve (as
+/// SPIRE's agent answers them).
+fn requested_names(request: &DiscoveryRequest, identity: &SpiffeId) -> Result<Vec<String>, Status> {
     if request.resource_names.is_empty() {
-        vec![DEFAULT_CERT_NAME.to_string(), ROOT_CA_NAME.to_string()]
-    } else {
-        request.resource_names.clone()
+        return Ok(vec![
+            DEFAULT_CERT_NAME.to_string(),
+            ROOT_CA_NAME.to_string(),
+        ]);
+    }
+    let unknown: Vec<&str> = request
+        .resource_names
+        .iter()
+        .map(String::as_str)
+        .filter(|name| kind_of(name, identity).is_none())
+        .collect();
+    if !unknown.is_empty() {
+        return Err(Status::invalid_argument(format!(
+            "unknown secret names {unknown:?}: this agent serves {DEFAULT_CERT_NAME:?} or {:?} (the certificate) and {ROOT_CA_NAME:?}, {ALL_BUNDLES_NAME:?} or {:?} (the trust bundle)",
+            identity.as_str(),
+            identity.trust_domain().id_string()
+        )));
+    }
+    Ok(request.resource_names.clone())
+}
+
+/// Whether any of `names` is the certificate.
+fn wants_certificate(names: &[String], identity: &SpiffeId) -> bool {
+    names
+        .iter()
+        .any(|name| kind_of(name, identity) == Some(SecretKind::Certificate))
+}
+
+/// What `state` has for `names`: `Ok(None)` while the certificate they
+/// need is pending, an error when it will not come soon (refused,
+/// expired).
+fn material_for(
+    names: &[String],
+    identity: &SpiffeId,
+    state: &FeedState,
+) -> Result<Option<Material>, Status> {
+    if !wants_certificate(names, identity) {
+        return Ok(Some(Material::Roots(state.roots.clone())));
+    }
+    match &state.svid {
+        SvidState::Ready(credentials) => Ok(Some(Material::Certificate(credentials.clone()))),
+        SvidState::Pending { .. } => Ok(None),
+        other => Err(other
+            .failure()
+            .unwrap_or_else(|| Status::unavailable("no certificate to serve"))),
     }
 }
 
-fn response(names: &[String], credentials: &Credentials, version: u64) -> DiscoveryResponse {
+fn response(
+    names: &[String],
+    identity: &SpiffeId,
+    material: &Material,
+    version: u64,
+) -> DiscoveryResponse {
     DiscoveryResponse {
         version_info: version.to_string(),
         resources: names
             .iter()
-            .filter_map(|name| secret_for(name, credentials))
+            .filter_map(|name| secret_for(name, identity, material))
             .map(envoy_types::util::pack_any)
             .collect(),
         type_url: SECRET_TYPE_URL.to_string(),
@@ -125,8 +238,8 @@ struct SdsStream {
     lease: StreamLease,
     /// The names the client asked for last; `None` before its first request.
     names: Option<Vec<String>>,
-    /// The credentials last sent.
-    sent: Option<Arc<Credentials>>,
+    /// What was last sent.
+    sent: Option<Material>,
     /// The last version and nonce sent (they are the same number).
     version: u64,
     /// The client asked for something not answered yet.
@@ -141,17 +254,25 @@ enum Step {
 
 impl SdsStream {
     async fn next(&mut self) -> Step {
-        let mut credentials = self.lease.feed.credentials();
+        let mut state = self.lease.feed.state();
+        let identity = self.lease.feed.identity().clone();
         loop {
-            let current = credentials.borrow_and_update().clone();
-            if let (Some(names), Some(current)) = (&self.names, current) {
-                let changed = self.sent.as_deref().is_none_or(|s| current.differs_from(s));
-                if self.owed || changed {
-                    self.owed = false;
-                    self.version += 1;
-                    self.sent = Some(current.clone());
-                    tracing::debug!(identity = %current.spiffe_id, serial = %current.serial_hex, version = self.version, "SDS push");
-                    return Step::Send(response(names, &current, self.version));
+            let current = state.borrow_and_update().clone();
+            if let Some(names) = &self.names {
+                let material = match material_for(names, &identity, &current) {
+                    Ok(material) => material,
+                    Err(status) => return Step::Fail(status),
+                };
+                if let Some(material) = material {
+                    let changed = self.sent.as_ref().is_none_or(|s| material.differs_from(s));
+                    if self.owed || changed {
+                        self.owed = false;
+                        self.version += 1;
+                        let answer = response(names, &identity, &material, self.version);
+                        tracing::debug!(identity = %identity, version = self.version, resources = answer.resources.len(), "SDS push");
+                        self.sent = Some(material);
+                        return Step::Send(answer);
+                    }
                 }
             }
             tokio::select! {
@@ -177,16 +298,22 @@ impl SdsStream {
                         );
                         continue;
                     }
-                    let names = requested_names(&request);
                     if let Some(error) = &request.error_detail {
                         tracing::warn!(
-                            identity = %self.lease.feed.identity(),
+                            identity = %identity,
                             nonce = %request.response_nonce,
                             code = error.code,
                             error = %error.message,
                             "Envoy rejected the secrets (NACK); the next change will be pushed"
                         );
                     }
+                    let names = match requested_names(&request, &identity) {
+                        Ok(names) => names,
+                        Err(status) => {
+                            tracing::warn!(identity = %identity, names = ?request.resource_names, "SDS request for unknown secret names refused");
+                            return Step::Fail(status);
+                        }
+                    };
                     if self.names.as_ref() != Some(&names) {
                         // The first request, or new names: answer now.
                         self.names = Some(names);
@@ -197,11 +324,12 @@ impl SdsStream {
                         self.owed = true;
                     }
                 }
-                changed = credentials.changed() => {
+                changed = state.changed() => {
                     if changed.is_err() {
-                        return Step::End;
+                        return Step::Fail(shutting_down());
                     }
                 }
+                () = self.lease.stopped() => return Step::Fail(shutting_down()),
             }
         }
     }
@@ -253,19 +381,31 @@ impl SecretDiscoveryService for SdsService {
     ) -> Result<Response<DiscoveryResponse>, Status> {
         let identity = self.callers.identity_of(&request).await?;
         check_type(request.get_ref())?;
-        let lease = self.callers.lease(&identity)?;
-        let mut credentials = lease.feed.credentials();
-        // Wait for the first certificate (bounded by the caller's deadline).
-        let current = loop {
-            if let Some(current) = credentials.borrow_and_update().clone() {
-                break current;
+        let names = requested_names(request.get_ref(), &identity)?;
+        let mut lease = self.callers.lease(&identity)?;
+        let mut state = lease.feed.state();
+        // The roots are there at once; a certificate is waited for up to
+        // FIRST_SVID_WAIT.
+        let deadline = tokio::time::Instant::now() + FIRST_SVID_WAIT;
+        let material = loop {
+            let current = state.borrow_and_update().clone();
+            if let Some(material) = material_for(&names, &identity, &current)? {
+                break material;
             }
-            credentials
-                .changed()
-                .await
-                .map_err(|_| Status::unavailable("the agent is shutting down"))?;
+            tokio::select! {
+                changed = state.changed() => {
+                    changed.map_err(|_| shutting_down())?;
+                }
+                () = tokio::time::sleep_until(deadline) => {
+                    let last_error = match &state.borrow().svid {
+                        SvidState::Pending { last_error } => last_error.clone(),
+                        _ => None,
+                    };
+                    return Err(not_ready(&identity, last_error.as_deref()));
+                }
+                () = lease.stopped() => return Err(shutting_down()),
+            }
         };
-        let names = requested_names(request.get_ref());
-        Ok(Response::new(response(&names, &current, 1)))
+        Ok(Response::new(response(&names, &identity, &material, 1)))
     }
 }

@@ -14,7 +14,6 @@ use futures::Stream;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tonic::transport::server::Connected;
 
 use super::attest::{pod_uid_of_pid, PodUidLookup};
 
@@ -121,11 +120,10 @@ pub(crate) struct CallerConnection {
     _slot: OwnedSemaphorePermit,
 }
 
-impl Connected for CallerConnection {
-    type ConnectInfo = CallerInfo;
-
-    fn connect_info(&self) -> CallerInfo {
-        self.info.clone()
+impl CallerConnection {
+    /// Who is on the other end.
+    pub(crate) fn info(&self) -> &CallerInfo {
+        &self.info
     }
 }
 
@@ -169,14 +167,53 @@ impl AsyncWrite for CallerConnection {
     }
 }
 
-/// Accepts connections forever, at most `max_connections` open at once
-/// (accepting waits for a slot), recording each caller's credentials and,
-/// when `proc_root` is given (node mode), its pod UID.
+/// File descriptors the connection cap leaves to the agent itself: the
+/// token file, the root file, its connections to the CA and the
+/// Kubernetes API, the listener, the runtime's own.
+pub const FD_RESERVE: u64 = 64;
+
+/// The most connections the socket takes at once: `configured`, but no
+/// more than the soft limit of open files (`soft_limit`, `None` if
+/// unknown) leaves after [`FD_RESERVE`]; at least 1.
+pub fn connection_cap(configured: usize, soft_limit: Option<u64>) -> usize {
+    let configured = configured.max(1);
+    match soft_limit {
+        Some(limit) => {
+            let room = usize::try_from(limit.saturating_sub(FD_RESERVE)).unwrap_or(usize::MAX);
+            configured.min(room).max(1)
+        }
+        None => configured,
+    }
+}
+
+/// Raises the soft limit of open files (`RLIMIT_NOFILE`) to the hard
+/// limit, as the Go runtime does for SPIRE's agent, and returns the soft
+/// limit in force (`None` if it cannot be read). A failure to raise it
+/// keeps the old one.
+pub fn raise_open_files_limit() -> Option<u64> {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource, RLIM_INFINITY};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).ok()?;
+    // An infinite hard limit cannot be the soft limit of open files on
+    // Linux (it is capped by fs.nr_open): keep the soft one then.
+    if hard != RLIM_INFINITY && hard > soft {
+        match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => return Some(hard),
+            Err(e) => {
+                tracing::debug!(error = %e, soft, hard, "cannot raise the open-files limit");
+            }
+        }
+    }
+    (soft != RLIM_INFINITY).then_some(soft)
+}
+
+/// Accepts connections until dropped, at most `max_connections` open at
+/// once (accepting waits for a slot), recording each caller's credentials
+/// and, when `proc_root` is given (node mode), its pod UID.
 pub(crate) fn accept_callers(
     listener: UnixListener,
     max_connections: usize,
     proc_root: Option<PathBuf>,
-) -> impl Stream<Item = Result<CallerConnection, io::Error>> {
+) -> impl Stream<Item = CallerConnection> {
     let slots = Arc::new(Semaphore::new(max_connections.max(1)));
     futures::stream::unfold(
         (listener, slots, proc_root),
@@ -204,10 +241,7 @@ pub(crate) fn accept_callers(
                             info,
                             _slot: slot,
                         };
-                        return Some((
-                            Ok::<_, io::Error>(connection),
-                            (listener, slots, proc_root),
-                        ));
+                        return Some((connection, (listener, slots, proc_root)));
                     }
                     Err(e) => {
                         // Out of file descriptors and the like: wait a little

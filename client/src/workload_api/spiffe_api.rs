@@ -1,13 +1,16 @@
 //! The SPIFFE Workload API (`SpiffeWorkloadAPI`): X.509-SVIDs and bundles as
-//! streams that send the current state at once (or as soon as the first
-//! certificate arrives) and again on every rotation and bundle change.
-//! The JWT methods answer `UNIMPLEMENTED`.
+//! streams that send the current state at once (the SVID as soon as the
+//! first certificate arrives, within [`FIRST_SVID_WAIT`]) and again on
+//! every rotation and bundle change. An SVID is never served past its
+//! notAfter. The JWT methods answer `UNIMPLEMENTED`.
 
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures::Stream;
+use meshca_certs::SpiffeId;
 use meshca_proto::spiffe_workload::spiffe_workload_api_server::SpiffeWorkloadApi;
 use meshca_proto::spiffe_workload::{
     JwtBundlesRequest, JwtBundlesResponse, JwtsvidRequest, JwtsvidResponse, ValidateJwtsvidRequest,
@@ -15,10 +18,12 @@ use meshca_proto::spiffe_workload::{
     X509svidResponse,
 };
 use meshca_proto::WORKLOAD_API_HEADER;
+use tokio::time::Instant;
 use tonic::{Request, Response, Status};
 
-use super::callers::{Callers, StreamLease};
-use super::credentials::Credentials;
+use super::callers::{shutting_down, Callers, StreamLease};
+use super::credentials::{Credentials, Roots};
+use super::feeds::SvidState;
 
 /// A stream of responses to one caller.
 pub(crate) type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -47,26 +52,105 @@ fn check_header<T>(request: &Request<T>) -> Result<(), Status> {
     }
 }
 
-/// The credentials of `lease`'s identity: the current ones as soon as
-/// there are any, then each that `changed(previous, next)` calls a change.
-/// The stream holds the lease, so closing it frees the slot and the feed.
-pub(crate) fn credential_updates(
+/// How long `FetchX509SVID` and SDS's `FetchSecrets` wait for an
+/// identity's first certificate before answering `UNAVAILABLE` (the
+/// client retries with backoff; the fetch goes on meanwhile).
+pub(crate) const FIRST_SVID_WAIT: Duration = Duration::from_secs(5);
+
+/// The unavailable status of an identity with no certificate yet.
+pub(crate) fn not_ready(identity: &SpiffeId, last_error: Option<&str>) -> Status {
+    Status::unavailable(match last_error {
+        Some(error) => {
+            format!("no certificate for {identity} yet; the last attempt failed: {error}")
+        }
+        None => format!("no certificate for {identity} yet; retry shortly"),
+    })
+}
+
+/// The certificates of `lease`'s identity: the current one as soon as
+/// there is one, then each change (a new certificate or new roots). Ends
+/// with `UNAVAILABLE` when no certificate has come [`FIRST_SVID_WAIT`]
+/// after the call, when the certificate expires with no successor, or
+/// when the agent stops; with `PERMISSION_DENIED` when the CA refuses the
+/// identity. The stream holds the lease, so closing it frees the slot and
+/// the feed.
+pub(crate) fn svid_updates(
     lease: StreamLease,
-    changed: fn(&Credentials, &Credentials) -> bool,
-) -> impl Stream<Item = Arc<Credentials>> + Send {
-    let receiver = lease.feed.credentials();
+) -> impl Stream<Item = Result<Arc<Credentials>, Status>> + Send {
+    let receiver = lease.feed.state();
+    let deadline = Instant::now() + FIRST_SVID_WAIT;
     futures::stream::unfold(
-        (receiver, None::<Arc<Credentials>>, lease),
-        move |(mut receiver, last, lease)| async move {
+        Some((receiver, None::<Arc<Credentials>>, lease)),
+        move |state| async move {
+            let (mut receiver, last, mut lease) = state?;
             loop {
-                let current = receiver.borrow_and_update().clone();
-                if let Some(current) = current {
-                    if last.as_deref().is_none_or(|l| changed(l, &current)) {
-                        return Some((current.clone(), (receiver, Some(current), lease)));
+                let current = receiver.borrow_and_update().svid.clone();
+                match &current {
+                    SvidState::Ready(credentials) => {
+                        if last.as_deref().is_none_or(|l| credentials.differs_from(l)) {
+                            let credentials = credentials.clone();
+                            return Some((
+                                Ok(credentials.clone()),
+                                Some((receiver, Some(credentials), lease)),
+                            ));
+                        }
+                    }
+                    SvidState::Pending { last_error } => {
+                        if last.is_none() && Instant::now() >= deadline {
+                            let status = not_ready(lease.feed.identity(), last_error.as_deref());
+                            return Some((Err(status), None));
+                        }
+                    }
+                    other => {
+                        if let Some(status) = other.failure() {
+                            return Some((Err(status), None));
+                        }
                     }
                 }
-                if receiver.changed().await.is_err() {
-                    return None;
+                let first_wait = async {
+                    if last.is_none() {
+                        tokio::time::sleep_until(deadline).await;
+                    } else {
+                        std::future::pending::<()>().await;
+                    }
+                };
+                tokio::select! {
+                    changed = receiver.changed() => {
+                        if changed.is_err() {
+                            return Some((Err(shutting_down()), None));
+                        }
+                    }
+                    () = first_wait => {}
+                    () = lease.stopped() => return Some((Err(shutting_down()), None)),
+                }
+            }
+        },
+    )
+}
+
+/// The roots of `lease`'s identity: at once (they are known before any
+/// certificate), then on each change. Ends with `UNAVAILABLE` when the
+/// agent stops.
+pub(crate) fn root_updates(
+    lease: StreamLease,
+) -> impl Stream<Item = Result<Arc<Roots>, Status>> + Send {
+    let receiver = lease.feed.state();
+    futures::stream::unfold(
+        Some((receiver, None::<Arc<Roots>>, lease)),
+        |state| async move {
+            let (mut receiver, last, mut lease) = state?;
+            loop {
+                let roots = receiver.borrow_and_update().roots.clone();
+                if last.as_deref() != Some(&*roots) {
+                    return Some((Ok(roots.clone()), Some((receiver, Some(roots), lease))));
+                }
+                tokio::select! {
+                    changed = receiver.changed() => {
+                        if changed.is_err() {
+                            return Some((Err(shutting_down()), None));
+                        }
+                    }
+                    () = lease.stopped() => return Some((Err(shutting_down()), None)),
                 }
             }
         },
@@ -74,11 +158,8 @@ pub(crate) fn credential_updates(
 }
 
 /// The Workload API's bundle map: the trust domain's ID to every root.
-fn bundles(credentials: &Credentials) -> HashMap<String, Vec<u8>> {
-    HashMap::from([(
-        credentials.spiffe_id.trust_domain().id_string(),
-        credentials.roots_der_concat(),
-    )])
+fn bundles(identity: &SpiffeId, roots: &Roots) -> HashMap<String, Vec<u8>> {
+    HashMap::from([(identity.trust_domain().id_string(), roots.der_concat())])
 }
 
 fn svid_response(credentials: &Credentials) -> X509svidResponse {
@@ -87,7 +168,7 @@ fn svid_response(credentials: &Credentials) -> X509svidResponse {
             spiffe_id: credentials.spiffe_id.to_string(),
             x509_svid: credentials.chain_der_concat(),
             x509_svid_key: credentials.key_pkcs8_der().to_vec(),
-            bundle: credentials.roots_der_concat(),
+            bundle: credentials.roots.der_concat(),
             hint: String::new(),
         }],
         crl: Vec::new(),
@@ -109,10 +190,7 @@ impl SpiffeWorkloadApi for WorkloadApiService {
         let identity = self.callers.identity_of(&request).await?;
         let lease = self.callers.lease(&identity)?;
         tracing::debug!(identity = %identity, "X.509-SVID stream opened");
-        let stream = futures::StreamExt::map(
-            credential_updates(lease, |old, new| new.differs_from(old)),
-            |c| Ok::<_, Status>(svid_response(&c)),
-        );
+        let stream = futures::StreamExt::map(svid_updates(lease), |c| c.map(|c| svid_response(&c)));
         Ok(Response::new(Box::pin(stream)))
     }
 
@@ -123,15 +201,12 @@ impl SpiffeWorkloadApi for WorkloadApiService {
         check_header(&request)?;
         let identity = self.callers.identity_of(&request).await?;
         let lease = self.callers.lease(&identity)?;
-        let stream = futures::StreamExt::map(
-            credential_updates(lease, |old, new| old.roots_der != new.roots_der),
-            |c| {
-                Ok::<_, Status>(X509BundlesResponse {
-                    crl: Vec::new(),
-                    bundles: bundles(&c),
-                })
-            },
-        );
+        let stream = futures::StreamExt::map(root_updates(lease), move |roots| {
+            roots.map(|roots| X509BundlesResponse {
+                crl: Vec::new(),
+                bundles: bundles(&identity, &roots),
+            })
+        });
         Ok(Response::new(Box::pin(stream)))
     }
 
