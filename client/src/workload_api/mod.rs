@@ -145,8 +145,13 @@ async fn serve_with(
         callers.clone(),
     )))
     .prepare();
-    let incoming = socket::accept_callers(listener, max_connections, config.proc_root.clone());
-    tokio::pin!(incoming);
+    // Boxed, not pinned on the stack, so that dropping it closes the
+    // listener before the connections are drained.
+    let mut incoming = Box::pin(socket::accept_callers(
+        listener,
+        max_connections,
+        config.proc_root.clone(),
+    ));
     tokio::pin!(shutdown);
     let (stopping_tx, stopping) = watch::channel(false);
     // One task per connection; at most `max_connections` (the accept
@@ -362,15 +367,15 @@ mod tests {
             assert_eq!(status.code(), Code::Unavailable, "{status:?}");
             assert!(status.message().contains("shutting down"), "{status:?}");
         }
+        assert!(
+            UnixStream::connect(&h.socket).await.is_err(),
+            "no longer accepting"
+        );
         tokio::time::timeout(grace + Duration::from_secs(5), &mut h.server)
             .await
             .expect("serve returns within the grace")
             .unwrap();
         assert!(started.elapsed() < grace + Duration::from_secs(5));
-        assert!(
-            UnixStream::connect(&h.socket).await.is_err(),
-            "no longer accepting"
-        );
         drop(requests);
     }
 
