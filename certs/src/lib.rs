@@ -15,7 +15,9 @@
 //! - [`inspect`]: what a certificate says;
 //! - [`pod_certificate`]: Kubernetes pod certificates: signer names, the
 //!   pod's key and its proof of possession, as kube-apiserver checks them;
-//! - [`token`]: Kubernetes-style service-account tokens and the local issuer.
+//! - [`token`]: Kubernetes-style service-account tokens and the local issuer;
+//! - `stream_activity` (feature `stream-activity`): how busy an HTTP/2
+//!   connection is, for the CA's and the agent's servers.
 //!
 //! Public is only what other crates use (`meshca-ca`, `meshca-client`, the
 //! `meshca-certs` CLI, the benchmarks, tests and fuzz targets) and the types
@@ -41,6 +43,8 @@ pub mod keys;
 pub mod pod_certificate;
 pub mod profile;
 pub mod spiffe;
+#[cfg(feature = "stream-activity")]
+pub mod stream_activity;
 pub mod token;
 pub mod verify;
 

@@ -1,114 +1,20 @@
-//! One gRPC connection's life: a tonic server of its
-//! own, so the connection can be told to go away (HTTP/2 GOAWAY) on its
-//! own account: when it has had no open stream for
-//! `--max-connection-idle`, besides at `--max-connection-age` and when the
-//! server drains.
+//! Counting a connection's requests: each is an open HTTP/2 stream of its
+//! connection ([`StreamActivity`], from which the connection is told to go
+//! away when it has had none for `--max-connection-idle`) and a place among
+//! the server's open requests ([`OpenRequests`], `--max-open-requests`),
+//! from its HEADERS until its answer's body is sent or dropped.
 
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use http::{Request, Response};
 use http_body_util::BodyExt;
-use tokio::sync::Notify;
-use tokio::time::Instant;
+use meshca_certs::stream_activity::StreamActivity;
 use tonic::codegen::{Body as HttpBody, Bytes, StdError};
 use tower::{Layer, Service};
-
-/// How many HTTP/2 streams (requests) of one connection are open, since
-/// when none has been, and a wake-up for each time that number leaves or
-/// reaches zero.
-#[derive(Debug)]
-pub(crate) struct StreamActivity {
-    open: AtomicUsize,
-    changed: Notify,
-    /// When this was made; `idle_since` counts from it.
-    made: Instant,
-    /// Milliseconds after `made` when the last stream closed (or, with
-    /// none yet, when the connection was set up).
-    idle_since: AtomicU64,
-}
-
-impl Default for StreamActivity {
-    fn default() -> Self {
-        Self {
-            open: AtomicUsize::new(0),
-            changed: Notify::new(),
-            made: Instant::now(),
-            idle_since: AtomicU64::new(0),
-        }
-    }
-}
-
-impl StreamActivity {
-    /// A stream opened: counted until the returned guard is dropped.
-    pub(crate) fn open(self: &Arc<Self>) -> OpenStream {
-        if self.open.fetch_add(1, Ordering::AcqRel) == 0 {
-            self.changed.notify_one();
-        }
-        OpenStream {
-            activity: self.clone(),
-        }
-    }
-
-    /// Streams open now.
-    pub(crate) fn open_streams(&self) -> usize {
-        self.open.load(Ordering::Acquire)
-    }
-
-    /// Counts the idle time from now (the connection is set up, or its
-    /// last stream closed).
-    pub(crate) fn mark_idle_from_now(&self) {
-        let since = Instant::now().saturating_duration_since(self.made);
-        let millis = u64::try_from(since.as_millis()).unwrap_or(u64::MAX);
-        self.idle_since.store(millis, Ordering::Release);
-    }
-
-    /// Since when no stream has been open, if none is open now.
-    pub(crate) fn idle_since(&self) -> Option<Instant> {
-        if self.open_streams() > 0 {
-            return None;
-        }
-        let millis = self.idle_since.load(Ordering::Acquire);
-        Some(self.made + Duration::from_millis(millis))
-    }
-
-    /// Completes once no stream has been open for `limit` in a row.
-    pub(crate) async fn idle_for(&self, limit: Duration) {
-        loop {
-            if self.open_streams() > 0 {
-                self.changed.notified().await;
-                continue;
-            }
-            tokio::select! {
-                () = tokio::time::sleep(limit) => {
-                    if self.open_streams() == 0 {
-                        return;
-                    }
-                }
-                () = self.changed.notified() => {}
-            }
-        }
-    }
-}
-
-/// One open stream; see [`StreamActivity::open`].
-#[derive(Debug)]
-pub(crate) struct OpenStream {
-    activity: Arc<StreamActivity>,
-}
-
-impl Drop for OpenStream {
-    fn drop(&mut self) {
-        if self.activity.open.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.activity.mark_idle_from_now();
-            self.activity.changed.notify_one();
-        }
-    }
-}
 
 /// Requests (HTTP/2 streams) open across every connection, and the most
 /// the server holds at once (`--max-open-requests`). Each open request
@@ -269,47 +175,6 @@ mod tests {
     use std::convert::Infallible;
 
     use super::*;
-
-    /// Whether `idle` has completed after the time advanced by `by`.
-    /// (Polled first, as the server's task is when woken: it takes in
-    /// what changed before the time moves.)
-    async fn done_after<F: Future<Output = ()>>(idle: &mut Pin<&mut F>, by: Duration) -> bool {
-        let _ = futures::poll!(idle.as_mut());
-        tokio::time::advance(by).await;
-        futures::poll!(idle.as_mut()).is_ready()
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn idle_counts_from_the_last_stream_closed() {
-        let activity = Arc::new(StreamActivity::default());
-        let limit = Duration::from_secs(60);
-        let idle = activity.idle_for(limit);
-        tokio::pin!(idle);
-        assert!(!done_after(&mut idle, Duration::from_secs(30)).await);
-        // A stream opens: however long it stays open, the connection is busy.
-        let first = activity.open();
-        let second = activity.open();
-        assert_eq!(activity.open_streams(), 2);
-        assert!(!done_after(&mut idle, Duration::from_secs(300)).await);
-        drop(first);
-        assert!(!done_after(&mut idle, Duration::from_secs(300)).await);
-        // The last one closes: idle from now, not from the first poll.
-        drop(second);
-        assert_eq!(activity.open_streams(), 0);
-        assert!(!done_after(&mut idle, Duration::from_secs(59)).await);
-        assert!(done_after(&mut idle, Duration::from_secs(2)).await);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_stream_that_opens_and_closes_restarts_the_idle_clock() {
-        let activity = Arc::new(StreamActivity::default());
-        let idle = activity.idle_for(Duration::from_secs(60));
-        tokio::pin!(idle);
-        assert!(!done_after(&mut idle, Duration::from_secs(50)).await);
-        drop(activity.open());
-        assert!(!done_after(&mut idle, Duration::from_secs(50)).await);
-        assert!(done_after(&mut idle, Duration::from_secs(11)).await);
-    }
 
     #[tokio::test(start_paused = true)]
     async fn a_stream_stays_open_until_its_answer_body_is_dropped() {

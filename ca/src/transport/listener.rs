@@ -14,6 +14,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::task::AtomicWaker;
+use meshca_certs::stream_activity::StreamActivity;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -22,7 +23,6 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::connection::StreamActivity;
 use crate::metrics::{IstioCounter, Metrics};
 
 /// Connections the kernel may hold completed but not yet accepted on the

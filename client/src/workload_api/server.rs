@@ -13,14 +13,14 @@
 //!   whatever the clients do.
 
 use std::convert::Infallible;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use tokio::sync::{watch, Notify};
+use meshca_certs::stream_activity::StreamActivity;
+use tokio::sync::watch;
 use tonic::body::Body;
 use tonic::codegen::http::{Request, Response};
 use tonic::service::Routes;
@@ -61,67 +61,6 @@ impl Default for ConnectionTimers {
             first_request: FIRST_REQUEST_TIMEOUT,
             idle: CONNECTION_IDLE_TIMEOUT,
             close_grace: CLOSE_GRACE,
-        }
-    }
-}
-
-/// The streams of one connection: how many are open, whether any has
-/// been, and a wake-up when the number leaves or reaches zero.
-#[derive(Debug, Default)]
-struct StreamActivity {
-    open: AtomicUsize,
-    seen: AtomicBool,
-    changed: Notify,
-}
-
-/// One open stream, counted until dropped.
-#[derive(Debug)]
-struct OpenStream(Arc<StreamActivity>);
-
-impl StreamActivity {
-    fn open(self: &Arc<Self>) -> OpenStream {
-        self.seen.store(true, Ordering::Release);
-        if self.open.fetch_add(1, Ordering::AcqRel) == 0 {
-            self.changed.notify_one();
-        }
-        OpenStream(self.clone())
-    }
-
-    fn open_streams(&self) -> usize {
-        self.open.load(Ordering::Acquire)
-    }
-
-    /// Completes if no request has arrived `limit` after this call.
-    async fn no_request_within(&self, limit: Duration) {
-        tokio::time::sleep(limit).await;
-        if self.seen.load(Ordering::Acquire) {
-            std::future::pending::<()>().await;
-        }
-    }
-
-    /// Completes once no stream has been open for `limit` in a row.
-    async fn idle_for(&self, limit: Duration) {
-        loop {
-            if self.open_streams() > 0 {
-                self.changed.notified().await;
-                continue;
-            }
-            tokio::select! {
-                () = tokio::time::sleep(limit) => {
-                    if self.open_streams() == 0 {
-                        return;
-                    }
-                }
-                () = self.changed.notified() => {}
-            }
-        }
-    }
-}
-
-impl Drop for OpenStream {
-    fn drop(&mut self) {
-        if self.0.open.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.changed.notify_one();
         }
     }
 }
