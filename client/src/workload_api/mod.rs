@@ -230,10 +230,13 @@ mod tests {
     use super::feeds::tests::{id, setup, TestIssuer};
     use super::*;
     use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
+    use envoy_types::pb::envoy::service::discovery::v3::DiscoveryResponse;
     use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client::SecretDiscoveryServiceClient;
     use hyper_util::rt::TokioIo;
     use meshca_proto::spiffe_workload::spiffe_workload_api_client::SpiffeWorkloadApiClient;
-    use meshca_proto::spiffe_workload::{X509BundlesRequest, X509svidRequest};
+    use meshca_proto::spiffe_workload::{
+        X509BundlesRequest, X509BundlesResponse, X509svidRequest, X509svidResponse,
+    };
     use std::path::Path;
     use std::sync::atomic::Ordering;
     use tokio::io::AsyncReadExt;
@@ -241,6 +244,7 @@ mod tests {
     use tokio::task::JoinHandle;
     use tonic::transport::{Channel, Endpoint};
     use tonic::Code;
+    use tonic::Streaming;
 
     /// A socket server over a test issuer, stopped by `stop`.
     struct Harness {
@@ -325,6 +329,44 @@ mod tests {
         }
     }
 
+    /// A FetchX509SVID stream on `channel`.
+    async fn svid_stream(channel: &Channel) -> Streaming<X509svidResponse> {
+        SpiffeWorkloadApiClient::new(channel.clone())
+            .fetch_x509svid(with_header(X509svidRequest {}))
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    /// A FetchX509Bundles stream on `channel`.
+    async fn bundle_stream(channel: &Channel) -> Streaming<X509BundlesResponse> {
+        SpiffeWorkloadApiClient::new(channel.clone())
+            .fetch_x509_bundles(with_header(X509BundlesRequest {}))
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    /// An SDS StreamSecrets stream on `channel` that has asked for
+    /// `names`, and the sender of its further requests (the stream ends
+    /// when it is dropped).
+    async fn secret_stream(
+        channel: &Channel,
+        names: &[&str],
+    ) -> (
+        tokio::sync::mpsc::Sender<DiscoveryRequest>,
+        Streaming<DiscoveryResponse>,
+    ) {
+        let (requests, mut outbound) = tokio::sync::mpsc::channel(4);
+        requests.send(sds_request(names)).await.unwrap();
+        let stream = SecretDiscoveryServiceClient::new(channel.clone())
+            .stream_secrets(futures::stream::poll_fn(move |cx| outbound.poll_recv(cx)))
+            .await
+            .unwrap()
+            .into_inner();
+        (requests, stream)
+    }
+
     const LONG: Duration = Duration::from_secs(3600);
     const WAIT: Duration = Duration::from_secs(20);
 
@@ -341,19 +383,9 @@ mod tests {
         let grace = Duration::from_millis(500);
         let mut h = start(LONG, 16, timers(LONG, LONG, grace), |_| {}).await;
         let channel = channel(&h.socket).await;
-        let mut svids = SpiffeWorkloadApiClient::new(channel.clone())
-            .fetch_x509svid(with_header(X509svidRequest {}))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut svids = svid_stream(&channel).await;
         assert!(svids.message().await.unwrap().is_some());
-        let (requests, outbound) = tokio::sync::mpsc::channel(4);
-        requests.send(sds_request(&["default"])).await.unwrap();
-        let mut sds = SecretDiscoveryServiceClient::new(channel)
-            .stream_secrets(tokio_stream_of(outbound))
-            .await
-            .unwrap()
-            .into_inner();
+        let (requests, mut sds) = secret_stream(&channel, &["default"]).await;
         assert_eq!(sds.message().await.unwrap().unwrap().resources.len(), 1);
         // A connection that never speaks, and one that never reads.
         let _silent = UnixStream::connect(&h.socket).await.unwrap();
@@ -378,13 +410,6 @@ mod tests {
         drop(requests);
     }
 
-    /// A stream of requests from a channel's receiver.
-    fn tokio_stream_of<T: Send + 'static>(
-        mut rx: tokio::sync::mpsc::Receiver<T>,
-    ) -> impl futures::Stream<Item = T> + Send + 'static {
-        futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
-    }
-
     #[tokio::test]
     async fn a_connection_that_sends_no_request_is_closed_and_frees_its_slot() {
         let first_request = Duration::from_millis(300);
@@ -394,11 +419,7 @@ mod tests {
         // A real client behind it gets in once the silent one is closed.
         let socket = h.socket.clone();
         let client = tokio::spawn(async move {
-            let mut bundles = SpiffeWorkloadApiClient::new(channel(&socket).await)
-                .fetch_x509_bundles(with_header(X509BundlesRequest {}))
-                .await
-                .unwrap()
-                .into_inner();
+            let mut bundles = bundle_stream(&channel(&socket).await).await;
             bundles.message().await.unwrap().unwrap()
         });
         // The agent's HTTP/2 SETTINGS, then the end.
@@ -449,11 +470,7 @@ mod tests {
         })
         .await;
         let channel = channel(&h.socket).await;
-        let mut bundles = SpiffeWorkloadApiClient::new(channel.clone())
-            .fetch_x509_bundles(with_header(X509BundlesRequest {}))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut bundles = bundle_stream(&channel).await;
         let answer = tokio::time::timeout(WAIT, bundles.message())
             .await
             .expect("the bundle at once")
@@ -463,20 +480,14 @@ mod tests {
             answer.bundles["spiffe://cluster.local"],
             h.issuer.ca.cert_der().to_vec()
         );
-        let mut sds = SecretDiscoveryServiceClient::new(channel);
+        let mut sds = SecretDiscoveryServiceClient::new(channel.clone());
         let fetched = tokio::time::timeout(WAIT, sds.fetch_secrets(sds_request(&["ROOTCA"])))
             .await
             .expect("ROOTCA at once")
             .unwrap()
             .into_inner();
         assert_eq!(fetched.resources.len(), 1);
-        let (requests, outbound) = tokio::sync::mpsc::channel(4);
-        requests.send(sds_request(&["ROOTCA"])).await.unwrap();
-        let mut stream = sds
-            .stream_secrets(tokio_stream_of(outbound))
-            .await
-            .unwrap()
-            .into_inner();
+        let (_requests, mut stream) = secret_stream(&channel, &["ROOTCA"]).await;
         let pushed = tokio::time::timeout(WAIT, stream.message())
             .await
             .expect("ROOTCA at once on a stream")
@@ -494,11 +505,7 @@ mod tests {
         .await;
         let channel = channel(&h.socket).await;
         let started = tokio::time::Instant::now();
-        let mut svids = SpiffeWorkloadApiClient::new(channel.clone())
-            .fetch_x509svid(with_header(X509svidRequest {}))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut svids = svid_stream(&channel).await;
         let status = svids.message().await.unwrap_err();
         assert_eq!(status.code(), Code::Unavailable, "{status:?}");
         assert!(status.message().contains("no certificate"), "{status:?}");
@@ -515,11 +522,7 @@ mod tests {
         let lifetime = Duration::from_secs(100);
         let h = start(lifetime, 16, ConnectionTimers::default(), |_| {}).await;
         let channel = channel(&h.socket).await;
-        let mut svids = SpiffeWorkloadApiClient::new(channel.clone())
-            .fetch_x509svid(with_header(X509svidRequest {}))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut svids = svid_stream(&channel).await;
         assert!(svids.message().await.unwrap().is_some());
         // The CA becomes unreachable; the SVID expires.
         *h.issuer.fail.lock().unwrap() = Some(Code::Unavailable);
@@ -527,11 +530,7 @@ mod tests {
         assert_eq!(status.code(), Code::Unavailable, "{status:?}");
         assert!(status.message().contains("expired"), "{status:?}");
         // New callers are refused at once, not served the expired SVID.
-        let mut again = SpiffeWorkloadApiClient::new(channel.clone())
-            .fetch_x509svid(with_header(X509svidRequest {}))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut again = svid_stream(&channel).await;
         let status = again.message().await.unwrap_err();
         assert!(status.message().contains("expired"), "{status:?}");
         let mut sds = SecretDiscoveryServiceClient::new(channel);
@@ -552,24 +551,14 @@ mod tests {
         })
         .await;
         let channel = channel(&h.socket).await;
-        let mut svids = SpiffeWorkloadApiClient::new(channel.clone())
-            .fetch_x509svid(with_header(X509svidRequest {}))
-            .await
-            .unwrap()
-            .into_inner();
+        let mut svids = svid_stream(&channel).await;
         let status = tokio::time::timeout(WAIT, svids.message())
             .await
             .expect("an answer")
             .unwrap_err();
         assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
         assert!(status.message().contains(id("web").as_str()), "{status:?}");
-        let (requests, outbound) = tokio::sync::mpsc::channel(4);
-        requests.send(sds_request(&["default"])).await.unwrap();
-        let mut stream = SecretDiscoveryServiceClient::new(channel)
-            .stream_secrets(tokio_stream_of(outbound))
-            .await
-            .unwrap()
-            .into_inner();
+        let (_requests, mut stream) = secret_stream(&channel, &["default"]).await;
         let status = tokio::time::timeout(WAIT, stream.message())
             .await
             .expect("an answer")
@@ -580,20 +569,15 @@ mod tests {
     #[tokio::test]
     async fn unknown_secret_names_are_refused_naming_them() {
         let h = start(LONG, 16, ConnectionTimers::default(), |_| {}).await;
-        let mut sds = SecretDiscoveryServiceClient::new(channel(&h.socket).await);
+        let channel = channel(&h.socket).await;
+        let mut sds = SecretDiscoveryServiceClient::new(channel.clone());
         let status = sds
             .fetch_secrets(sds_request(&["default", "bogus"]))
             .await
             .unwrap_err();
         assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
         assert!(status.message().contains("\"bogus\""), "{status:?}");
-        let (requests, outbound) = tokio::sync::mpsc::channel(4);
-        requests.send(sds_request(&["bogus"])).await.unwrap();
-        let mut stream = sds
-            .stream_secrets(tokio_stream_of(outbound))
-            .await
-            .unwrap()
-            .into_inner();
+        let (_requests, mut stream) = secret_stream(&channel, &["bogus"]).await;
         let status = stream.message().await.unwrap_err();
         assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
         // No names at all is every secret (Envoy's wildcard), as before.
