@@ -862,6 +862,8 @@ fn set_cgroup(proc_root: &Path, pid: u32, contents: &str) {
     std::fs::write(dir.join("cgroup"), contents).unwrap();
 }
 
+/// `--max-streams-per-pod` of the node-mode test.
+const MAX_PER_POD: usize = 3;
 const WEB_POD_UID: &str = "0f0e0d0c-1111-4222-8333-444455556666";
 const DB_POD_UID: &str = "7a7b7c7d-aaaa-4bbb-8ccc-dddddddddddd";
 const CONTAINER: &str = "3b1ad5e2c0f4a8b9c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4";
@@ -1024,6 +1026,8 @@ async fn node_mode_serves_each_pod_its_identity() {
             &proc_root.display().to_string(),
             "--workload-api-socket",
             &socket.display().to_string(),
+            "--max-streams-per-pod",
+            &MAX_PER_POD.to_string(),
         ],
     );
     wait_for_socket(&socket, &mut agent).await;
@@ -1038,7 +1042,7 @@ async fn node_mode_serves_each_pod_its_identity() {
          1:name=systemd:/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod{systemd_uid}.slice/cri-containerd-{CONTAINER}.scope\n"
     );
     let db = tokio::task::spawn_blocking({
-        let (socket, proc_root) = (socket.clone(), proc_root.clone());
+        let (socket, proc_root, db_cgroup) = (socket.clone(), proc_root.clone(), db_cgroup.clone());
         move || {
             let mut db = CallerProcess::start(&socket, "source", &proc_root, &db_cgroup);
             let first = db.next();
@@ -1074,6 +1078,66 @@ async fn node_mode_serves_each_pod_its_identity() {
     }
     // Both pods' sources still hold their own identities.
     check_source(&web, WEB);
+
+    // The web pod opens streams until its per-pod limit refuses one.
+    let raw = channel(&socket).await;
+    let mut held = Vec::new();
+    let refused = loop {
+        assert!(
+            held.len() < MAX_PER_POD,
+            "no per-pod limit: {} streams",
+            held.len()
+        );
+        let mut request = tonic::Request::new(X509svidRequest {});
+        request
+            .metadata_mut()
+            .insert("workload.spiffe.io", "true".parse().unwrap());
+        match SpiffeWorkloadApiClient::new(raw.clone())
+            .fetch_x509svid(request)
+            .await
+        {
+            Ok(mut stream) => match stream.get_mut().message().await {
+                Ok(_) => held.push(stream),
+                Err(status) => break status,
+            },
+            Err(status) => break status,
+        }
+    };
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(
+        refused.message().contains(WEB_POD_UID)
+            && refused.message().contains("--max-streams-per-pod"),
+        "{refused:?}"
+    );
+    // Its connections too: the source's and `raw` are two; one more is
+    // taken, the next is closed at once.
+    let _third = UnixStream::connect(&socket).await.unwrap();
+    let mut fourth = UnixStream::connect(&socket).await.unwrap();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(
+        Duration::from_secs(20),
+        tokio::io::AsyncReadExt::read(&mut fourth, &mut byte),
+    )
+    .await
+    .expect("the pod's extra connection is closed");
+    assert!(matches!(read, Ok(0)), "{read:?}");
+    // Another pod of the node is not locked out meanwhile.
+    let db_probe = {
+        let (socket, proc_root, cgroup) = (socket.clone(), proc_root.clone(), db_cgroup.clone());
+        tokio::task::spawn_blocking(move || {
+            CallerProcess::start(&socket, "probe", &proc_root, &cgroup).finish()
+        })
+        .await
+        .unwrap()
+    };
+    assert_eq!(db_probe, format!("SVID {DB}"), "{}", agent.log());
+    assert!(
+        agent.log().contains("the pod holds its most"),
+        "{}",
+        agent.log()
+    );
+    drop(held);
+
     let last = tokio::task::spawn_blocking(move || db.0.finish())
         .await
         .unwrap();

@@ -18,7 +18,7 @@ use meshca_client::caclient::{
 use meshca_client::output::write_credentials;
 use meshca_client::workload_api::{
     self, watch_node_pods, CallerPolicy, Callers, Feeds, NodePods, WorkloadApiConfig,
-    DEFAULT_BUNDLE_REFRESH, DEFAULT_MAX_STREAMS,
+    DEFAULT_BUNDLE_REFRESH, DEFAULT_MAX_STREAMS, DEFAULT_MAX_STREAMS_PER_POD,
 };
 use meshca_client::{CertManager, CertState, ManagerConfig};
 use tokio::sync::watch;
@@ -94,6 +94,10 @@ struct Args {
     /// Most streams open on the socket at once (also the most connections).
     #[arg(long, env = "MESHCA_MAX_STREAMS", default_value_t = DEFAULT_MAX_STREAMS, value_parser = parse_positive_count)]
     max_streams: usize,
+    /// Node mode: most connections one pod may hold open on the socket,
+    /// and most streams (callers outside any pod count as one pod).
+    #[arg(long, env = "MESHCA_MAX_STREAMS_PER_POD", default_value_t = DEFAULT_MAX_STREAMS_PER_POD, value_parser = parse_positive_count)]
+    max_streams_per_pod: usize,
     /// How often to check --root-cert for a new trust bundle to push.
     #[arg(long, env = "MESHCA_BUNDLE_REFRESH", value_parser = parse_positive_duration, default_value = DEFAULT_BUNDLE_REFRESH, allow_hyphen_values = true)]
     bundle_refresh: Duration,
@@ -233,10 +237,16 @@ async fn run(args: Args) -> anyhow::Result<()> {
         // Pinned: the configured identity is fetched now and kept managed
         // with no stream open.
         let pinned = feeds.get(&identity);
-        let callers = Callers::new(CallerPolicy::Pod(identity.clone()), feeds, args.max_streams);
+        let callers = Callers::new(
+            CallerPolicy::Pod(identity.clone()),
+            feeds,
+            args.max_streams,
+            args.max_streams_per_pod,
+        );
         let config = WorkloadApiConfig {
             socket: path.clone(),
             max_streams: args.max_streams,
+            max_streams_per_pod: args.max_streams_per_pod,
             proc_root: None,
         };
         tracing::info!(socket = %path.display(), identity = %identity, mode = "pod", "serving the Workload API and SDS");
@@ -336,10 +346,12 @@ async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
         },
         feeds,
         args.max_streams,
+        args.max_streams_per_pod,
     );
     let config = WorkloadApiConfig {
         socket: path.clone(),
         max_streams: args.max_streams,
+        max_streams_per_pod: args.max_streams_per_pod,
         proc_root: Some(args.proc_root.clone()),
     };
     tracing::info!(socket = %path.display(), node = %node, proc_root = %args.proc_root.display(), mode = "node", "serving the Workload API and SDS");
@@ -470,6 +482,7 @@ mod tests {
             ("--ttl", "0s"),
             ("--ttl", "-5s"),
             ("--max-streams", "0"),
+            ("--max-streams-per-pod", "0"),
         ] {
             let message = refusal(&[flag, value, "--spiffe-id", "spiffe://td/x"]);
             assert!(message.contains(flag), "{flag} {value}: {message}");

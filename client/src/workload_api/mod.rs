@@ -8,7 +8,8 @@
 //! - `node_pods`: node mode's watch of this node's pods ([`NodePods`],
 //!   [`watch_node_pods`]);
 //! - `callers`: who gets which identity ([`Callers`], [`CallerPolicy`]),
-//!   and the stream limit;
+//!   and the stream limits;
+//! - `per_pod`: node mode's limits on one pod's connections and streams;
 //! - `feeds`: one [`Feed`] of `credentials::Credentials` per identity over
 //!   the [`CertManager`](crate::CertManager) ([`Feeds`]);
 //! - `spiffe_api` and `sds`: the two gRPC services;
@@ -23,7 +24,10 @@
 //! while the client reads (HTTP/2 flow control bounds the rest). Closing a
 //! stream frees its slot, and the last stream of an identity frees its
 //! feed. Connections are bounded by the same number, and by the open-files
-//! limit ([`connection_cap`]); a connection must send its first request
+//! limit ([`connection_cap`]). In node mode one pod (or every caller in no
+//! pod, together) holds at most [`WorkloadApiConfig::max_streams_per_pod`]
+//! connections and as many streams, so that one pod cannot lock the node's
+//! other pods out. A connection must send its first request
 //! within [`FIRST_REQUEST_TIMEOUT`] and is closed after
 //! [`CONNECTION_IDLE_TIMEOUT`] without a stream. When the agent stops,
 //! streams end at once and connections are closed within [`CLOSE_GRACE`].
@@ -33,6 +37,7 @@ mod callers;
 mod credentials;
 mod feeds;
 mod node_pods;
+mod per_pod;
 mod sds;
 mod server;
 mod socket;
@@ -54,6 +59,7 @@ use crate::caclient::CaClient;
 pub use callers::{CallerPolicy, Callers};
 pub use feeds::{Feed, Feeds};
 pub use node_pods::{watch_node_pods, NodePods};
+pub use per_pod::DEFAULT_MAX_STREAMS_PER_POD;
 use server::ConnectionTimers;
 pub use server::{CLOSE_GRACE, CONNECTION_IDLE_TIMEOUT, FIRST_REQUEST_TIMEOUT};
 pub use socket::{bind, connection_cap, raise_open_files_limit, SocketError, FD_RESERVE};
@@ -73,6 +79,9 @@ pub struct WorkloadApiConfig {
     pub socket: PathBuf,
     /// Most streams open at once; also the most connections.
     pub max_streams: usize,
+    /// Node mode: most connections one pod may hold open (its streams are
+    /// bounded by [`Callers`]).
+    pub max_streams_per_pod: usize,
     /// Node mode: where `<pid>/cgroup` files are (normally `/proc`).
     pub proc_root: Option<PathBuf>,
 }
@@ -146,11 +155,14 @@ async fn serve_with(
     )))
     .prepare();
     // Boxed, so that dropping it below closes the listener.
-    let mut incoming = Box::pin(socket::accept_callers(
-        listener,
-        max_connections,
-        config.proc_root.clone(),
-    ));
+    let node = config
+        .proc_root
+        .clone()
+        .map(|proc_root| socket::NodeAttestation {
+            proc_root,
+            per_pod: per_pod::PerPodLimit::new(config.max_streams_per_pod),
+        });
+    let mut incoming = Box::pin(socket::accept_callers(listener, max_connections, node));
     tokio::pin!(shutdown);
     let (stopping_tx, stopping) = watch::channel(false);
     // One task per connection; at most `max_connections` (the accept
@@ -267,13 +279,14 @@ mod tests {
         before(&issuer);
         // Pinned, as pod mode's identity is: managed with no stream open.
         let pinned = feeds.get(&id("web"));
-        let callers = Callers::new(CallerPolicy::Pod(id("web")), feeds, 16);
+        let callers = Callers::new(CallerPolicy::Pod(id("web")), feeds, 16, 16);
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("agent.sock");
         let listener = bind(&socket).await.unwrap();
         let config = WorkloadApiConfig {
             socket: socket.clone(),
             max_streams: 16,
+            max_streams_per_pod: 16,
             proc_root: None,
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();

@@ -16,6 +16,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::attest::{pod_uid_of_pid, PodUidLookup};
+use super::per_pod::{PerPodLimit, PodKey, PodSlot};
 
 /// Mode of the socket file: every local user may connect. Who gets which
 /// identity is decided per caller (node mode) or by who can reach the
@@ -111,13 +112,21 @@ pub(crate) struct CallerInfo {
     pub(crate) pod_uid: Option<Arc<PodUidLookup>>,
 }
 
+impl CallerInfo {
+    /// Node mode: whom the per-pod limits count this caller as.
+    pub(crate) fn pod_key(&self) -> Option<PodKey> {
+        self.pod_uid.as_deref().map(PodKey::of)
+    }
+}
+
 /// An accepted connection with its caller's credentials; holds a
-/// connection slot until it closes.
+/// connection slot (and in node mode one of its pod's) until it closes.
 #[derive(Debug)]
 pub(crate) struct CallerConnection {
     io: UnixStream,
     info: CallerInfo,
     _slot: OwnedSemaphorePermit,
+    _pod_slot: Option<PodSlot>,
 }
 
 impl CallerConnection {
@@ -206,27 +215,38 @@ pub fn raise_open_files_limit() -> Option<u64> {
     (soft != RLIM_INFINITY).then_some(soft)
 }
 
+/// Node mode's attestation of callers: where their `<pid>/cgroup` files
+/// are, and the most connections one pod may hold.
+#[derive(Debug, Clone)]
+pub(crate) struct NodeAttestation {
+    /// Normally `/proc`.
+    pub(crate) proc_root: PathBuf,
+    /// Connections per pod.
+    pub(crate) per_pod: Arc<PerPodLimit>,
+}
+
 /// Accepts connections until dropped, at most `max_connections` open at
 /// once (accepting waits for a slot), recording each caller's credentials
-/// and, when `proc_root` is given (node mode), its pod UID.
+/// and, in node mode, its pod UID; a connection from a pod that holds its
+/// most connections already is closed at once.
 pub(crate) fn accept_callers(
     listener: UnixListener,
     max_connections: usize,
-    proc_root: Option<PathBuf>,
+    node: Option<NodeAttestation>,
 ) -> impl Stream<Item = CallerConnection> {
     let slots = Arc::new(Semaphore::new(max_connections.max(1)));
     futures::stream::unfold(
-        (listener, slots, proc_root),
-        |(listener, slots, proc_root)| async move {
+        (listener, slots, node),
+        |(listener, slots, node)| async move {
             let slot = slots.clone().acquire_owned().await.ok()?;
             loop {
                 match listener.accept().await {
                     Ok((io, _)) => {
                         let cred = io.peer_cred().ok();
                         let pid = cred.as_ref().and_then(|c| c.pid());
-                        let pod_uid = proc_root.as_ref().map(|root| {
+                        let pod_uid = node.as_ref().map(|node| {
                             Arc::new(match pid {
-                                Some(pid) => pod_uid_of_pid(root, pid),
+                                Some(pid) => pod_uid_of_pid(&node.proc_root, pid),
                                 None => PodUidLookup::NoPid,
                             })
                         });
@@ -235,13 +255,34 @@ pub(crate) fn accept_callers(
                             uid: cred.map(|c| c.uid()),
                             pod_uid,
                         };
+                        let pod_slot = match (&node, info.pod_key()) {
+                            (Some(node), Some(key)) => match node.per_pod.try_take(&key) {
+                                Some(pod_slot) => Some(pod_slot),
+                                None => {
+                                    if let Some(refused) = node.per_pod.refusals_to_log() {
+                                        tracing::warn!(
+                                            pid = ?info.pid,
+                                            caller = %key,
+                                            max_connections_per_pod = node.per_pod.max(),
+                                            refused,
+                                            "closed workload connections: the pod holds its most connections (--max-streams-per-pod)"
+                                        );
+                                    }
+                                    // Closed here; the slot serves the next.
+                                    drop(io);
+                                    continue;
+                                }
+                            },
+                            _ => None,
+                        };
                         tracing::debug!(pid = ?info.pid, uid = ?info.uid, "workload connected");
                         let connection = CallerConnection {
                             io,
                             info,
                             _slot: slot,
+                            _pod_slot: pod_slot,
                         };
-                        return Some((connection, (listener, slots, proc_root)));
+                        return Some((connection, (listener, slots, node)));
                     }
                     Err(e) => {
                         // Out of file descriptors and the like: wait a little
@@ -253,4 +294,82 @@ pub(crate) fn accept_callers(
             }
         },
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use futures::StreamExt;
+    use tokio::io::AsyncReadExt;
+
+    use super::*;
+
+    const UID: &str = "2c48913c-b29f-11e7-9350-020968147796";
+    const CONTAINER: &str = "9bca8d63d5fa610783847915bcff0ecac1273e5b4bed3f6fa1b07350e0135961";
+
+    /// A proc root in which this test process runs in pod `UID`.
+    fn proc_root_in_a_pod() -> tempfile::TempDir {
+        let root = tempfile::tempdir().unwrap();
+        let own = root.path().join(std::process::id().to_string());
+        std::fs::create_dir_all(&own).unwrap();
+        std::fs::write(
+            own.join("cgroup"),
+            format!("0::/kubepods/pod{UID}/{CONTAINER}\n"),
+        )
+        .unwrap();
+        root
+    }
+
+    #[tokio::test]
+    async fn a_pod_beyond_its_connections_is_closed_and_others_still_get_in() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let proc_root = proc_root_in_a_pod();
+        let per_pod = PerPodLimit::new(2);
+        let node = NodeAttestation {
+            proc_root: proc_root.path().to_path_buf(),
+            per_pod: per_pod.clone(),
+        };
+        let mut incoming = Box::pin(accept_callers(listener, 16, Some(node)));
+        // This process is the pod: two connections are taken.
+        let _one = UnixStream::connect(&path).await.unwrap();
+        let _two = UnixStream::connect(&path).await.unwrap();
+        let first = incoming.next().await.unwrap();
+        let second = incoming.next().await.unwrap();
+        assert_eq!(first.info().pod_key(), Some(PodKey::Pod(UID.into())));
+        assert_eq!(per_pod.held_by(&PodKey::Pod(UID.into())), 2);
+        // The third is closed at once, without taking a connection slot.
+        let mut third = UnixStream::connect(&path).await.unwrap();
+        let accepting = tokio::spawn(async move {
+            let next = incoming.next().await;
+            (next, incoming)
+        });
+        let mut buf = [0u8; 1];
+        let read = tokio::time::timeout(std::time::Duration::from_secs(10), third.read(&mut buf))
+            .await
+            .expect("the third connection is closed");
+        assert!(matches!(read, Ok(0)), "{read:?}");
+        // A connection closed gives its pod's place back.
+        drop(first);
+        let _four = UnixStream::connect(&path).await.unwrap();
+        let (next, _incoming) = tokio::time::timeout(std::time::Duration::from_secs(10), accepting)
+            .await
+            .expect("the fourth is accepted")
+            .unwrap();
+        assert!(next.is_some());
+        assert_eq!(per_pod.held_by(&PodKey::Pod(UID.into())), 2);
+        drop(second);
+    }
+
+    #[tokio::test]
+    async fn pod_mode_has_no_per_pod_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let listener = UnixListener::bind(&path).unwrap();
+        let mut incoming = Box::pin(accept_callers(listener, 16, None));
+        let _one = UnixStream::connect(&path).await.unwrap();
+        let connection = incoming.next().await.unwrap();
+        assert_eq!(connection.info().pod_key(), None);
+        assert_eq!(connection.info().pid, Some(std::process::id() as i32));
+    }
 }
