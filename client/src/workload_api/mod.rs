@@ -446,6 +446,52 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_client_that_ignores_its_goaway_is_cut_off_after_the_grace() {
+        let (idle, grace) = (Duration::from_millis(200), Duration::from_millis(600));
+        let h = start(LONG, 16, timers(LONG, idle, grace), |_| {}).await;
+        let mut raw = UnixStream::connect(&h.socket).await.unwrap();
+        // The HTTP/2 preface and an empty SETTINGS frame, then nothing:
+        // no request, no SETTINGS ACK, and no close after the GOAWAY.
+        let mut hello = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        hello.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+        tokio::io::AsyncWriteExt::write_all(&mut raw, &hello)
+            .await
+            .unwrap();
+        // Read the agent's frames as they come, noting when its GOAWAY
+        // (frame type 7) arrives and when the connection ends.
+        let mut bytes = Vec::new();
+        let mut goaway_at = None;
+        let ended_at = tokio::time::timeout(WAIT, async {
+            let mut chunk = [0u8; 1024];
+            loop {
+                let n = raw.read(&mut chunk).await.unwrap();
+                if n == 0 {
+                    return std::time::Instant::now();
+                }
+                bytes.extend_from_slice(&chunk[..n]);
+                let mut at = 0;
+                while bytes.len() >= at + 9 {
+                    let length = usize::from(bytes[at]) << 16
+                        | usize::from(bytes[at + 1]) << 8
+                        | usize::from(bytes[at + 2]);
+                    if bytes[at + 3] == 7 && goaway_at.is_none() {
+                        goaway_at = Some(std::time::Instant::now());
+                    }
+                    at += 9 + length;
+                }
+            }
+        })
+        .await
+        .expect("the connection is cut off");
+        let goaway_at = goaway_at.expect("a GOAWAY before the end");
+        let after = ended_at.duration_since(goaway_at);
+        assert!(
+            after >= grace - Duration::from_millis(50),
+            "cut off {after:?} after the GOAWAY, before the grace of {grace:?}"
+        );
+    }
+
+    #[tokio::test]
     async fn a_connection_without_streams_is_told_to_go_away() {
         let idle = Duration::from_millis(300);
         let h = start(
