@@ -152,11 +152,20 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async {
-        match cli.command {
-            Some(Command::MassRestart(args)) => mass_restart::run(args).await,
-            Some(Command::Attack(args)) => attack::run(args).await,
-            Some(Command::PodCertificates(args)) => pod_certificates::run(args).await,
-            None => load::run(cli.run).await,
+        let scenario = async {
+            match cli.command {
+                Some(Command::MassRestart(args)) => mass_restart::run(args).await,
+                Some(Command::Attack(args)) => attack::run(args).await,
+                Some(Command::PodCertificates(args)) => pod_certificates::run(args).await,
+                None => load::run(cli.run).await,
+            }
+        };
+        // On SIGTERM (`timeout`) or SIGINT the scenario is dropped, and
+        // with it the meshca server it started (killed on drop): no
+        // server is left running behind an interrupted benchmark.
+        tokio::select! {
+            result = scenario => result,
+            signal = interrupted() => Err(anyhow::anyhow!("interrupted by {signal}")),
         }
     });
     match result {
@@ -166,5 +175,21 @@ fn main() -> ExitCode {
             eprintln!("meshca-bench: error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Completes with the signal's name when SIGTERM or SIGINT arrives (never,
+/// if the handlers cannot be installed).
+async fn interrupted() -> &'static str {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => "SIGTERM",
+        _ = int.recv() => "SIGINT",
     }
 }
