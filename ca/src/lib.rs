@@ -15,8 +15,8 @@
 //!
 //! Around the request path: [`config`] parses the command line;
 //! `server_identity` issues and renews the server's own TLS certificate;
-//! `metrics` holds Istio's metrics; `rate_limited_log` keeps refusals
-//! from flooding the log; `rate_limit` bounds how often one
+//! `metrics` holds Istio's metrics (refusals are logged through
+//! `meshca_certs::rate_limited_log`, so they cannot flood the log); `rate_limit` bounds how often one
 //! identity gets a certificate; `reload` takes a changed `--ca-dir`
 //! into use; [`cluster`] keeps the root in a Secret, the bundle in every
 //! namespace, elects a leader and rotates the root; [`server`] starts it
@@ -56,7 +56,6 @@ pub(crate) mod heap_trim;
 pub(crate) mod metrics;
 pub(crate) mod monitoring;
 pub(crate) mod rate_limit;
-pub(crate) mod rate_limited_log;
 pub(crate) mod reload;
 pub mod server;
 pub(crate) mod server_identity;

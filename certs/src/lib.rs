@@ -16,8 +16,9 @@
 //! - [`pod_certificate`]: Kubernetes pod certificates: signer names, the
 //!   pod's key and its proof of possession, as kube-apiserver checks them;
 //! - [`token`]: Kubernetes-style service-account tokens and the local issuer;
-//! - `stream_activity` (feature `stream-activity`): how busy an HTTP/2
-//!   connection is, for the CA's and the agent's servers.
+//! - with the feature `serving`, what the CA's and the agent's servers
+//!   share: `stream_activity` (how busy an HTTP/2 connection is) and
+//!   `rate_limited_log` (one log line per interval for repeated refusals).
 //!
 //! Public is only what other crates use (`meshca-ca`, `meshca-client`, the
 //! `meshca-certs` CLI, the benchmarks, tests and fuzz targets) and the types
@@ -42,8 +43,10 @@ pub mod inspect;
 pub mod keys;
 pub mod pod_certificate;
 pub mod profile;
+#[cfg(feature = "serving")]
+pub mod rate_limited_log;
 pub mod spiffe;
-#[cfg(feature = "stream-activity")]
+#[cfg(feature = "serving")]
 pub mod stream_activity;
 pub mod token;
 pub mod verify;

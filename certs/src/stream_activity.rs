@@ -6,8 +6,9 @@
 //!
 //! A server counts each request as an open stream with
 //! [`StreamActivity::open`] and keeps the returned [`OpenStream`] for as
-//! long as the answer's body lives. Built with the `stream-activity`
-//! feature (it needs tokio's clock and `Notify`).
+//! long as the answer's body lives. Built with the feature `serving` (it
+//! needs tokio's clock and `Notify`), which `cargo test --workspace` turns
+//! on; alone: `cargo test -p meshca-certs --features serving`.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {

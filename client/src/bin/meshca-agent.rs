@@ -246,7 +246,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
         let config = WorkloadApiConfig {
             socket: path.clone(),
             max_streams: args.max_streams,
-            max_streams_per_pod: args.max_streams_per_pod,
             proc_root: None,
         };
         tracing::info!(socket = %path.display(), identity = %identity, mode = "pod", "serving the Workload API and SDS");
@@ -351,7 +350,6 @@ async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
     let config = WorkloadApiConfig {
         socket: path.clone(),
         max_streams: args.max_streams,
-        max_streams_per_pod: args.max_streams_per_pod,
         proc_root: Some(args.proc_root.clone()),
     };
     tracing::info!(socket = %path.display(), node = %node, proc_root = %args.proc_root.display(), mode = "node", "serving the Workload API and SDS");

@@ -6,19 +6,25 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use meshca_certs::rate_limited_log::RateLimitedLog;
 use meshca_certs::{SpiffeId, TrustDomain};
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
+
 use tonic::{Request, Status};
 
 use super::attest::PodUidLookup;
 use super::feeds::{Feed, Feeds};
 use super::node_pods::NodePods;
-use super::per_pod::{PerPodLimit, PodSlot};
+use super::per_pod::{Admission, PerPodLimits, PodKey, PodSlot};
 use super::socket::CallerInfo;
 
 /// How long node mode waits for a caller's pod to appear in the watch
 /// before refusing it (a container may call before its pod's event).
 pub(crate) const POD_APPEAR_WAIT: Duration = Duration::from_secs(2);
+/// Node mode: the most requests waiting at once for their pod to appear in
+/// the watch (each for up to [`POD_APPEAR_WAIT`]); one more is told to
+/// retry (`UNAVAILABLE`). A made-up pod UID waits too, so this is bounded.
+pub(crate) const MAX_POD_APPEAR_WAITERS: usize = 256;
 
 /// Which identity a caller gets.
 #[derive(Debug, Clone)]
@@ -41,8 +47,15 @@ pub struct Callers {
     feeds: Arc<Feeds>,
     streams: Arc<Semaphore>,
     max_streams: usize,
-    /// Node mode: streams per pod.
-    per_pod: Option<Arc<PerPodLimit>>,
+    /// Node mode: connections and streams per pod.
+    per_pod: Option<PerPodLimits>,
+    /// Node mode: requests waiting for their pod to appear.
+    pod_waiters: Semaphore,
+    /// Log lines of callers refused an identity (node mode), and of
+    /// streams refused at `max_streams`: one per interval, as any local
+    /// process can repeat them at will.
+    identity_refusals: RateLimitedLog,
+    stream_limit_refusals: RateLimitedLog,
     /// Turns true when the agent stops: every stream ends.
     closing: watch::Sender<bool>,
 }
@@ -76,8 +89,8 @@ impl StreamLease {
 impl Callers {
     /// Serves `policy`'s identities from `feeds`, at most `max_streams`
     /// streams at once and, in node mode, at most `max_streams_per_pod`
-    /// of them for one pod (pod mode has one pod: `max_streams` is its
-    /// limit).
+    /// connections and as many streams for one pod (pod mode has one pod:
+    /// `max_streams` is its limit, and `max_streams_per_pod` is unused).
     pub fn new(
         policy: CallerPolicy,
         feeds: Arc<Feeds>,
@@ -85,7 +98,7 @@ impl Callers {
         max_streams_per_pod: usize,
     ) -> Arc<Self> {
         let per_pod = match policy {
-            CallerPolicy::Node { .. } => Some(PerPodLimit::new(max_streams_per_pod)),
+            CallerPolicy::Node { .. } => Some(PerPodLimits::new(max_streams_per_pod)),
             CallerPolicy::Pod(_) => None,
         };
         Arc::new(Self {
@@ -94,6 +107,9 @@ impl Callers {
             streams: Arc::new(Semaphore::new(max_streams)),
             max_streams,
             per_pod,
+            pod_waiters: Semaphore::new(MAX_POD_APPEAR_WAITERS),
+            identity_refusals: RateLimitedLog::default(),
+            stream_limit_refusals: RateLimitedLog::default(),
             closing: watch::Sender::new(false),
         })
     }
@@ -120,7 +136,9 @@ impl Callers {
                 let uid = match lookup {
                     PodUidLookup::Pod { uid, .. } => uid,
                     PodUidLookup::NotInPod => {
-                        tracing::info!(pid, "refused a caller that is not in a pod");
+                        if let Some(unlogged) = self.identity_refusals.record() {
+                            tracing::info!(pid, unlogged, "refused a caller that is not in a pod");
+                        }
                         return Err(Status::permission_denied(format!(
                             "process {pid} does not run in a Kubernetes pod"
                         )));
@@ -131,7 +149,9 @@ impl Callers {
                         ))
                     }
                     PodUidLookup::Ambiguous(why) | PodUidLookup::Unreadable(why) => {
-                        tracing::info!(pid, reason = %why, "refused a caller whose pod is unclear");
+                        if let Some(unlogged) = self.identity_refusals.record() {
+                            tracing::info!(pid, reason = %why, unlogged, "refused a caller whose pod is unclear");
+                        }
                         return Err(Status::permission_denied(format!(
                             "cannot tell the pod of process {pid}: {why}"
                         )));
@@ -142,8 +162,21 @@ impl Callers {
                         "this node's pods are not listed from the Kubernetes API yet; retry shortly",
                     ));
                 }
-                let pod = pods.wait_for(uid, POD_APPEAR_WAIT).await.ok_or_else(|| {
-                    tracing::info!(pid, pod_uid = %uid, node = %pods.node(), "refused a caller whose pod is unknown");
+                let pod = match pods.get(uid) {
+                    Some(pod) => Some(pod),
+                    None => {
+                        let _waiting = self.pod_waiters.try_acquire().map_err(|_| {
+                            Status::unavailable(
+                                "too many callers wait for their pods to appear in this node's pod watch; retry shortly",
+                            )
+                        })?;
+                        pods.wait_for(uid, POD_APPEAR_WAIT).await
+                    }
+                };
+                let pod = pod.ok_or_else(|| {
+                    if let Some(unlogged) = self.identity_refusals.record() {
+                        tracing::info!(pid, pod_uid = %uid, node = %pods.node(), unlogged, "refused a caller whose pod is unknown");
+                    }
                     Status::permission_denied(format!(
                         "pod {uid} of process {pid} is not a pod of node {}",
                         pods.node()
@@ -161,6 +194,43 @@ impl Callers {
         }
     }
 
+    /// Node mode: whom the per-pod limits count `caller` as: its pod if
+    /// that is one of this node's pods as the watch lists them now,
+    /// otherwise every unattested caller together. `None` in pod mode.
+    fn pod_key(&self, caller: &CallerInfo) -> Option<PodKey> {
+        let CallerPolicy::Node { pods, .. } = &self.policy else {
+            return None;
+        };
+        Some(match caller.pod_uid.as_deref() {
+            Some(PodUidLookup::Pod { uid, .. }) if pods.contains(uid) => PodKey::Pod(uid.clone()),
+            _ => PodKey::Unattested,
+        })
+    }
+
+    /// A new connection from `caller`: in node mode it takes a place of
+    /// its pod's, or is refused when the pod holds its most.
+    pub(crate) fn admit_connection(&self, caller: &CallerInfo) -> Admission {
+        let (Some(per_pod), Some(key)) = (&self.per_pod, self.pod_key(caller)) else {
+            return Admission::Admitted(None);
+        };
+        let connections = &per_pod.connections;
+        match connections.try_take(&key) {
+            Some(slot) => Admission::Admitted(Some(slot)),
+            None => {
+                if let Some(unlogged) = connections.refusals.record() {
+                    tracing::warn!(
+                        pid = ?caller.pid,
+                        caller = %key,
+                        max_connections_per_pod = connections.max(),
+                        unlogged,
+                        "closed a workload connection: the pod holds its most connections, --max-streams-per-pod (unlogged: refusals of any pod since the last line)"
+                    );
+                }
+                Admission::Refused
+            }
+        }
+    }
+
     /// A stream slot (and in node mode one of the caller's pod) and the
     /// feed of `identity` for the stream `request` opens, or
     /// `RESOURCE_EXHAUSTED` when `max_streams` streams are open, or the
@@ -173,20 +243,26 @@ impl Callers {
         if *self.closing.borrow() {
             return Err(shutting_down());
         }
-        let pod_slot = match (&self.per_pod, caller_key(request)) {
-            (Some(per_pod), Some(key)) => Some(per_pod.try_take(&key).ok_or_else(|| {
-                if let Some(refused) = per_pod.refusals_to_log() {
-                    tracing::warn!(identity = %identity, caller = %key, max_streams_per_pod = per_pod.max(), refused, "refused streams: the pod holds its most streams");
-                }
-                Status::resource_exhausted(format!(
-                    "{key} has {} streams open, the most one pod may have on this agent (--max-streams-per-pod); close some",
-                    per_pod.max()
-                ))
-            })?),
+        let caller = request.extensions().get::<CallerInfo>();
+        let pod_slot = match (&self.per_pod, caller.and_then(|c| self.pod_key(c))) {
+            (Some(per_pod), Some(key)) => {
+                let streams = &per_pod.streams;
+                Some(streams.try_take(&key).ok_or_else(|| {
+                    if let Some(unlogged) = streams.refusals.record() {
+                        tracing::warn!(identity = %identity, caller = %key, max_streams_per_pod = streams.max(), unlogged, "refused a stream: the pod holds its most streams (unlogged: refusals of any pod since the last line)");
+                    }
+                    Status::resource_exhausted(format!(
+                        "{key} has {} streams open, the most one pod may have on this agent (--max-streams-per-pod); close some",
+                        streams.max()
+                    ))
+                })?)
+            }
             _ => None,
         };
         let slot = self.streams.clone().try_acquire_owned().map_err(|_| {
-            tracing::warn!(identity = %identity, max_streams = self.max_streams, "refused a stream: the stream limit is reached");
+            if let Some(unlogged) = self.stream_limit_refusals.record() {
+                tracing::warn!(identity = %identity, max_streams = self.max_streams, unlogged, "refused a stream: the stream limit is reached");
+            }
             Status::resource_exhausted(format!(
                 "{} streams are open, the most this agent serves (--max-streams)",
                 self.max_streams
@@ -201,14 +277,11 @@ impl Callers {
     }
 }
 
-/// Whom the per-pod limits count the caller of `request` as.
-fn caller_key<T>(request: &Request<T>) -> Option<super::per_pod::PodKey> {
-    request.extensions().get::<CallerInfo>()?.pod_key()
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
+
+    use tonic::Code;
 
     use super::super::feeds::tests::{id, setup};
     use super::*;
@@ -216,12 +289,16 @@ mod tests {
     /// A request from a caller whose pod lookup found `lookup`.
     fn request_from(lookup: PodUidLookup) -> Request<()> {
         let mut request = Request::new(());
-        request.extensions_mut().insert(CallerInfo {
+        request.extensions_mut().insert(caller(lookup));
+        request
+    }
+
+    fn caller(lookup: PodUidLookup) -> CallerInfo {
+        CallerInfo {
             pid: Some(7),
             uid: Some(1000),
             pod_uid: Some(Arc::new(lookup)),
-        });
-        request
+        }
     }
 
     fn in_pod(uid: &str) -> PodUidLookup {
@@ -231,19 +308,32 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn in_node_mode_one_pod_holds_at_most_its_streams() {
+    /// Node mode on node-a, whose pods are `a` and `b` (service account
+    /// `web`), at most `per_pod` connections and streams per pod.
+    fn node_callers(per_pod: usize) -> Arc<Callers> {
         let (_issuer, feeds, _bundle) = setup(Duration::from_secs(3600));
         let policy = CallerPolicy::Node {
             trust_domain: TrustDomain::new("cluster.local").unwrap(),
-            pods: NodePods::new("node-a"),
+            pods: NodePods::synced_with("node-a", &[("a", "test", "web"), ("b", "test", "web")]),
         };
-        let callers = Callers::new(policy, feeds, 16, 2);
+        Callers::new(policy, feeds, 16, per_pod)
+    }
+
+    fn admitted(admission: Admission) -> Option<PodSlot> {
+        match admission {
+            Admission::Admitted(slot) => slot,
+            Admission::Refused => panic!("refused"),
+        }
+    }
+
+    #[tokio::test]
+    async fn in_node_mode_one_pod_holds_at_most_its_streams() {
+        let callers = node_callers(2);
         let web = id("web");
         let first = callers.lease(&request_from(in_pod("a")), &web).unwrap();
         let _second = callers.lease(&request_from(in_pod("a")), &web).unwrap();
         let refused = callers.lease(&request_from(in_pod("a")), &web).unwrap_err();
-        assert_eq!(refused.code(), tonic::Code::ResourceExhausted);
+        assert_eq!(refused.code(), Code::ResourceExhausted);
         assert!(
             refused.message().contains("pod a")
                 && refused.message().contains("--max-streams-per-pod"),
@@ -257,9 +347,71 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn connections_count_by_the_nodes_pods_and_every_other_caller_together() {
+        let callers = node_callers(2);
+        let a: Vec<_> = (0..2)
+            .map(|_| admitted(callers.admit_connection(&caller(in_pod("a")))))
+            .collect();
+        assert!(a.iter().all(Option::is_some));
+        assert!(matches!(
+            callers.admit_connection(&caller(in_pod("a"))),
+            Admission::Refused
+        ));
+        // Made-up pod UIDs get no budget of their own: with a process
+        // outside any pod they share one, and pod b keeps its own.
+        let _made_up = admitted(callers.admit_connection(&caller(in_pod("made-up-1"))));
+        let _outside = admitted(callers.admit_connection(&caller(PodUidLookup::NotInPod)));
+        for lookup in [
+            in_pod("made-up-2"),
+            PodUidLookup::NotInPod,
+            PodUidLookup::Unreadable("gone".into()),
+        ] {
+            assert!(matches!(
+                callers.admit_connection(&caller(lookup)),
+                Admission::Refused
+            ));
+        }
+        assert!(admitted(callers.admit_connection(&caller(in_pod("b")))).is_some());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn callers_waiting_for_their_pods_to_appear_are_bounded() {
+        let callers = node_callers(2);
+        let not_yet = request_from(in_pod("not-yet"));
+        let mut waiting: Vec<_> = (0..MAX_POD_APPEAR_WAITERS)
+            .map(|_| Box::pin(callers.identity_of(&not_yet)))
+            .collect();
+        for waiter in &mut waiting {
+            assert!(futures::poll!(waiter.as_mut()).is_pending());
+        }
+        let status = callers.identity_of(&not_yet).await.unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert!(
+            status.message().contains("too many callers wait"),
+            "{status:?}"
+        );
+        // A caller whose pod is listed does not wait.
+        assert_eq!(
+            callers
+                .identity_of(&request_from(in_pod("a")))
+                .await
+                .unwrap(),
+            id("web")
+        );
+        // Each waiter is refused after its wait, and frees its place.
+        for waiter in waiting {
+            let status = waiter.await.unwrap_err();
+            assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+        }
+        let status = callers.identity_of(&not_yet).await.unwrap_err();
+        assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    }
+
+    #[tokio::test]
     async fn in_pod_mode_only_the_socket_limit_counts() {
         let (_issuer, feeds, _bundle) = setup(Duration::from_secs(3600));
         let callers = Callers::new(CallerPolicy::Pod(id("web")), feeds, 3, 1);
+        assert!(admitted(callers.admit_connection(&caller(in_pod("a")))).is_none());
         let leases: Vec<_> = (0..3)
             .map(|_| callers.lease(&request_from(in_pod("a")), &id("web")))
             .collect();

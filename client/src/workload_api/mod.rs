@@ -24,10 +24,11 @@
 //! while the client reads (HTTP/2 flow control bounds the rest). Closing a
 //! stream frees its slot, and the last stream of an identity frees its
 //! feed. Connections are bounded by the same number, and by the open-files
-//! limit ([`connection_cap`]). In node mode one pod (or every caller in no
-//! pod, together) holds at most [`WorkloadApiConfig::max_streams_per_pod`]
-//! connections and as many streams, so that one pod cannot lock the node's
-//! other pods out. A connection must send its first request
+//! limit ([`connection_cap`]). In node mode one pod (or every caller not
+//! attested to a pod of this node, together) holds at most the
+//! `max_streams_per_pod` given to [`Callers::new`] connections and as many
+//! streams, so that one pod cannot lock the node's other pods out. A
+//! connection must send its first request
 //! within [`FIRST_REQUEST_TIMEOUT`] and is closed after
 //! [`CONNECTION_IDLE_TIMEOUT`] without a stream. When the agent stops,
 //! streams end at once and connections are closed within [`CLOSE_GRACE`].
@@ -79,9 +80,6 @@ pub struct WorkloadApiConfig {
     pub socket: PathBuf,
     /// Most streams open at once; also the most connections.
     pub max_streams: usize,
-    /// Node mode: most connections one pod may hold open (its streams are
-    /// bounded by [`Callers`]).
-    pub max_streams_per_pod: usize,
     /// Node mode: where `<pid>/cgroup` files are (normally `/proc`).
     pub proc_root: Option<PathBuf>,
 }
@@ -155,13 +153,13 @@ async fn serve_with(
     )))
     .prepare();
     // Boxed, so that dropping it below closes the listener.
-    let node = config
-        .proc_root
-        .clone()
-        .map(|proc_root| socket::NodeAttestation {
+    let node = config.proc_root.clone().map(|proc_root| {
+        let callers = callers.clone();
+        socket::NodeAttestation {
             proc_root,
-            per_pod: per_pod::PerPodLimit::new(config.max_streams_per_pod),
-        });
+            admit: Arc::new(move |caller: &socket::CallerInfo| callers.admit_connection(caller)),
+        }
+    });
     let mut incoming = Box::pin(socket::accept_callers(listener, max_connections, node));
     tokio::pin!(shutdown);
     let (stopping_tx, stopping) = watch::channel(false);
@@ -286,7 +284,6 @@ mod tests {
         let config = WorkloadApiConfig {
             socket: socket.clone(),
             max_streams: 16,
-            max_streams_per_pod: 16,
             proc_root: None,
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -485,9 +482,11 @@ mod tests {
         .expect("the connection is cut off");
         let goaway_at = goaway_at.expect("a GOAWAY before the end");
         let after = ended_at.duration_since(goaway_at);
+        // Half the grace: this client may read the GOAWAY late on a busy
+        // machine, which shortens what it measures, never lengthens it.
         assert!(
-            after >= grace - Duration::from_millis(50),
-            "cut off {after:?} after the GOAWAY, before the grace of {grace:?}"
+            after >= grace / 2,
+            "cut off {after:?} after the GOAWAY, well before the grace of {grace:?}"
         );
     }
 

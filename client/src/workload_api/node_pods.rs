@@ -56,6 +56,14 @@ impl NodePods {
             .cloned()
     }
 
+    /// Whether the pod with this UID is on this node.
+    pub(crate) fn contains(&self, uid: &str) -> bool {
+        self.by_uid
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(uid)
+    }
+
     /// Whether the first list has arrived.
     pub(crate) fn is_synced(&self) -> bool {
         self.version.borrow().is_some()
@@ -82,6 +90,29 @@ impl NodePods {
     fn bump(&self) {
         self.version
             .send_modify(|v| *v = Some(v.map_or(0, |n| n.wrapping_add(1))));
+    }
+
+    /// Tests: a synced index of `node` holding these pods (UID, namespace,
+    /// service account).
+    #[cfg(test)]
+    pub(crate) fn synced_with(node: &str, pods: &[(&str, &str, &str)]) -> Arc<Self> {
+        let index = Self::new(node);
+        let pods: Vec<Pod> = pods
+            .iter()
+            .map(|(uid, namespace, service_account)| {
+                let mut pod = Pod::default();
+                pod.metadata.uid = Some(uid.to_string());
+                pod.metadata.namespace = Some(namespace.to_string());
+                pod.metadata.name = Some(format!("pod-{uid}"));
+                pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+                    service_account_name: Some(service_account.to_string()),
+                    ..Default::default()
+                });
+                pod
+            })
+            .collect();
+        index.replace(&pods);
+        index
     }
 
     fn replace(&self, pods: &[Pod]) {

@@ -4,52 +4,39 @@
 //! cannot lock the other pods of the node out of their identities.
 //!
 //! Callers are told apart by the pod UID read from their cgroups when
-//! their connection was accepted ([`PodKey`]). Pod mode has one pod behind
-//! the socket: its only limits are the socket's own.
+//! their connection was accepted, if that is a pod of this node as the
+//! pod watch knows it; every other caller (outside any pod, its pod not
+//! told, or a pod this node does not have) counts as one more pod
+//! ([`PodKey`]). Pod mode has one pod behind the socket: its only limits
+//! are the socket's own.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
 
-use tokio::time::Instant;
-
-use super::attest::PodUidLookup;
+use meshca_certs::rate_limited_log::RateLimitedLog;
 
 /// Default most connections, and most streams, one pod may hold open on
 /// the node agent's socket (`--max-streams-per-pod`). A sidecar opens a
 /// few (Envoy an SDS stream per secret, a SPIFFE library one or two).
 pub const DEFAULT_MAX_STREAMS_PER_POD: usize = 64;
 
-/// How often at most a refusal by a per-pod limit is logged; the ones in
-/// between are counted in the next line.
-const LOG_INTERVAL: Duration = Duration::from_secs(10);
-
 /// Whom a per-pod limit counts a caller as.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum PodKey {
     /// A caller in the pod with this UID.
     Pod(String),
-    /// Every caller that is in no pod, or whose pod could not be told
-    /// (they are refused an identity, but hold connections until then).
+    /// Every caller not attested to a pod of this node: outside any pod,
+    /// its pod not told, or a pod UID the watch does not list for this
+    /// node (they are refused an identity, or wait for their pod to
+    /// appear, and hold connections meanwhile).
     Unattested,
-}
-
-impl PodKey {
-    /// The key of a caller whose pod lookup is `lookup`.
-    pub(crate) fn of(lookup: &PodUidLookup) -> Self {
-        match lookup {
-            PodUidLookup::Pod { uid, .. } => PodKey::Pod(uid.clone()),
-            _ => PodKey::Unattested,
-        }
-    }
 }
 
 impl std::fmt::Display for PodKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             PodKey::Pod(uid) => write!(f, "pod {uid}"),
-            PodKey::Unattested => f.write_str("callers outside any pod"),
+            PodKey::Unattested => f.write_str("callers not attested to a pod of this node"),
         }
     }
 }
@@ -60,9 +47,37 @@ impl std::fmt::Display for PodKey {
 pub(crate) struct PerPodLimit {
     max: usize,
     held: Mutex<HashMap<PodKey, usize>>,
-    /// Refusals since the last one logged, and when that was.
-    refused_unlogged: AtomicU64,
-    last_logged: Mutex<Option<Instant>>,
+    /// The refusals' log lines (one per interval, of any pod).
+    pub(crate) refusals: RateLimitedLog,
+}
+
+/// Node mode's two per-pod limits, of one size.
+#[derive(Debug)]
+pub(crate) struct PerPodLimits {
+    /// Connections per pod.
+    pub(crate) connections: Arc<PerPodLimit>,
+    /// Streams per pod.
+    pub(crate) streams: Arc<PerPodLimit>,
+}
+
+impl PerPodLimits {
+    /// At most `max` connections and `max` streams per pod.
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            connections: PerPodLimit::new(max),
+            streams: PerPodLimit::new(max),
+        }
+    }
+}
+
+/// What the per-pod limit says of a new connection.
+#[derive(Debug)]
+pub(crate) enum Admission {
+    /// Taken; the connection holds its pod's place (none in pod mode) for
+    /// its life.
+    Admitted(Option<PodSlot>),
+    /// Its pod holds its most connections already: close it.
+    Refused,
 }
 
 /// One held place of a [`PerPodLimit`]; dropping it gives the place back.
@@ -78,8 +93,7 @@ impl PerPodLimit {
         Arc::new(Self {
             max: max.max(1),
             held: Mutex::new(HashMap::new()),
-            refused_unlogged: AtomicU64::new(0),
-            last_logged: Mutex::new(None),
+            refusals: RateLimitedLog::default(),
         })
     }
 
@@ -116,24 +130,6 @@ impl PerPodLimit {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .len()
-    }
-
-    /// Counts a refusal; returns how many refusals to log now (this one
-    /// and those not logged since), or `None` if one was logged less than
-    /// [`LOG_INTERVAL`] ago.
-    pub(crate) fn refusals_to_log(&self) -> Option<u64> {
-        let unlogged = self.refused_unlogged.fetch_add(1, Ordering::AcqRel) + 1;
-        let mut last = self
-            .last_logged
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let now = Instant::now();
-        if last.is_some_and(|at| now.saturating_duration_since(at) < LOG_INTERVAL) {
-            return None;
-        }
-        *last = Some(now);
-        self.refused_unlogged.fetch_sub(unlogged, Ordering::AcqRel);
-        Some(unlogged)
     }
 }
 
@@ -175,37 +171,5 @@ mod tests {
         assert!(limit.try_take(&pod("a")).is_some(), "a place given back");
         drop((b, outside));
         assert_eq!(limit.pods(), 1, "keys with nothing held are forgotten");
-    }
-
-    #[test]
-    fn callers_outside_pods_share_one_key() {
-        assert_eq!(PodKey::of(&PodUidLookup::NotInPod), PodKey::Unattested);
-        assert_eq!(PodKey::of(&PodUidLookup::NoPid), PodKey::Unattested);
-        assert_eq!(
-            PodKey::of(&PodUidLookup::Unreadable("gone".into())),
-            PodKey::Unattested
-        );
-        assert_eq!(
-            PodKey::of(&PodUidLookup::Pod {
-                uid: "u1".into(),
-                container: "c".into()
-            }),
-            pod("u1")
-        );
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn refusals_are_logged_at_most_once_per_interval_with_their_count() {
-        let limit = PerPodLimit::new(1);
-        assert_eq!(limit.refusals_to_log(), Some(1));
-        assert_eq!(limit.refusals_to_log(), None);
-        assert_eq!(limit.refusals_to_log(), None);
-        tokio::time::advance(LOG_INTERVAL).await;
-        assert_eq!(
-            limit.refusals_to_log(),
-            Some(3),
-            "this one and the two unlogged"
-        );
-        assert_eq!(limit.refusals_to_log(), None);
     }
 }

@@ -16,7 +16,7 @@ use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::attest::{pod_uid_of_pid, PodUidLookup};
-use super::per_pod::{PerPodLimit, PodKey, PodSlot};
+use super::per_pod::{Admission, PodSlot};
 
 /// Mode of the socket file: every local user may connect. Who gets which
 /// identity is decided per caller (node mode) or by who can reach the
@@ -110,13 +110,6 @@ pub(crate) struct CallerInfo {
     /// Node mode: the pod UID read from the peer's cgroups at accept time
     /// (before the PID could be reused).
     pub(crate) pod_uid: Option<Arc<PodUidLookup>>,
-}
-
-impl CallerInfo {
-    /// Node mode: whom the per-pod limits count this caller as.
-    pub(crate) fn pod_key(&self) -> Option<PodKey> {
-        self.pod_uid.as_deref().map(PodKey::of)
-    }
 }
 
 /// An accepted connection with its caller's credentials; holds a
@@ -216,13 +209,22 @@ pub fn raise_open_files_limit() -> Option<u64> {
 }
 
 /// Node mode's attestation of callers: where their `<pid>/cgroup` files
-/// are, and the most connections one pod may hold.
-#[derive(Debug, Clone)]
+/// are, and the admission of each new connection by its pod's limit
+/// (`Callers::admit_connection`).
+#[derive(Clone)]
 pub(crate) struct NodeAttestation {
     /// Normally `/proc`.
     pub(crate) proc_root: PathBuf,
-    /// Connections per pod.
-    pub(crate) per_pod: Arc<PerPodLimit>,
+    /// Admits or refuses a new connection, knowing its caller.
+    pub(crate) admit: Arc<dyn Fn(&CallerInfo) -> Admission + Send + Sync>,
+}
+
+impl std::fmt::Debug for NodeAttestation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodeAttestation")
+            .field("proc_root", &self.proc_root)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Accepts connections until dropped, at most `max_connections` open at
@@ -255,25 +257,14 @@ pub(crate) fn accept_callers(
                             uid: cred.map(|c| c.uid()),
                             pod_uid,
                         };
-                        let pod_slot = match (&node, info.pod_key()) {
-                            (Some(node), Some(key)) => match node.per_pod.try_take(&key) {
-                                Some(pod_slot) => Some(pod_slot),
-                                None => {
-                                    if let Some(refused) = node.per_pod.refusals_to_log() {
-                                        tracing::warn!(
-                                            pid = ?info.pid,
-                                            caller = %key,
-                                            max_connections_per_pod = node.per_pod.max(),
-                                            refused,
-                                            "closed workload connections: the pod holds its most connections (--max-streams-per-pod)"
-                                        );
-                                    }
-                                    // Closed here; the slot serves the next.
-                                    drop(io);
-                                    continue;
-                                }
-                            },
-                            _ => None,
+                        let pod_slot = match node.as_ref().map(|node| (node.admit)(&info)) {
+                            None => None,
+                            Some(Admission::Admitted(slot)) => slot,
+                            Some(Admission::Refused) => {
+                                // Closed here; the connection slot serves the next.
+                                drop(io);
+                                continue;
+                            }
                         };
                         tracing::debug!(pid = ?info.pid, uid = ?info.uid, "workload connected");
                         let connection = CallerConnection {
@@ -301,75 +292,108 @@ mod tests {
     use futures::StreamExt;
     use tokio::io::AsyncReadExt;
 
+    use super::super::per_pod::{PerPodLimit, PodKey};
     use super::*;
 
     const UID: &str = "2c48913c-b29f-11e7-9350-020968147796";
+    const OTHER_UID: &str = "7a7b7c7d-aaaa-4bbb-8ccc-dddddddddddd";
     const CONTAINER: &str = "9bca8d63d5fa610783847915bcff0ecac1273e5b4bed3f6fa1b07350e0135961";
 
-    /// A proc root in which this test process runs in pod `UID`.
-    fn proc_root_in_a_pod() -> tempfile::TempDir {
-        let root = tempfile::tempdir().unwrap();
-        let own = root.path().join(std::process::id().to_string());
+    /// Writes the cgroup file that makes this test process run in pod `uid`.
+    fn run_in_pod(proc_root: &Path, uid: &str) {
+        let own = proc_root.join(std::process::id().to_string());
         std::fs::create_dir_all(&own).unwrap();
         std::fs::write(
             own.join("cgroup"),
-            format!("0::/kubepods/pod{UID}/{CONTAINER}\n"),
+            format!("0::/kubepods/pod{uid}/{CONTAINER}\n"),
         )
         .unwrap();
-        root
+    }
+
+    /// Admission by `limit`, keyed by the pod UID the accept loop read.
+    fn admit_by(limit: Arc<PerPodLimit>) -> NodeAttestation {
+        NodeAttestation {
+            proc_root: PathBuf::new(),
+            admit: Arc::new(move |caller: &CallerInfo| {
+                let key = match caller.pod_uid.as_deref() {
+                    Some(PodUidLookup::Pod { uid, .. }) => PodKey::Pod(uid.clone()),
+                    _ => PodKey::Unattested,
+                };
+                match limit.try_take(&key) {
+                    Some(slot) => Admission::Admitted(Some(slot)),
+                    None => Admission::Refused,
+                }
+            }),
+        }
+    }
+
+    /// Whether `stream` is closed by the other end within a few seconds.
+    async fn closed(stream: &mut UnixStream) -> bool {
+        let mut buf = [0u8; 1];
+        matches!(
+            tokio::time::timeout(std::time::Duration::from_secs(10), stream.read(&mut buf)).await,
+            Ok(Ok(0))
+        )
     }
 
     #[tokio::test]
-    async fn a_pod_beyond_its_connections_is_closed_and_others_still_get_in() {
+    async fn a_pod_beyond_its_connections_is_closed_without_taking_a_slot() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agent.sock");
         let listener = UnixListener::bind(&path).unwrap();
-        let proc_root = proc_root_in_a_pod();
+        let proc_root = tempfile::tempdir().unwrap();
+        run_in_pod(proc_root.path(), UID);
         let per_pod = PerPodLimit::new(2);
         let node = NodeAttestation {
             proc_root: proc_root.path().to_path_buf(),
-            per_pod: per_pod.clone(),
+            ..admit_by(per_pod.clone())
         };
-        let mut incoming = Box::pin(accept_callers(listener, 16, Some(node)));
-        // This process is the pod: two connections are taken.
+        // Three connection slots in all; this process is pod UID.
+        let mut incoming = Box::pin(accept_callers(listener, 3, Some(node)));
         let _one = UnixStream::connect(&path).await.unwrap();
         let _two = UnixStream::connect(&path).await.unwrap();
         let first = incoming.next().await.unwrap();
-        let second = incoming.next().await.unwrap();
-        assert_eq!(first.info().pod_key(), Some(PodKey::Pod(UID.into())));
+        let _second = incoming.next().await.unwrap();
+        assert!(
+            matches!(first.info().pod_uid.as_deref(), Some(PodUidLookup::Pod { uid, .. }) if uid == UID)
+        );
         assert_eq!(per_pod.held_by(&PodKey::Pod(UID.into())), 2);
-        // The third is closed at once, without taking a connection slot.
+        // The pod's third is closed at once.
         let mut third = UnixStream::connect(&path).await.unwrap();
         let accepting = tokio::spawn(async move {
             let next = incoming.next().await;
             (next, incoming)
         });
-        let mut buf = [0u8; 1];
-        let read = tokio::time::timeout(std::time::Duration::from_secs(10), third.read(&mut buf))
-            .await
-            .expect("the third connection is closed");
-        assert!(matches!(read, Ok(0)), "{read:?}");
-        // A connection closed gives its pod's place back.
-        drop(first);
-        let _four = UnixStream::connect(&path).await.unwrap();
+        assert!(
+            closed(&mut third).await,
+            "the pod's third connection is closed"
+        );
+        // Another pod still gets the one slot left: the refused connection
+        // did not keep it.
+        run_in_pod(proc_root.path(), OTHER_UID);
+        let _other = UnixStream::connect(&path).await.unwrap();
         let (next, _incoming) = tokio::time::timeout(std::time::Duration::from_secs(10), accepting)
             .await
-            .expect("the fourth is accepted")
+            .expect("the other pod's connection is accepted")
             .unwrap();
-        assert!(next.is_some());
-        assert_eq!(per_pod.held_by(&PodKey::Pod(UID.into())), 2);
-        drop(second);
+        let other = next.unwrap();
+        assert!(
+            matches!(other.info().pod_uid.as_deref(), Some(PodUidLookup::Pod { uid, .. }) if uid == OTHER_UID)
+        );
+        // A connection closed gives its pod's place back.
+        drop(first);
+        assert_eq!(per_pod.held_by(&PodKey::Pod(UID.into())), 1);
     }
 
     #[tokio::test]
-    async fn pod_mode_has_no_per_pod_key() {
+    async fn pod_mode_reads_no_cgroup() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("agent.sock");
         let listener = UnixListener::bind(&path).unwrap();
         let mut incoming = Box::pin(accept_callers(listener, 16, None));
         let _one = UnixStream::connect(&path).await.unwrap();
         let connection = incoming.next().await.unwrap();
-        assert_eq!(connection.info().pod_key(), None);
+        assert!(connection.info().pod_uid.is_none());
         assert_eq!(connection.info().pid, Some(std::process::id() as i32));
     }
 }

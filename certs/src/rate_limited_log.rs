@@ -1,7 +1,19 @@
 //! [`RateLimitedLog`]: at most one log line per interval for events that
 //! an attacker can repeat at will (refused requests, a failing dependency),
 //! each line saying how many it stands for. Counters stay exact: only the
-//! lines are thinned out.
+//! lines are thinned out. Shared by the CA and the agent (feature
+//! `serving`).
+//!
+//! ```
+//! use meshca_certs::rate_limited_log::RateLimitedLog;
+//!
+//! let refusals = RateLimitedLog::default();
+//! if let Some(unlogged) = refusals.record() {
+//!     // tracing::info!(unlogged, "refused a request");
+//!     assert_eq!(unlogged, 0);
+//! }
+//! assert_eq!(refusals.record(), None, "quiet until the interval has passed");
+//! ```
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -10,11 +22,11 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// How often a line about repeated refusals is written by default.
-pub(crate) const DEFAULT_LOG_INTERVAL: Duration = Duration::from_secs(10);
+pub const DEFAULT_LOG_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Decides when the next line of one kind is due.
 #[derive(Debug)]
-pub(crate) struct RateLimitedLog {
+pub struct RateLimitedLog {
     interval: Duration,
     last: Mutex<Option<Instant>>,
     unlogged: AtomicU64,
@@ -28,7 +40,7 @@ impl Default for RateLimitedLog {
 
 impl RateLimitedLog {
     /// At most one line per `interval`.
-    pub(crate) fn new(interval: Duration) -> Self {
+    pub fn new(interval: Duration) -> Self {
         Self {
             interval,
             last: Mutex::new(None),
@@ -38,7 +50,7 @@ impl RateLimitedLog {
 
     /// Records one event. `Some(n)`: write a line now, standing for this
     /// event and `n` earlier ones that got no line; `None`: stay quiet.
-    pub(crate) fn record(&self) -> Option<u64> {
+    pub fn record(&self) -> Option<u64> {
         let now = Instant::now();
         {
             let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
