@@ -134,7 +134,7 @@ pub fn parse_certs_pem(text: &str) -> Result<Vec<Vec<u8>>, BundleError> {
             Err(e) => {
                 return Err(BundleError::BadCertificate {
                     index,
-                    reason: crate::verify::describe_x509_error(&e),
+                    reason: describe_x509_error(&e),
                 })
             }
         }
@@ -368,6 +368,24 @@ fn unique_suffix() -> u64 {
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     COUNTER.fetch_add(1, Ordering::Relaxed)
+}
+
+/// An x509-parser error in plain words: what the parser said is a nom
+/// error with DER tags in Debug form, which tells a person nothing.
+pub(crate) fn describe_x509_error(
+    e: &x509_parser::nom::Err<x509_parser::error::X509Error>,
+) -> String {
+    match e {
+        x509_parser::nom::Err::Incomplete(_) => {
+            "the DER is cut short (a truncated or damaged certificate)".into()
+        }
+        x509_parser::nom::Err::Error(x) | x509_parser::nom::Err::Failure(x) => match x {
+            x509_parser::error::X509Error::Der(_) => {
+                "not a DER-encoded X.509 certificate (damaged, or another kind of object in a CERTIFICATE block)".into()
+            }
+            other => format!("not a valid X.509 certificate ({other})"),
+        },
+    }
 }
 
 #[cfg(test)]

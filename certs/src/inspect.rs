@@ -58,7 +58,7 @@ impl CertSummary {
     /// Reads a DER certificate.
     pub fn from_der(der: &[u8]) -> Result<Self, InspectError> {
         let (_, cert) = X509Certificate::from_der(der)
-            .map_err(|e| InspectError(crate::verify::describe_x509_error(&e)))?;
+            .map_err(|e| InspectError(crate::bundle::describe_x509_error(&e)))?;
         let mut uris = Vec::new();
         let mut dns_names = Vec::new();
         let mut ip_addresses = Vec::new();

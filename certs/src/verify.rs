@@ -9,6 +9,7 @@ use time::OffsetDateTime;
 use x509_parser::extensions::{GeneralName, ParsedExtension};
 use x509_parser::prelude::{FromDer, X509Certificate};
 
+use crate::bundle::describe_x509_error;
 use crate::profile::hex;
 use crate::spiffe::SpiffeId;
 
@@ -288,24 +289,6 @@ pub fn describe_webpki_error(e: &webpki::Error) -> String {
         }
     };
     format!("{plain} ({name})")
-}
-
-/// An x509-parser error in plain words: what the parser said is a nom
-/// error with DER tags in Debug form, which tells a person nothing.
-pub(crate) fn describe_x509_error(
-    e: &x509_parser::nom::Err<x509_parser::error::X509Error>,
-) -> String {
-    match e {
-        x509_parser::nom::Err::Incomplete(_) => {
-            "the DER is cut short (a truncated or damaged certificate)".into()
-        }
-        x509_parser::nom::Err::Error(x) | x509_parser::nom::Err::Failure(x) => match x {
-            x509_parser::error::X509Error::Der(_) => {
-                "not a DER-encoded X.509 certificate (damaged, or another kind of object in a CERTIFICATE block)".into()
-            }
-            other => format!("not a valid X.509 certificate ({other})"),
-        },
-    }
 }
 
 /// Checks the X509-SVID leaf rules on one certificate and returns its ID.
