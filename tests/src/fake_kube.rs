@@ -387,6 +387,38 @@ impl FakeKube {
         self.put_object("pods", pod);
     }
 
+    /// Adds a running pod whose status lists these container IDs (as the
+    /// kubelet reports them, `containerd://<id>`), as node-mode agents
+    /// check a caller's container against; watchers see the event.
+    pub fn add_pod_with_containers(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+        service_account: &str,
+        node: &str,
+        container_ids: &[&str],
+    ) {
+        let statuses: Vec<serde_json::Value> = container_ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| {
+                serde_json::json!({
+                    "name": format!("c{i}"), "image": "app", "imageID": "", "ready": true,
+                    "restartCount": 0, "containerID": format!("containerd://{id}"),
+                    "state": {"running": {}}
+                })
+            })
+            .collect();
+        let pod = serde_json::json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"namespace": namespace, "name": name, "uid": uid},
+            "spec": {"serviceAccountName": service_account, "nodeName": node, "containers": [{"name": "app", "image": "app"}]},
+            "status": {"phase": "Running", "containerStatuses": statuses}
+        });
+        self.put_object("pods", pod);
+    }
+
     /// Deletes a pod; watchers see the event.
     pub fn delete_pod(&self, namespace: &str, name: &str) {
         self.delete_object("pods", namespace, name);

@@ -867,6 +867,7 @@ const MAX_PER_POD: usize = 3;
 const WEB_POD_UID: &str = "0f0e0d0c-1111-4222-8333-444455556666";
 const DB_POD_UID: &str = "7a7b7c7d-aaaa-4bbb-8ccc-dddddddddddd";
 const CONTAINER: &str = "3b1ad5e2c0f4a8b9c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4";
+const OTHER_CONTAINER: &str = "abababababababababababababababababababababababababababababababab";
 
 /// Where a caller process finds its instructions (see [`caller_process`]).
 const CALLER_SOCKET_ENV: &str = "MESHCA_TEST_CALLER_SOCKET";
@@ -985,8 +986,15 @@ async fn node_mode_serves_each_pod_its_identity() {
         "meshca-agent",
         "node-a",
     );
-    kube.add_pod("default", "web-1", WEB_POD_UID, "web", "node-a");
-    kube.add_pod("default", "db-1", DB_POD_UID, "db", "node-a");
+    kube.add_pod_with_containers(
+        "default",
+        "web-1",
+        WEB_POD_UID,
+        "web",
+        "node-a",
+        &[CONTAINER],
+    );
+    kube.add_pod_with_containers("default", "db-1", DB_POD_UID, "db", "node-a", &[CONTAINER]);
     let agent_token = kube.add_review_token(
         "agent-token",
         FakeUser::service_account("istio-system", "meshca-agent"),
@@ -1054,8 +1062,14 @@ async fn node_mode_serves_each_pod_its_identity() {
     assert_eq!(db.1, format!("SVID {DB}"), "{}", agent.log());
     check_source(&web, WEB);
 
-    // A caller that is not in a pod, and one whose pod is not on this node.
+    // A caller that is not in a pod, one whose pod is not on this node, and
+    // one in a cgroup named after the web pod but with a container the
+    // pod's status does not list.
     for (cgroup, needle) in [
+        (
+            format!("0::/kubepods/burstable/pod{WEB_POD_UID}/{OTHER_CONTAINER}\n"),
+            "is not a container of pod default/web-1",
+        ),
         (
             "0::/user.slice/user-1000.slice/session-1.scope\n".to_string(),
             "not run in a Kubernetes pod",

@@ -14,7 +14,7 @@ use tonic::{Request, Status};
 
 use super::attest::PodUidLookup;
 use super::feeds::{Feed, Feeds};
-use super::node_pods::NodePods;
+use super::node_pods::{NodePod, NodePods};
 use super::per_pod::{Admission, PerPodLimits, PodKey, PodSlot};
 use super::socket::CallerInfo;
 
@@ -133,8 +133,8 @@ impl Callers {
                 })?;
                 let pid = caller.pid.unwrap_or_default();
                 let lookup = caller.pod_uid.as_deref().unwrap_or(&PodUidLookup::NoPid);
-                let uid = match lookup {
-                    PodUidLookup::Pod { uid, .. } => uid,
+                let (uid, container) = match lookup {
+                    PodUidLookup::Pod { uid, container } => (uid, container),
                     PodUidLookup::NotInPod => {
                         if let Some(unlogged) = self.identity_refusals.record() {
                             tracing::info!(pid, unlogged, "refused a caller that is not in a pod");
@@ -162,7 +162,11 @@ impl Callers {
                         "this node's pods are not listed from the Kubernetes API yet; retry shortly",
                     ));
                 }
-                let pod = match pods.get(uid) {
+                // The pod must be this node's, and its status must list the
+                // caller's container (a cgroup named after a pod's UID by
+                // someone else has another container ID).
+                let ready = |pod: &NodePod| pod.has_container(container);
+                let pod = match pods.get(uid).filter(|pod| ready(pod)) {
                     Some(pod) => Some(pod),
                     None => {
                         let _waiting = self.pod_waiters.try_acquire().map_err(|_| {
@@ -170,18 +174,30 @@ impl Callers {
                                 "too many callers wait for their pods to appear in this node's pod watch; retry shortly",
                             )
                         })?;
-                        pods.wait_for(uid, POD_APPEAR_WAIT).await
+                        pods.wait_for(uid, POD_APPEAR_WAIT, ready).await
                     }
                 };
-                let pod = pod.ok_or_else(|| {
-                    if let Some(unlogged) = self.identity_refusals.record() {
-                        tracing::info!(pid, pod_uid = %uid, node = %pods.node(), unlogged, "refused a caller whose pod is unknown");
+                let pod = match (pod, pods.get(uid)) {
+                    (Some(pod), _) => pod,
+                    (None, Some(other)) => {
+                        if let Some(unlogged) = self.identity_refusals.record() {
+                            tracing::info!(pid, pod_uid = %uid, container = %container, unlogged, "refused a caller whose container is not its pod's");
+                        }
+                        return Err(Status::permission_denied(format!(
+                            "container {container} of process {pid} is not a container of pod {}/{} in its status",
+                            other.namespace, other.name
+                        )));
                     }
-                    Status::permission_denied(format!(
-                        "pod {uid} of process {pid} is not a pod of node {}",
-                        pods.node()
-                    ))
-                })?;
+                    (None, None) => {
+                        if let Some(unlogged) = self.identity_refusals.record() {
+                            tracing::info!(pid, pod_uid = %uid, node = %pods.node(), unlogged, "refused a caller whose pod is unknown");
+                        }
+                        return Err(Status::permission_denied(format!(
+                            "pod {uid} of process {pid} is not a pod of node {}",
+                            pods.node()
+                        )));
+                    }
+                };
                 SpiffeId::for_workload(trust_domain, &pod.namespace, &pod.service_account).map_err(
                     |e| {
                         Status::permission_denied(format!(
@@ -405,6 +421,32 @@ mod tests {
         }
         let status = callers.identity_of(&not_yet).await.unwrap_err();
         assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_pods_uid_with_another_container_gets_no_identity() {
+        let callers = node_callers(2);
+        let impostor = request_from(PodUidLookup::Pod {
+            uid: "a".into(),
+            container: "made-up".into(),
+        });
+        let status = callers.identity_of(&impostor).await.unwrap_err();
+        assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+        assert!(
+            status.message().contains("container made-up")
+                && status
+                    .message()
+                    .contains("not a container of pod test/pod-a"),
+            "{status:?}"
+        );
+        // The pod's own container gets it.
+        assert_eq!(
+            callers
+                .identity_of(&request_from(in_pod("a")))
+                .await
+                .unwrap(),
+            id("web")
+        );
     }
 
     #[tokio::test]

@@ -21,6 +21,16 @@ pub(crate) struct NodePod {
     pub(crate) name: String,
     /// Service account (`default` when the spec names none).
     pub(crate) service_account: String,
+    /// The IDs of its containers that have one in the pod's status (app,
+    /// init and ephemeral containers), without the runtime's `name://`.
+    pub(crate) containers: Vec<String>,
+}
+
+impl NodePod {
+    /// Whether the pod's status lists the container with this ID.
+    pub(crate) fn has_container(&self, id: &str) -> bool {
+        self.containers.iter().any(|c| c == id)
+    }
 }
 
 /// The pods of one node by UID, kept current by [`watch_node_pods`].
@@ -69,14 +79,20 @@ impl NodePods {
         self.version.borrow().is_some()
     }
 
-    /// Waits up to `wait` for the pod `uid` to appear (a container may call
-    /// before the watch has delivered its pod); `None` if it does not.
-    pub(crate) async fn wait_for(&self, uid: &str, wait: Duration) -> Option<NodePod> {
+    /// Waits up to `wait` for the pod `uid` to appear with `ready` true of
+    /// it (a container may call before the watch has delivered its pod, or
+    /// the pod's status its container); `None` if it does not.
+    pub(crate) async fn wait_for(
+        &self,
+        uid: &str,
+        wait: Duration,
+        ready: impl Fn(&NodePod) -> bool,
+    ) -> Option<NodePod> {
         let mut changes = self.version.subscribe();
         let deadline = tokio::time::Instant::now() + wait;
         loop {
             if changes.borrow_and_update().is_some() {
-                if let Some(pod) = self.get(uid) {
+                if let Some(pod) = self.get(uid).filter(|pod| ready(pod)) {
                     return Some(pod);
                 }
             }
@@ -93,7 +109,7 @@ impl NodePods {
     }
 
     /// Tests: a synced index of `node` holding these pods (UID, namespace,
-    /// service account).
+    /// service account), each with one container, `containerd://c`.
     #[cfg(test)]
     pub(crate) fn synced_with(node: &str, pods: &[(&str, &str, &str)]) -> Arc<Self> {
         let index = Self::new(node);
@@ -106,6 +122,14 @@ impl NodePods {
                 pod.metadata.name = Some(format!("pod-{uid}"));
                 pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
                     service_account_name: Some(service_account.to_string()),
+                    ..Default::default()
+                });
+                pod.status = Some(k8s_openapi::api::core::v1::PodStatus {
+                    container_statuses: Some(vec![k8s_openapi::api::core::v1::ContainerStatus {
+                        name: "app".into(),
+                        container_id: Some("containerd://c".into()),
+                        ..Default::default()
+                    }]),
                     ..Default::default()
                 });
                 pod
@@ -156,12 +180,28 @@ fn entry(pod: &Pod) -> Option<(String, NodePod)> {
         .and_then(|s| s.service_account_name.clone())
         .filter(|s| !s.is_empty())
         .unwrap_or_else(|| "default".to_string());
+    let containers = pod
+        .status
+        .iter()
+        .flat_map(|status| {
+            [
+                &status.container_statuses,
+                &status.init_container_statuses,
+                &status.ephemeral_container_statuses,
+            ]
+        })
+        .flatten()
+        .flatten()
+        .filter_map(|c| c.container_id.as_deref())
+        .map(|id| id.split_once("://").map_or(id, |(_, id)| id).to_string())
+        .collect();
     Some((
         uid,
         NodePod {
             namespace: pod.metadata.namespace.clone()?,
             name: pod.metadata.name.clone().unwrap_or_default(),
             service_account,
+            containers,
         },
     ))
 }
@@ -189,5 +229,42 @@ pub async fn watch_node_pods(client: kube::Client, pods: Arc<NodePods>) {
                 tracing::warn!(error = %e, node = %pods.node(), "watching this node's pods failed; retrying");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::{ContainerStatus, PodStatus};
+
+    use super::*;
+
+    fn status(name: &str, id: Option<&str>) -> ContainerStatus {
+        ContainerStatus {
+            name: name.into(),
+            container_id: id.map(String::from),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_pods_containers_are_every_kind_in_its_status_without_the_runtime() {
+        let mut pod = Pod::default();
+        pod.metadata.uid = Some("u1".into());
+        pod.metadata.namespace = Some("ns".into());
+        pod.status = Some(PodStatus {
+            container_statuses: Some(vec![
+                status("app", Some("containerd://abc")),
+                status("starting", None),
+            ]),
+            init_container_statuses: Some(vec![status("init", Some("cri-o://def"))]),
+            ephemeral_container_statuses: Some(vec![status("debug", Some("docker://123"))]),
+            ..Default::default()
+        });
+        let (uid, pod) = entry(&pod).unwrap();
+        assert_eq!(uid, "u1");
+        assert_eq!(pod.containers, ["abc", "def", "123"]);
+        assert!(pod.has_container("abc"));
+        assert!(!pod.has_container("containerd://abc"));
+        assert_eq!(pod.service_account, "default");
     }
 }
