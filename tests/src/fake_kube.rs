@@ -378,13 +378,7 @@ impl FakeKube {
         service_account: &str,
         node: &str,
     ) {
-        let pod = serde_json::json!({
-            "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"namespace": namespace, "name": name, "uid": uid},
-            "spec": {"serviceAccountName": service_account, "nodeName": node, "containers": [{"name": "app", "image": "app"}]},
-            "status": {"phase": "Running"}
-        });
-        self.put_object("pods", pod);
+        self.add_pod_with_containers(namespace, name, uid, service_account, node, &[]);
     }
 
     /// Adds a running pod whose status lists these container IDs (as the
