@@ -868,6 +868,12 @@ const WEB_POD_UID: &str = "0f0e0d0c-1111-4222-8333-444455556666";
 const DB_POD_UID: &str = "7a7b7c7d-aaaa-4bbb-8ccc-dddddddddddd";
 const CONTAINER: &str = "3b1ad5e2c0f4a8b9c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4";
 const OTHER_CONTAINER: &str = "abababababababababababababababababababababababababababababababab";
+/// A pod whose container the kubelet reports after the container called.
+const LATE_POD_UID: &str = "5e5e5e5e-2222-4333-8444-555566667777";
+/// `--attestation-wait` of the node-mode test: the probes refused after
+/// it end sooner than with the default, and it is longer than the late
+/// container's delay.
+const ATTESTATION_WAIT_SECONDS: u64 = 6;
 
 /// Where a caller process finds its instructions (see [`caller_process`]).
 const CALLER_SOCKET_ENV: &str = "MESHCA_TEST_CALLER_SOCKET";
@@ -1036,6 +1042,8 @@ async fn node_mode_serves_each_pod_its_identity() {
             &socket.display().to_string(),
             "--max-streams-per-pod",
             &MAX_PER_POD.to_string(),
+            "--attestation-wait",
+            &format!("{ATTESTATION_WAIT_SECONDS}s"),
         ],
     );
     wait_for_socket(&socket, &mut agent).await;
@@ -1061,6 +1069,37 @@ async fn node_mode_serves_each_pod_its_identity() {
     .unwrap();
     assert_eq!(db.1, format!("SVID {DB}"), "{}", agent.log());
     check_source(&web, WEB);
+
+    // A container that calls before the kubelet reports it (its pod is
+    // listed, its ID not yet) waits, and gets its identity once reported:
+    // here 3 s later.
+    kube.add_pod_with_containers("default", "late-1", LATE_POD_UID, "late", "node-a", &[]);
+    let late = tokio::task::spawn_blocking({
+        let (socket, proc_root) = (socket.clone(), proc_root.clone());
+        move || {
+            let cgroup = format!("0::/kubepods/pod{LATE_POD_UID}/{CONTAINER}\n");
+            CallerProcess::start(&socket, "probe", &proc_root, &cgroup).finish()
+        }
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        !late.is_finished(),
+        "the late container waits for its status"
+    );
+    kube.add_pod_with_containers(
+        "default",
+        "late-1",
+        LATE_POD_UID,
+        "late",
+        "node-a",
+        &[CONTAINER],
+    );
+    assert_eq!(
+        late.await.unwrap(),
+        "SVID spiffe://cluster.local/ns/default/sa/late",
+        "{}",
+        agent.log()
+    );
 
     // A caller that is not in a pod, one whose pod is not on this node, and
     // one in a cgroup named after the web pod but with a container the
@@ -1130,14 +1169,21 @@ async fn node_mode_serves_each_pod_its_identity() {
     // of two more, the second is closed at once whatever the count.
     let _third = UnixStream::connect(&socket).await.unwrap();
     let mut fourth = UnixStream::connect(&socket).await.unwrap();
-    let mut byte = [0u8; 1];
+    // It is told why (an HTTP/2 GOAWAY, ENHANCE_YOUR_CALM, whose debug
+    // text names the pod and the flag), then closed.
+    let mut told = Vec::new();
     let read = tokio::time::timeout(
         Duration::from_secs(20),
-        tokio::io::AsyncReadExt::read(&mut fourth, &mut byte),
+        tokio::io::AsyncReadExt::read_to_end(&mut fourth, &mut told),
     )
     .await
     .expect("the pod's extra connection is closed");
-    assert!(matches!(read, Ok(0)), "{read:?}");
+    assert!(read.is_ok(), "{read:?}");
+    let told = String::from_utf8_lossy(&told);
+    assert!(
+        told.contains(WEB_POD_UID) && told.contains("--max-streams-per-pod"),
+        "{told:?}"
+    );
     // Another pod of the node is not locked out meanwhile.
     let db_probe = {
         let (socket, proc_root, cgroup) = (socket.clone(), proc_root.clone(), db_cgroup.clone());

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Parser;
+use clap::error::ErrorKind;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use meshca_certs::{parse_duration, KeyAlgorithm, SpiffeId, TrustDomain};
 use meshca_client::caclient::{
     CaClient, CaClientConfig, RequestOptions, DEFAULT_CA_ADDR, DEFAULT_TOKEN_FILE,
@@ -23,6 +25,10 @@ use meshca_client::workload_api::{
 use meshca_client::{CertManager, CertState, ManagerConfig};
 use tokio::sync::watch;
 use tracing_subscriber::EnvFilter;
+
+/// `--attestation-wait`'s default as the flag reads it:
+/// [`workload_api::DEFAULT_ATTESTATION_WAIT`] (a test checks they agree).
+const DEFAULT_ATTESTATION_WAIT_TEXT: &str = "30s";
 
 /// Gets SPIFFE certificates from the CA and keeps them fresh in --out and/or
 /// serves them on --workload-api-socket.
@@ -98,6 +104,10 @@ struct Args {
     /// and most streams (callers outside any pod count as one pod).
     #[arg(long, env = "MESHCA_MAX_STREAMS_PER_POD", default_value_t = DEFAULT_MAX_STREAMS_PER_POD, value_parser = parse_positive_count)]
     max_streams_per_pod: usize,
+    /// Node mode: how long a caller whose pod, or container, the pod watch
+    /// does not list yet waits for it before it is refused (0: not at all).
+    #[arg(long, env = "MESHCA_ATTESTATION_WAIT", default_value = DEFAULT_ATTESTATION_WAIT_TEXT, value_parser = parse_duration)]
+    attestation_wait: Duration,
     /// How often to check --root-cert for a new trust bundle to push.
     #[arg(long, env = "MESHCA_BUNDLE_REFRESH", value_parser = parse_positive_duration, default_value = DEFAULT_BUNDLE_REFRESH, allow_hyphen_values = true)]
     bundle_refresh: Duration,
@@ -152,8 +162,45 @@ fn parse_ca_addr(text: &str) -> Result<String, String> {
     Ok(text.to_string())
 }
 
+/// The flags only node mode reads (clap's `requires` cannot say so: a
+/// `bool` flag counts as present through its default).
+const NODE_MODE_FLAGS: [&str; 5] = [
+    "node_name",
+    "proc_root",
+    "kubeconfig",
+    "max_streams_per_pod",
+    "attestation_wait",
+];
+
+/// Parses the command line (and the environment), refusing a node-mode
+/// flag given without `--node-agent`, where it would do nothing.
+fn parse_args<I, T>(args: I) -> Result<Args, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let mut command = Args::command();
+    let matches = command.try_get_matches_from_mut(args)?;
+    if !matches.get_flag("node_agent") {
+        for id in NODE_MODE_FLAGS {
+            let given = matches!(
+                matches.value_source(id),
+                Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+            );
+            if given {
+                let flag = format!("--{}", id.replace('_', "-"));
+                return Err(command.error(
+                    ErrorKind::MissingRequiredArgument,
+                    format!("{flag} is a node-mode flag: it needs --node-agent (pod mode would ignore it)"),
+                ));
+            }
+        }
+    }
+    Args::from_arg_matches(&matches).map_err(|e| e.format(&mut command))
+}
+
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args = parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit());
     let filter = EnvFilter::try_from_env("MESHCA_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -342,6 +389,7 @@ async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
         CallerPolicy::Node {
             trust_domain: args.trust_domain.clone(),
             pods,
+            attestation_wait: args.attestation_wait,
         },
         feeds,
         args.max_streams,
@@ -452,6 +500,8 @@ async fn shutdown_signal() {
 
 #[cfg(test)]
 mod tests {
+    use meshca_client::workload_api::DEFAULT_ATTESTATION_WAIT;
+
     use super::*;
 
     const REQUIRED: [&str; 5] = [
@@ -464,7 +514,7 @@ mod tests {
 
     /// The error of parsing `REQUIRED` plus `extra`, as the user sees it.
     fn refusal(extra: &[&str]) -> String {
-        match Args::try_parse_from(REQUIRED.iter().chain(extra)) {
+        match parse_args(REQUIRED.iter().chain(extra)) {
             Ok(_) => panic!("{extra:?} was accepted"),
             Err(e) => {
                 assert_eq!(e.exit_code(), 2, "{e}");
@@ -485,7 +535,7 @@ mod tests {
             let message = refusal(&[flag, value, "--spiffe-id", "spiffe://td/x"]);
             assert!(message.contains(flag), "{flag} {value}: {message}");
         }
-        let ok = Args::try_parse_from(REQUIRED.iter().chain(&[
+        let ok = parse_args(REQUIRED.iter().chain(&[
             "--bundle-refresh",
             "1s",
             "--max-streams",
@@ -494,6 +544,33 @@ mod tests {
             "1h",
         ]));
         assert!(ok.is_ok());
+    }
+
+    #[test]
+    fn node_mode_flags_without_node_mode_are_refused_naming_the_flag() {
+        for (flag, value) in [
+            ("--node-name", "node-a"),
+            ("--proc-root", "/host/proc"),
+            ("--kubeconfig", "kubeconfig"),
+            ("--max-streams-per-pod", "8"),
+            ("--attestation-wait", "5s"),
+        ] {
+            let message = refusal(&[flag, value, "--spiffe-id", "spiffe://td/x"]);
+            assert!(
+                message.contains(flag) && message.contains("--node-agent"),
+                "{flag}: {message}"
+            );
+        }
+        let node = parse_args(REQUIRED.iter().chain(&[
+            "--node-agent",
+            "--node-name",
+            "node-a",
+            "--max-streams-per-pod",
+            "8",
+        ]))
+        .expect("node mode takes them");
+        assert_eq!(node.attestation_wait, DEFAULT_ATTESTATION_WAIT);
+        assert_eq!(node.max_streams_per_pod, 8);
     }
 
     #[test]

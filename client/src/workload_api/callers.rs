@@ -18,11 +18,16 @@ use super::node_pods::{NodePod, NodePods};
 use super::per_pod::{Admission, PerPodLimits, PodKey, PodSlot};
 use super::socket::CallerInfo;
 
-/// How long node mode waits for a caller's pod to appear in the watch
-/// before refusing it (a container may call before its pod's event).
-pub(crate) const POD_APPEAR_WAIT: Duration = Duration::from_secs(2);
+/// Default of how long node mode waits for a caller's pod, and its
+/// container in the pod's status, to appear in the pod watch before
+/// refusing it (`--attestation-wait`). A container calls the agent as soon
+/// as it starts, and the kubelet reports the container's ID a while later:
+/// about a second on a quiet node, several when a node restarts all its
+/// pods at once. 30 s, like SPIRE's Kubernetes workload attestor (60 polls
+/// 500 ms apart).
+pub const DEFAULT_ATTESTATION_WAIT: Duration = Duration::from_secs(30);
 /// Node mode: the most requests waiting at once for their pod to appear in
-/// the watch (each for up to [`POD_APPEAR_WAIT`]); one more is told to
+/// the watch (each for up to its `attestation_wait`); one more is told to
 /// retry (`UNAVAILABLE`). A made-up pod UID waits too, so this is bounded.
 pub(crate) const MAX_POD_APPEAR_WAITERS: usize = 256;
 
@@ -37,6 +42,9 @@ pub enum CallerPolicy {
         trust_domain: TrustDomain,
         /// This node's pods.
         pods: Arc<NodePods>,
+        /// How long a caller whose pod, or container, is not in the pod
+        /// watch yet waits for it ([`DEFAULT_ATTESTATION_WAIT`]).
+        attestation_wait: Duration,
     },
 }
 
@@ -127,7 +135,11 @@ impl Callers {
         let caller = request.extensions().get::<CallerInfo>();
         match &self.policy {
             CallerPolicy::Pod(identity) => Ok(identity.clone()),
-            CallerPolicy::Node { trust_domain, pods } => {
+            CallerPolicy::Node {
+                trust_domain,
+                pods,
+                attestation_wait,
+            } => {
                 let caller = caller.ok_or_else(|| {
                     Status::permission_denied("the caller's process could not be identified")
                 })?;
@@ -174,7 +186,7 @@ impl Callers {
                                 "too many callers wait for their pods to appear in this node's pod watch; retry shortly",
                             )
                         })?;
-                        pods.wait_for(uid, POD_APPEAR_WAIT, ready).await
+                        pods.wait_for(uid, *attestation_wait, ready).await
                     }
                 };
                 let pod = match (pod, pods.get(uid)) {
@@ -242,7 +254,12 @@ impl Callers {
                         "closed a workload connection: the pod holds its most connections, --max-streams-per-pod (unlogged: refusals of any pod since the last line)"
                     );
                 }
-                Admission::Refused
+                Admission::Refused {
+                    reason: format!(
+                        "{key} has {} connections open, the most one pod may have on this agent (--max-streams-per-pod); close some",
+                        connections.max()
+                    ),
+                }
             }
         }
     }
@@ -331,6 +348,7 @@ mod tests {
         let policy = CallerPolicy::Node {
             trust_domain: TrustDomain::new("cluster.local").unwrap(),
             pods: NodePods::synced_with("node-a", &[("a", "test", "web"), ("b", "test", "web")]),
+            attestation_wait: DEFAULT_ATTESTATION_WAIT,
         };
         Callers::new(policy, feeds, 16, per_pod)
     }
@@ -338,7 +356,7 @@ mod tests {
     fn admitted(admission: Admission) -> Option<PodSlot> {
         match admission {
             Admission::Admitted(slot) => slot,
-            Admission::Refused => panic!("refused"),
+            Admission::Refused { .. } => panic!("refused"),
         }
     }
 
@@ -371,7 +389,7 @@ mod tests {
         assert!(a.iter().all(Option::is_some));
         assert!(matches!(
             callers.admit_connection(&caller(in_pod("a"))),
-            Admission::Refused
+            Admission::Refused { .. }
         ));
         // Made-up pod UIDs get no budget of their own: with a process
         // outside any pod they share one, and pod b keeps its own.
@@ -384,7 +402,7 @@ mod tests {
         ] {
             assert!(matches!(
                 callers.admit_connection(&caller(lookup)),
-                Admission::Refused
+                Admission::Refused { .. }
             ));
         }
         assert!(admitted(callers.admit_connection(&caller(in_pod("b")))).is_some());
@@ -447,6 +465,34 @@ mod tests {
                 .unwrap(),
             id("web")
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_container_the_kubelet_reports_late_gets_its_identity_once_reported() {
+        let callers = node_callers(2);
+        let CallerPolicy::Node { pods, .. } = &callers.policy else {
+            unreachable!("node mode")
+        };
+        let late = request_from(PodUidLookup::Pod {
+            uid: "a".into(),
+            container: "late".into(),
+        });
+        let mut waiting = Box::pin(callers.identity_of(&late));
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        // The kubelet reports it 20 s after it started: still in time.
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        assert!(futures::poll!(waiting.as_mut()).is_pending());
+        pods.add_container("a", "late");
+        assert_eq!(waiting.await.unwrap(), id("web"));
+        // A container never reported is refused after the whole wait.
+        let start = tokio::time::Instant::now();
+        let never = request_from(PodUidLookup::Pod {
+            uid: "a".into(),
+            container: "never".into(),
+        });
+        let status = callers.identity_of(&never).await.unwrap_err();
+        assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+        assert_eq!(start.elapsed(), DEFAULT_ATTESTATION_WAIT);
     }
 
     #[tokio::test]

@@ -57,7 +57,7 @@ use tokio::net::UnixListener;
 use tokio::sync::watch;
 
 use crate::caclient::CaClient;
-pub use callers::{CallerPolicy, Callers};
+pub use callers::{CallerPolicy, Callers, DEFAULT_ATTESTATION_WAIT};
 pub use feeds::{Feed, Feeds};
 pub use node_pods::{watch_node_pods, NodePods};
 pub use per_pod::DEFAULT_MAX_STREAMS_PER_POD;

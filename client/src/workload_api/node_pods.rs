@@ -139,6 +139,20 @@ impl NodePods {
         index
     }
 
+    /// Tests: the kubelet reports one more container of pod `uid`.
+    #[cfg(test)]
+    pub(crate) fn add_container(&self, uid: &str, container: &str) {
+        if let Some(pod) = self
+            .by_uid
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_mut(uid)
+        {
+            pod.containers.push(container.to_string());
+        }
+        self.bump();
+    }
+
     fn replace(&self, pods: &[Pod]) {
         let map = pods.iter().filter_map(entry).collect();
         *self.by_uid.write().unwrap_or_else(|e| e.into_inner()) = map;

@@ -76,8 +76,12 @@ pub(crate) enum Admission {
     /// Taken; the connection holds its pod's place (none in pod mode) for
     /// its life.
     Admitted(Option<PodSlot>),
-    /// Its pod holds its most connections already: close it.
-    Refused,
+    /// Its pod holds its most connections already: tell the caller
+    /// `reason` (an HTTP/2 GOAWAY) and close it.
+    Refused {
+        /// Why, for the caller: names the pod and the flag.
+        reason: String,
+    },
 }
 
 /// One held place of a [`PerPodLimit`]; dropping it gives the place back.

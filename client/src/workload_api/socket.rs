@@ -227,10 +227,51 @@ impl std::fmt::Debug for NodeAttestation {
     }
 }
 
+/// HTTP/2's ENHANCE_YOUR_CALM error code (RFC 9113, section 7): the peer
+/// is told it opened too much.
+const ENHANCE_YOUR_CALM: u32 = 0xb;
+/// The most bytes of a refusal's reason sent in its GOAWAY.
+const MAX_REFUSAL_REASON: usize = 256;
+
+/// What a refused connection is sent before it is closed: an HTTP/2
+/// server preface (an empty SETTINGS frame) and a GOAWAY that accepted no
+/// stream, with `ENHANCE_YOUR_CALM` and `reason` as its debug data, so an
+/// HTTP/2 client can say why instead of only "connection reset".
+pub(crate) fn refusal_frames(reason: &str) -> Vec<u8> {
+    let mut end = reason.len().min(MAX_REFUSAL_REASON);
+    while !reason.is_char_boundary(end) {
+        end -= 1;
+    }
+    let debug = &reason.as_bytes()[..end];
+    // Frame header: 24-bit length, type, flags, 31-bit stream 0.
+    let header = |length: usize, kind: u8| {
+        let length = u32::try_from(length).unwrap_or(0).to_be_bytes();
+        [length[1], length[2], length[3], kind, 0, 0, 0, 0, 0]
+    };
+    const SETTINGS: u8 = 0x4;
+    const GOAWAY: u8 = 0x7;
+    let mut frames = Vec::with_capacity(9 + 9 + 8 + debug.len());
+    frames.extend_from_slice(&header(0, SETTINGS));
+    frames.extend_from_slice(&header(8 + debug.len(), GOAWAY));
+    frames.extend_from_slice(&0u32.to_be_bytes()); // last stream: none
+    frames.extend_from_slice(&ENHANCE_YOUR_CALM.to_be_bytes());
+    frames.extend_from_slice(debug);
+    frames
+}
+
+/// Refuses an accepted connection: writes [`refusal_frames`] without
+/// waiting (a new socket's send buffer has room; if not, nothing is sent)
+/// and closes it. The caller reads the frames before it sees the close.
+fn refuse(io: UnixStream, reason: &str) {
+    let _ = io.try_write(&refusal_frames(reason));
+    drop(io);
+}
+
 /// Accepts connections until dropped, at most `max_connections` open at
 /// once (accepting waits for a slot), recording each caller's credentials
 /// and, in node mode, its pod UID; a connection from a pod that holds its
-/// most connections already is closed at once.
+/// most connections already is told why ([`refusal_frames`]) and closed at
+/// once.
 pub(crate) fn accept_callers(
     listener: UnixListener,
     max_connections: usize,
@@ -260,9 +301,9 @@ pub(crate) fn accept_callers(
                         let pod_slot = match node.as_ref().map(|node| (node.admit)(&info)) {
                             None => None,
                             Some(Admission::Admitted(slot)) => slot,
-                            Some(Admission::Refused) => {
+                            Some(Admission::Refused { reason }) => {
                                 // Closed here; the connection slot serves the next.
-                                drop(io);
+                                refuse(io, &reason);
                                 continue;
                             }
                         };
@@ -321,19 +362,49 @@ mod tests {
                 };
                 match limit.try_take(&key) {
                     Some(slot) => Admission::Admitted(Some(slot)),
-                    None => Admission::Refused,
+                    None => Admission::Refused {
+                        reason: format!("{key} holds its most connections (--max-streams-per-pod)"),
+                    },
                 }
             }),
         }
     }
 
-    /// Whether `stream` is closed by the other end within a few seconds.
-    async fn closed(stream: &mut UnixStream) -> bool {
-        let mut buf = [0u8; 1];
-        matches!(
-            tokio::time::timeout(std::time::Duration::from_secs(10), stream.read(&mut buf)).await,
-            Ok(Ok(0))
+    /// What `stream` read until the other end closed it (within a few
+    /// seconds): the GOAWAY's error code and debug text, after an empty
+    /// SETTINGS frame; `None` if it was not closed so, or sent anything else.
+    async fn refusal(stream: &mut UnixStream) -> Option<(u32, String)> {
+        let mut bytes = Vec::new();
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            stream.read_to_end(&mut bytes),
         )
+        .await
+        .ok()?
+        .ok()?;
+        let settings = bytes.get(..9)?;
+        let goaway = bytes.get(9..)?;
+        let length = u32::from_be_bytes([0, goaway[0], goaway[1], goaway[2]]) as usize;
+        (settings == [0, 0, 0, 4, 0, 0, 0, 0, 0]
+            && goaway.get(3..9)? == [7, 0, 0, 0, 0, 0]
+            && goaway.len() == 9 + length
+            && goaway.get(9..13)? == [0, 0, 0, 0])
+        .then_some(())?;
+        let code = u32::from_be_bytes(goaway.get(13..17)?.try_into().ok()?);
+        Some((code, String::from_utf8_lossy(&goaway[17..]).into_owned()))
+    }
+
+    #[test]
+    fn a_long_reason_is_cut_at_a_character_boundary() {
+        let reason = "é".repeat(MAX_REFUSAL_REASON);
+        let frames = refusal_frames(&reason);
+        let debug = &frames[9 + 9 + 8..];
+        assert!(debug.len() <= MAX_REFUSAL_REASON);
+        assert!(std::str::from_utf8(debug).is_ok());
+        assert_eq!(
+            u32::from_be_bytes([0, frames[9], frames[10], frames[11]]) as usize,
+            8 + debug.len()
+        );
     }
 
     #[tokio::test]
@@ -364,9 +435,13 @@ mod tests {
             let next = incoming.next().await;
             (next, incoming)
         });
+        let (code, reason) = refusal(&mut third)
+            .await
+            .expect("the pod's third connection gets a GOAWAY and is closed");
+        assert_eq!(code, ENHANCE_YOUR_CALM);
         assert!(
-            closed(&mut third).await,
-            "the pod's third connection is closed"
+            reason.contains(UID) && reason.contains("--max-streams-per-pod"),
+            "{reason}"
         );
         // Another pod still gets the one slot left: the refused connection
         // did not keep it.
