@@ -173,7 +173,8 @@ const NODE_MODE_FLAGS: [&str; 5] = [
 ];
 
 /// Parses the command line (and the environment), refusing a node-mode
-/// flag given without `--node-agent`, where it would do nothing.
+/// flag given on the command line without `--node-agent`, where it would
+/// do nothing (from the environment: a warning).
 fn parse_args<I, T>(args: I) -> Result<Args, clap::Error>
 where
     I: IntoIterator<Item = T>,
@@ -183,16 +184,20 @@ where
     let matches = command.try_get_matches_from_mut(args)?;
     if !matches.get_flag("node_agent") {
         for id in NODE_MODE_FLAGS {
-            let given = matches!(
-                matches.value_source(id),
-                Some(ValueSource::CommandLine | ValueSource::EnvVariable)
-            );
-            if given {
-                let flag = format!("--{}", id.replace('_', "-"));
-                return Err(command.error(
-                    ErrorKind::MissingRequiredArgument,
-                    format!("{flag} is a node-mode flag: it needs --node-agent (pod mode would ignore it)"),
-                ));
+            let flag = format!("--{}", id.replace('_', "-"));
+            match matches.value_source(id) {
+                Some(ValueSource::CommandLine) => {
+                    return Err(command.error(
+                        ErrorKind::MissingRequiredArgument,
+                        format!("{flag} is a node-mode flag: it needs --node-agent (pod mode would ignore it)"),
+                    ));
+                }
+                // A manifest's environment is often shared between modes.
+                Some(ValueSource::EnvVariable) => {
+                    let variable = format!("MESHCA_{}", id.to_uppercase());
+                    eprintln!("meshca-agent: warning: {variable} ({flag}) is set without --node-agent; pod mode ignores it");
+                }
+                _ => {}
             }
         }
     }

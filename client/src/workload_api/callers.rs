@@ -15,7 +15,7 @@ use tonic::{Request, Status};
 use super::attest::PodUidLookup;
 use super::feeds::{Feed, Feeds};
 use super::node_pods::{NodePod, NodePods};
-use super::per_pod::{Admission, PerPodLimits, PodKey, PodSlot};
+use super::per_pod::{Admission, PerPodLimit, PerPodLimits, PodKey, PodSlot};
 use super::socket::CallerInfo;
 
 /// Default of how long node mode waits for a caller's pod, and its
@@ -30,6 +30,11 @@ pub const DEFAULT_ATTESTATION_WAIT: Duration = Duration::from_secs(30);
 /// the watch (each for up to its `attestation_wait`); one more is told to
 /// retry (`UNAVAILABLE`). A made-up pod UID waits too, so this is bounded.
 pub(crate) const MAX_POD_APPEAR_WAITERS: usize = 256;
+/// Node mode: the most of those waiting requests one pod may have (every
+/// caller not attested to a listed pod counting as one pod, as for the
+/// per-pod limits), so that one caller whose container is never reported
+/// cannot hold every place for the whole wait.
+pub(crate) const MAX_POD_APPEAR_WAITERS_PER_POD: usize = 16;
 
 /// Which identity a caller gets.
 #[derive(Debug, Clone)]
@@ -57,8 +62,10 @@ pub struct Callers {
     max_streams: usize,
     /// Node mode: connections and streams per pod.
     per_pod: Option<PerPodLimits>,
-    /// Node mode: requests waiting for their pod to appear.
+    /// Node mode: requests waiting for their pod to appear, in all and
+    /// per pod.
     pod_waiters: Semaphore,
+    pod_waiters_per_pod: Arc<PerPodLimit>,
     /// Log lines of callers refused an identity (node mode), and of
     /// streams refused at `max_streams`: one per interval, as any local
     /// process can repeat them at will.
@@ -116,6 +123,7 @@ impl Callers {
             max_streams,
             per_pod,
             pod_waiters: Semaphore::new(MAX_POD_APPEAR_WAITERS),
+            pod_waiters_per_pod: PerPodLimit::new(MAX_POD_APPEAR_WAITERS_PER_POD),
             identity_refusals: RateLimitedLog::default(),
             stream_limit_refusals: RateLimitedLog::default(),
             closing: watch::Sender::new(false),
@@ -181,6 +189,13 @@ impl Callers {
                 let pod = match pods.get(uid).filter(|pod| ready(pod)) {
                     Some(pod) => Some(pod),
                     None => {
+                        let key = self.pod_key(caller).unwrap_or(PodKey::Unattested);
+                        let _pod_waiting =
+                            self.pod_waiters_per_pod.try_take(&key).ok_or_else(|| {
+                                Status::unavailable(format!(
+                                    "{key} has {MAX_POD_APPEAR_WAITERS_PER_POD} callers waiting to appear in this node's pod watch, the most one pod may; retry shortly"
+                                ))
+                            })?;
                         let _waiting = self.pod_waiters.try_acquire().map_err(|_| {
                             Status::unavailable(
                                 "too many callers wait for their pods to appear in this node's pod watch; retry shortly",
@@ -410,34 +425,95 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn callers_waiting_for_their_pods_to_appear_are_bounded() {
-        let callers = node_callers(2);
-        let not_yet = request_from(in_pod("not-yet"));
-        let mut waiting: Vec<_> = (0..MAX_POD_APPEAR_WAITERS)
-            .map(|_| Box::pin(callers.identity_of(&not_yet)))
+        // As many listed pods as it takes to fill the node's places, each
+        // with a container the kubelet has not reported yet.
+        let pods = MAX_POD_APPEAR_WAITERS / MAX_POD_APPEAR_WAITERS_PER_POD + 1;
+        let uids: Vec<String> = (0..pods).map(|i| format!("p{i}")).collect();
+        let listed: Vec<(&str, &str, &str)> = uids
+            .iter()
+            .map(|uid| (uid.as_str(), "test", "web"))
+            .collect();
+        let (_issuer, feeds, _bundle) = setup(Duration::from_secs(3600));
+        let policy = CallerPolicy::Node {
+            trust_domain: TrustDomain::new("cluster.local").unwrap(),
+            pods: NodePods::synced_with("node-a", &listed),
+            attestation_wait: DEFAULT_ATTESTATION_WAIT,
+        };
+        let callers = Callers::new(policy, feeds, 16, 2);
+        let unreported = |uid: &str| {
+            request_from(PodUidLookup::Pod {
+                uid: uid.into(),
+                container: "unreported".into(),
+            })
+        };
+        // One pod fills its share; its next caller is refused, naming it,
+        // while another pod's callers still wait.
+        let p0 = unreported("p0");
+        let made_up = request_from(in_pod("made-up"));
+        let others: Vec<_> = uids[1..].iter().map(|uid| unreported(uid)).collect();
+        let mut waiting: Vec<_> = (0..MAX_POD_APPEAR_WAITERS_PER_POD)
+            .map(|_| Box::pin(callers.identity_of(&p0)))
             .collect();
         for waiter in &mut waiting {
             assert!(futures::poll!(waiter.as_mut()).is_pending());
         }
-        let status = callers.identity_of(&not_yet).await.unwrap_err();
+        let status = callers.identity_of(&p0).await.unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert!(
+            status.message().contains("pod p0") && status.message().contains("callers waiting"),
+            "{status:?}"
+        );
+        // Every caller not attested to a listed pod shares one share.
+        let mut made_up_waiting: Vec<_> = (0..MAX_POD_APPEAR_WAITERS_PER_POD)
+            .map(|_| Box::pin(callers.identity_of(&made_up)))
+            .collect();
+        for waiter in &mut made_up_waiting {
+            assert!(futures::poll!(waiter.as_mut()).is_pending());
+        }
+        let status = callers
+            .identity_of(&request_from(in_pod("made-up-2")))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        // The other pods fill the node's places; one more is refused.
+        let mut others_waiting = Vec::new();
+        'fill: for request in &others {
+            for _ in 0..MAX_POD_APPEAR_WAITERS_PER_POD {
+                if waiting.len() + made_up_waiting.len() + others_waiting.len()
+                    == MAX_POD_APPEAR_WAITERS
+                {
+                    break 'fill;
+                }
+                let mut waiter = Box::pin(callers.identity_of(request));
+                assert!(futures::poll!(waiter.as_mut()).is_pending());
+                others_waiting.push(waiter);
+            }
+        }
+        let last = others.last().unwrap();
+        let status = callers.identity_of(last).await.unwrap_err();
         assert_eq!(status.code(), Code::Unavailable, "{status:?}");
         assert!(
             status.message().contains("too many callers wait"),
             "{status:?}"
         );
-        // A caller whose pod is listed does not wait.
+        // A caller whose pod and container are listed does not wait.
         assert_eq!(
             callers
-                .identity_of(&request_from(in_pod("a")))
+                .identity_of(&request_from(in_pod("p1")))
                 .await
                 .unwrap(),
             id("web")
         );
         // Each waiter is refused after its wait, and frees its place.
-        for waiter in waiting {
+        for waiter in waiting
+            .into_iter()
+            .chain(made_up_waiting)
+            .chain(others_waiting)
+        {
             let status = waiter.await.unwrap_err();
             assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
         }
-        let status = callers.identity_of(&not_yet).await.unwrap_err();
+        let status = callers.identity_of(&p0).await.unwrap_err();
         assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
     }
 
