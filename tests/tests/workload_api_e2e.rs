@@ -1184,6 +1184,36 @@ async fn node_mode_serves_each_pod_its_identity() {
         told.contains(WEB_POD_UID) && told.contains("--max-streams-per-pod"),
         "{told:?}"
     );
+    // A gRPC client refused so (it sends its preface at once, unread by the
+    // agent) fails its call at once instead of hanging (tonic reports the
+    // closed connection; the GOAWAY's text is for clients that log it).
+    let outcome = tokio::time::timeout(Duration::from_secs(20), async {
+        let socket = socket.clone();
+        let channel =
+            Endpoint::from_static("http://localhost")
+                .connect_with_connector(tower::service_fn(move |_| {
+                    let socket = socket.clone();
+                    async move {
+                        Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?))
+                    }
+                }))
+                .await
+                .map_err(|e| format!("connect: {e:?}"))?;
+        let mut request = tonic::Request::new(X509svidRequest {});
+        request
+            .metadata_mut()
+            .insert("workload.spiffe.io", "true".parse().unwrap());
+        SpiffeWorkloadApiClient::new(channel)
+            .fetch_x509svid(request)
+            .await
+            .map(|_| ())
+            .map_err(|status| format!("{status:?}"))
+    })
+    .await;
+    assert!(
+        matches!(outcome, Ok(Err(_))),
+        "the refused client's call: {outcome:?}"
+    );
     // Another pod of the node is not locked out meanwhile.
     let db_probe = {
         let (socket, proc_root, cgroup) = (socket.clone(), proc_root.clone(), db_cgroup.clone());
