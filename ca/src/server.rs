@@ -749,6 +749,8 @@ async fn build_service(
     )
     .with_rate_limit(config.rate_limit);
     let (health_reporter, health) = tonic_health::server::health_reporter();
+    // A health request names one service: far below the CA's own limit.
+    let health = health.max_decoding_message_size(transport::MAX_REQUEST_BYTES);
     health_reporter
         .set_serving::<IstioCertificateServiceServer<CaService>>()
         .await;
@@ -851,6 +853,11 @@ async fn serve_until_drained(
             idle_closes: metrics.grpc_idle_connections_closed.clone(),
             evictions: metrics.grpc_connections_evicted.clone(),
             open_requests,
+            // Not counted in the metric of refused certificate requests.
+            health_requests: transport::OpenRequests::new(
+                transport::MAX_HEALTH_REQUESTS,
+                Default::default(),
+            ),
         },
     );
     tokio::pin!(server);

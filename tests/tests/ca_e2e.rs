@@ -1194,6 +1194,55 @@ async fn streams_that_send_only_headers_cannot_hold_every_open_request_place() {
     certificate().await.expect("the places are free again");
 }
 
+#[tokio::test]
+async fn health_watches_cannot_hold_the_places_of_certificate_requests() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+
+    let (_dir, server) = server_with(&["--max-open-requests", "8"]);
+    let channel = server.channel().await;
+    let watch = || {
+        let mut client = HealthClient::new(channel.clone());
+        async move {
+            client
+                .watch(HealthCheckRequest {
+                    service: String::new(),
+                })
+                .await
+        }
+    };
+    // Without credentials: eight times the CA's open-request places, in
+    // streams that never end by themselves.
+    let mut watches = Vec::new();
+    for _ in 0..64 {
+        let mut stream = watch()
+            .await
+            .expect("a watch in the health pool")
+            .into_inner();
+        let first = stream.message().await.expect("a status").expect("one");
+        assert_eq!(first.status(), ServingStatus::Serving);
+        watches.push(stream);
+    }
+    let refused = watch().await.expect_err("the health pool is full");
+    assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+    assert!(refused.message().contains("health requests"), "{refused:?}");
+
+    // Certificate requests still have every one of their places.
+    let token = server.token("default", "web");
+    let client = server.client().await;
+    let answers = (0..8).map(|_| {
+        let mut client = client.clone();
+        let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+        let request = with_token(request, &token);
+        async move { client.create_certificate(request).await }
+    });
+    for answer in futures::future::join_all(answers).await {
+        answer.expect("issued while 64 health watches are open");
+    }
+    drop(watches);
+}
+
 /// Reads HTTP/2 frames from `tls` until a GOAWAY (within `within`):
 /// the GOAWAY's error code and how many RST_STREAM frames came before it.
 /// `None` if the connection ended or the time ran out without one.

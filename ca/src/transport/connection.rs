@@ -3,6 +3,14 @@
 //! away when it has had none for `--max-connection-idle`) and a place among
 //! the server's open requests ([`OpenRequests`], `--max-open-requests`),
 //! from its HEADERS until its answer's body is sent or dropped.
+//!
+//! gRPC health requests (`/grpc.health.v1.Health/`, which anyone may send
+//! without credentials) take a place in a pool of their own
+//! ([`MAX_HEALTH_REQUESTS`]) instead, so that they can never hold the
+//! places of certificate requests, and do not count as activity of their
+//! connection: a connection with only health streams open (a `Watch`
+//! never ends by itself) is idle, and is told to go away and cut off like
+//! any idle connection, its `Watch` streams with it.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -15,6 +23,16 @@ use http_body_util::BodyExt;
 use meshca_certs::stream_activity::StreamActivity;
 use tonic::codegen::{Body as HttpBody, Bytes, StdError};
 use tower::{Layer, Service};
+
+/// The most gRPC health requests (`Check`, `Watch`) open at once across
+/// every connection; one more is answered `RESOURCE_EXHAUSTED` at its
+/// HEADERS. Kubernetes probes the CA over HTTP on the monitoring port
+/// (`/healthz`, `/ready`), so these serve only gRPC clients that check
+/// health themselves.
+pub(crate) const MAX_HEALTH_REQUESTS: usize = 64;
+
+/// The path prefix of the gRPC health service's methods.
+const HEALTH_PATH_PREFIX: &str = "/grpc.health.v1.Health/";
 
 /// Requests (HTTP/2 streams) open across every connection, and the most
 /// the server holds at once (`--max-open-requests`). Each open request
@@ -101,12 +119,22 @@ impl Drop for OpenRequest {
 pub(crate) struct CountStreamsLayer {
     activity: Arc<StreamActivity>,
     all: Arc<OpenRequests>,
+    health: Arc<OpenRequests>,
 }
 
 impl CountStreamsLayer {
-    /// Counts into `activity` (this connection) and `all` (every connection).
-    pub(crate) fn new(activity: Arc<StreamActivity>, all: Arc<OpenRequests>) -> Self {
-        Self { activity, all }
+    /// Counts into `activity` (this connection) and `all` (every
+    /// connection); health requests into `health` alone.
+    pub(crate) fn new(
+        activity: Arc<StreamActivity>,
+        all: Arc<OpenRequests>,
+        health: Arc<OpenRequests>,
+    ) -> Self {
+        Self {
+            activity,
+            all,
+            health,
+        }
     }
 }
 
@@ -118,6 +146,7 @@ impl<S> Layer<S> for CountStreamsLayer {
             inner,
             activity: self.activity.clone(),
             all: self.all.clone(),
+            health: self.health.clone(),
         }
     }
 }
@@ -128,6 +157,7 @@ pub(crate) struct CountStreams<S> {
     inner: S,
     activity: Arc<StreamActivity>,
     all: Arc<OpenRequests>,
+    health: Arc<OpenRequests>,
 }
 
 impl<S, B, R> Service<Request<B>> for CountStreams<S>
@@ -146,16 +176,27 @@ where
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        let Some(place) = self.all.try_open() else {
+        let is_health = request.uri().path().starts_with(HEALTH_PATH_PREFIX);
+        let pool = if is_health { &self.health } else { &self.all };
+        let Some(place) = pool.try_open() else {
             // The request (and whatever of its message has arrived) is
             // dropped now; the client is told to come back.
-            let status = tonic::Status::resource_exhausted(format!(
-                "the CA holds {} requests open, the most it takes (--max-open-requests); retry with backoff",
-                self.all.max
-            ));
+            let status = if is_health {
+                tonic::Status::resource_exhausted(format!(
+                    "the CA holds {} health requests open, the most it takes; retry with backoff",
+                    pool.max
+                ))
+            } else {
+                tonic::Status::resource_exhausted(format!(
+                    "the CA holds {} requests open, the most it takes (--max-open-requests); retry with backoff",
+                    pool.max
+                ))
+            };
             return Box::pin(async move { Ok(status.into_http()) });
         };
-        let stream = self.activity.open();
+        // A health stream is no activity of its connection (see the
+        // module's documentation).
+        let stream = (!is_health).then(|| self.activity.open());
         let answer = self.inner.call(request);
         Box::pin(async move {
             let response = answer.await?;
@@ -176,18 +217,22 @@ mod tests {
 
     use super::*;
 
+    fn health_pool() -> Arc<OpenRequests> {
+        OpenRequests::new(MAX_HEALTH_REQUESTS, Default::default())
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_stream_stays_open_until_its_answer_body_is_dropped() {
         use http_body_util::BodyExt;
         let activity = Arc::new(StreamActivity::default());
         let all = OpenRequests::new(100, Default::default());
-        let mut service = CountStreamsLayer::new(activity.clone(), all).layer(tower::service_fn(
-            |_: Request<()>| async {
+        let mut service = CountStreamsLayer::new(activity.clone(), all, health_pool()).layer(
+            tower::service_fn(|_: Request<()>| async {
                 Ok::<_, Infallible>(Response::new(http_body_util::Full::new(
                     Bytes::from_static(b"answer"),
                 )))
-            },
-        ));
+            }),
+        );
         let answer = service.call(Request::new(()));
         assert_eq!(activity.open_streams(), 1, "open from the call on");
         let response = answer.await.unwrap();
@@ -206,7 +251,11 @@ mod tests {
         let refused = crate::metrics::IstioCounter::default();
         let all = OpenRequests::new(2, refused.clone());
         let handled = Arc::new(AtomicUsize::new(0));
-        let layer = CountStreamsLayer::new(Arc::new(StreamActivity::default()), all.clone());
+        let layer = CountStreamsLayer::new(
+            Arc::new(StreamActivity::default()),
+            all.clone(),
+            health_pool(),
+        );
         // Answers at once, counting the requests it handles.
         let answering = || {
             let handled = handled.clone();
@@ -220,7 +269,11 @@ mod tests {
             })
         };
         let mut first_connection = layer.layer(answering());
-        let other = CountStreamsLayer::new(Arc::new(StreamActivity::default()), all.clone());
+        let other = CountStreamsLayer::new(
+            Arc::new(StreamActivity::default()),
+            all.clone(),
+            health_pool(),
+        );
         let mut second_connection = other.layer(answering());
         // Two answers not yet sent, on two connections: the limit is reached.
         let one = first_connection.call(Request::new(())).await.unwrap();
@@ -245,6 +298,47 @@ mod tests {
         second_connection.call(Request::new(())).await.unwrap();
         assert_eq!(handled.load(Ordering::SeqCst), 3);
         drop(two);
+    }
+
+    #[tokio::test]
+    async fn health_requests_have_their_own_places_and_keep_no_connection_busy() {
+        let all = OpenRequests::new(1, Default::default());
+        let health = OpenRequests::new(2, Default::default());
+        let activity = Arc::new(StreamActivity::default());
+        let mut service = CountStreamsLayer::new(activity.clone(), all.clone(), health.clone())
+            .layer(tower::service_fn(|_: Request<()>| async {
+                Ok::<_, Infallible>(Response::new(http_body_util::Full::new(
+                    Bytes::from_static(b"answer"),
+                )))
+            }));
+        let health_request = || {
+            Request::builder()
+                .uri("/grpc.health.v1.Health/Watch")
+                .body(())
+                .unwrap()
+        };
+        // Two health streams held open (a Watch never ends by itself).
+        let watch_one = service.call(health_request()).await.unwrap();
+        let _watch_two = service.call(health_request()).await.unwrap();
+        assert_eq!(health.open(), 2);
+        assert_eq!(all.open(), 0, "no certificate request's place taken");
+        assert_eq!(activity.open_streams(), 0, "the connection counts as idle");
+        // A third health request is refused; a certificate request is not.
+        let refused = service.call(health_request()).await.unwrap();
+        let status = tonic::Status::from_header_map(refused.headers()).unwrap();
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        assert!(status.message().contains("health requests"), "{status:?}");
+        let certificate_request = Request::builder()
+            .uri("/istio.v1.auth.IstioCertificateService/CreateCertificate")
+            .body(())
+            .unwrap();
+        let answer = service.call(certificate_request).await.unwrap();
+        assert!(tonic::Status::from_header_map(answer.headers()).is_none());
+        assert_eq!((all.open(), activity.open_streams()), (1, 1));
+        // A health stream ended gives its place back.
+        drop(watch_one);
+        assert_eq!(health.open(), 1);
+        service.call(health_request()).await.unwrap();
     }
 
     #[test]

@@ -38,7 +38,7 @@ use tower::Service;
 
 use crate::metrics::IstioCounter;
 use connection::CountStreamsLayer;
-pub(crate) use connection::OpenRequests;
+pub(crate) use connection::{OpenRequests, MAX_HEALTH_REQUESTS};
 pub(crate) use listener::{
     bind_with_backlog, tls_incoming, AcceptLimits, Accepted, LISTEN_BACKLOG,
 };
@@ -102,6 +102,9 @@ pub(crate) struct SharedByConnections {
     pub(crate) evictions: IstioCounter,
     /// The requests open across all connections (`--max-open-requests`).
     pub(crate) open_requests: Arc<OpenRequests>,
+    /// The health requests open across all connections
+    /// ([`connection::MAX_HEALTH_REQUESTS`]).
+    pub(crate) health_requests: Arc<OpenRequests>,
 }
 
 /// Rewrites tonic's `OUT_OF_RANGE` for an oversized request message into
@@ -199,6 +202,7 @@ async fn serve_connection<S: GrpcService, H: GrpcService>(
         idle_closes,
         evictions,
         open_requests,
+        health_requests,
     } = shared;
     let Accepted {
         stream,
@@ -227,7 +231,11 @@ async fn serve_connection<S: GrpcService, H: GrpcService>(
         .layer(tower::util::MapResponseLayer::new(
             oversized_is_invalid_argument,
         ))
-        .layer(CountStreamsLayer::new(activity.clone(), open_requests))
+        .layer(CountStreamsLayer::new(
+            activity.clone(),
+            open_requests,
+            health_requests,
+        ))
         .add_service(health)
         .add_service(grpc);
     let idle = async {
