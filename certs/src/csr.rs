@@ -159,7 +159,7 @@ impl VerifiedCsr {
                     for name in &san.general_names {
                         if let GeneralName::URI(uri) = name {
                             let id = SpiffeId::parse(uri).map_err(|e| CsrError::BadUriSan {
-                                uri: truncate(uri, 256),
+                                uri: crate::untrusted_text::shortened(uri, 256),
                                 reason: e.to_string(),
                             })?;
                             uri_sans.push(id);
@@ -256,17 +256,6 @@ fn describe_oid(oid: &Oid<'_>) -> String {
         .get(oid)
         .map(|e| e.sn().to_string())
         .unwrap_or_else(|| oid.to_id_string())
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}...", &s[..end])
 }
 
 /// Errors from building a CSR.

@@ -49,6 +49,7 @@ pub mod spiffe;
 #[cfg(feature = "serving")]
 pub mod stream_activity;
 pub mod token;
+pub mod untrusted_text;
 pub mod verify;
 
 pub use csr::{build_csr, CsrError, VerifiedCsr};

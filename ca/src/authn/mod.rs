@@ -34,6 +34,7 @@ use async_trait::async_trait;
 use base64::Engine;
 use jsonwebtoken::{Algorithm, DecodingKey};
 use meshca_certs::token::ServiceAccountClaims;
+use meshca_certs::untrusted_text::shortened;
 use meshca_certs::{SpiffeId, TrustDomain};
 use rustls_pki_types::CertificateDer;
 
@@ -187,7 +188,7 @@ impl AuthenticatorChain {
         }
         match &credentials.bearer {
             Some(token) => Err(match peek_issuer(token) {
-                Ok(iss) => AuthnError::UntrustedIssuer(truncate(&iss, 128)),
+                Ok(iss) => AuthnError::UntrustedIssuer(shortened(&iss, 128)),
                 Err(e) => e,
             }),
             None => Err(AuthnError::BadClientCertificate(
@@ -195,10 +196,6 @@ impl AuthenticatorChain {
             )),
         }
     }
-}
-
-fn truncate(s: &str, max: usize) -> String {
-    s.chars().take(max).collect()
 }
 
 /// Reads `iss` from a JWT without verifying it (to name the issuer in
@@ -636,7 +633,7 @@ impl JwtAuthenticator {
             ))
         })?;
         if claims.iss != self.issuer {
-            return Err(AuthnError::UntrustedIssuer(truncate(&claims.iss, 128)));
+            return Err(AuthnError::UntrustedIssuer(shortened(&claims.iss, 128)));
         }
         if !self.audiences.iter().any(|a| claims.aud.contains(a)) {
             return Err(AuthnError::WrongAudience(self.audiences.clone()));

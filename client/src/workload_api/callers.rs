@@ -75,8 +75,8 @@ pub struct Callers {
     closing: watch::Sender<bool>,
 }
 
-/// A stream's hold on its identity's feed and on a stream slot; dropping
-/// it (the stream closed) frees both.
+/// A stream's hold on its identity's feed; dropping it (the stream
+/// closed) lets the feed go when no other stream holds it.
 #[derive(Debug)]
 pub(crate) struct StreamLease {
     /// The feed of the caller's identity.
@@ -84,6 +84,15 @@ pub(crate) struct StreamLease {
     /// Turns true when the agent stops; the stream then ends with
     /// `UNAVAILABLE`.
     pub(crate) closing: watch::Receiver<bool>,
+}
+
+/// A request's place among the socket's streams (`--max-streams`) and, in
+/// node mode, its pod's (`--max-streams-per-pod`), from its HEADERS until
+/// its answer ends; dropping it frees both. Taken before the request's
+/// message is read, so the requests whose messages are being read are
+/// bounded too.
+#[derive(Debug)]
+pub(crate) struct StreamSlot {
     _slot: OwnedSemaphorePermit,
     _pod_slot: Option<PodSlot>,
 }
@@ -279,25 +288,17 @@ impl Callers {
         }
     }
 
-    /// A stream slot (and in node mode one of the caller's pod) and the
-    /// feed of `identity` for the stream `request` opens, or
-    /// `RESOURCE_EXHAUSTED` when `max_streams` streams are open, or the
-    /// caller's pod holds its most.
-    pub(crate) fn lease<T>(
-        &self,
-        request: &Request<T>,
-        identity: &SpiffeId,
-    ) -> Result<StreamLease, Status> {
-        if *self.closing.borrow() {
-            return Err(shutting_down());
-        }
-        let caller = request.extensions().get::<CallerInfo>();
-        let pod_slot = match (&self.per_pod, caller.and_then(|c| self.pod_key(c))) {
+    /// A stream slot, and in node mode one of the caller's pod, for a
+    /// request from `caller`, taken at its HEADERS (before its message
+    /// is read) and held until its answer ends; `RESOURCE_EXHAUSTED` when
+    /// `max_streams` streams are open, or the caller's pod holds its most.
+    pub(crate) fn admit_stream(&self, caller: &CallerInfo) -> Result<StreamSlot, Status> {
+        let pod_slot = match (&self.per_pod, self.pod_key(caller)) {
             (Some(per_pod), Some(key)) => {
                 let streams = &per_pod.streams;
                 Some(streams.try_take(&key).ok_or_else(|| {
                     if let Some(unlogged) = streams.refusals.record() {
-                        tracing::warn!(identity = %identity, caller = %key, max_streams_per_pod = streams.max(), unlogged, "refused a stream: the pod holds its most streams (unlogged: refusals of any pod since the last line)");
+                        tracing::warn!(pid = ?caller.pid, caller = %key, max_streams_per_pod = streams.max(), unlogged, "refused a stream: the pod holds its most streams (unlogged: refusals of any pod since the last line)");
                     }
                     Status::resource_exhausted(format!(
                         "{key} has {} streams open, the most one pod may have on this agent (--max-streams-per-pod); close some",
@@ -309,18 +310,29 @@ impl Callers {
         };
         let slot = self.streams.clone().try_acquire_owned().map_err(|_| {
             if let Some(unlogged) = self.stream_limit_refusals.record() {
-                tracing::warn!(identity = %identity, max_streams = self.max_streams, unlogged, "refused a stream: the stream limit is reached");
+                tracing::warn!(pid = ?caller.pid, max_streams = self.max_streams, unlogged, "refused a stream: the stream limit is reached");
             }
             Status::resource_exhausted(format!(
                 "{} streams are open, the most this agent serves (--max-streams)",
                 self.max_streams
             ))
         })?;
+        Ok(StreamSlot {
+            _slot: slot,
+            _pod_slot: pod_slot,
+        })
+    }
+
+    /// The feed of `identity` for a stream (its slot was taken at its
+    /// HEADERS, [`Callers::admit_stream`]), or `UNAVAILABLE` when the
+    /// agent is stopping.
+    pub(crate) fn lease(&self, identity: &SpiffeId) -> Result<StreamLease, Status> {
+        if *self.closing.borrow() {
+            return Err(shutting_down());
+        }
         Ok(StreamLease {
             feed: self.feeds.get(identity),
             closing: self.closing.subscribe(),
-            _slot: slot,
-            _pod_slot: pod_slot,
         })
     }
 }
@@ -378,10 +390,9 @@ mod tests {
     #[tokio::test]
     async fn in_node_mode_one_pod_holds_at_most_its_streams() {
         let callers = node_callers(2);
-        let web = id("web");
-        let first = callers.lease(&request_from(in_pod("a")), &web).unwrap();
-        let _second = callers.lease(&request_from(in_pod("a")), &web).unwrap();
-        let refused = callers.lease(&request_from(in_pod("a")), &web).unwrap_err();
+        let first = callers.admit_stream(&caller(in_pod("a"))).unwrap();
+        let _second = callers.admit_stream(&caller(in_pod("a"))).unwrap();
+        let refused = callers.admit_stream(&caller(in_pod("a"))).unwrap_err();
         assert_eq!(refused.code(), Code::ResourceExhausted);
         assert!(
             refused.message().contains("pod a")
@@ -389,10 +400,10 @@ mod tests {
             "{refused:?}"
         );
         // Another pod of the node still gets its streams.
-        let _other = callers.lease(&request_from(in_pod("b")), &web).unwrap();
+        let _other = callers.admit_stream(&caller(in_pod("b"))).unwrap();
         // A stream closed gives the pod its place back.
         drop(first);
-        assert!(callers.lease(&request_from(in_pod("a")), &web).is_ok());
+        assert!(callers.admit_stream(&caller(in_pod("a"))).is_ok());
     }
 
     #[tokio::test]
@@ -576,13 +587,11 @@ mod tests {
         let (_issuer, feeds, _bundle) = setup(Duration::from_secs(3600));
         let callers = Callers::new(CallerPolicy::Pod(id("web")), feeds, 3, 1);
         assert!(admitted(callers.admit_connection(&caller(in_pod("a")))).is_none());
-        let leases: Vec<_> = (0..3)
-            .map(|_| callers.lease(&request_from(in_pod("a")), &id("web")))
+        let slots: Vec<_> = (0..3)
+            .map(|_| callers.admit_stream(&caller(in_pod("a"))))
             .collect();
-        assert!(leases.iter().all(Result::is_ok), "one pod: --max-streams");
-        let refused = callers
-            .lease(&request_from(in_pod("a")), &id("web"))
-            .unwrap_err();
+        assert!(slots.iter().all(Result::is_ok), "one pod: --max-streams");
+        let refused = callers.admit_stream(&caller(in_pod("a"))).unwrap_err();
         assert!(refused.message().contains("--max-streams)"), "{refused:?}");
     }
 }

@@ -67,6 +67,19 @@ pub use socket::{bind, connection_cap, raise_open_files_limit, SocketError, FD_R
 
 /// Default most streams open at once (and most connections).
 pub const DEFAULT_MAX_STREAMS: usize = 4096;
+
+/// The largest Workload API request message the socket reads (a larger one
+/// is refused with `OUT_OF_RANGE` as soon as its length prefix arrives).
+/// The X.509 requests are empty; the JWT ones (not served) carry a token
+/// and audiences.
+pub const MAX_WORKLOAD_API_REQUEST_BYTES: usize = 16 * 1024;
+
+/// The largest SDS request message the socket reads (a larger one is
+/// refused with `OUT_OF_RANGE` as soon as its length prefix arrives).
+/// Envoy puts its node description in its requests: its metadata and the
+/// list of its extensions, tens of KiB. With the stream limits, this bounds
+/// what one pod can make the agent hold: `--max-streams-per-pod` × 256 KiB.
+pub const MAX_SDS_REQUEST_BYTES: usize = 256 * 1024;
 /// Default interval between checks of the `--root-cert` file for a new
 /// bundle, as the agent's `--bundle-refresh` flag reads it.
 pub const DEFAULT_BUNDLE_REFRESH: &str = "10s";
@@ -145,12 +158,14 @@ async fn serve_with(
     callers: Arc<Callers>,
     shutdown: impl Future<Output = ()> + Send,
 ) {
-    let routes = tonic::service::Routes::new(SpiffeWorkloadApiServer::new(
-        spiffe_api::WorkloadApiService::new(callers.clone()),
-    ))
-    .add_service(SecretDiscoveryServiceServer::new(sds::SdsService::new(
-        callers.clone(),
-    )))
+    let routes = tonic::service::Routes::new(
+        SpiffeWorkloadApiServer::new(spiffe_api::WorkloadApiService::new(callers.clone()))
+            .max_decoding_message_size(MAX_WORKLOAD_API_REQUEST_BYTES),
+    )
+    .add_service(
+        SecretDiscoveryServiceServer::new(sds::SdsService::new(callers.clone()))
+            .max_decoding_message_size(MAX_SDS_REQUEST_BYTES),
+    )
     .prepare();
     // Boxed, so that dropping it below closes the listener.
     let node = config.proc_root.clone().map(|proc_root| {
@@ -173,6 +188,7 @@ async fn serve_with(
                     connections.spawn(server::serve_connection(
                         connection,
                         routes.clone(),
+                        callers.clone(),
                         timers,
                         stopping.clone(),
                     ));
@@ -239,6 +255,7 @@ pub fn watch_root_file(client: CaClient, interval: Duration) -> watch::Receiver<
 mod tests {
     use super::feeds::tests::{id, setup, TestIssuer};
     use super::*;
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::Secret;
     use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
     use envoy_types::pb::envoy::service::discovery::v3::DiscoveryResponse;
     use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client::SecretDiscoveryServiceClient;
@@ -247,6 +264,7 @@ mod tests {
     use meshca_proto::spiffe_workload::{
         X509BundlesRequest, X509BundlesResponse, X509svidRequest, X509svidResponse,
     };
+    use prost::Message;
     use std::path::Path;
     use std::sync::atomic::Ordering;
     use tokio::io::AsyncReadExt;
@@ -625,19 +643,40 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn unknown_secret_names_are_refused_naming_them() {
+    async fn unknown_secret_names_are_answered_empty_and_repeated_ones_once() {
         let h = start(LONG, 16, ConnectionTimers::default(), |_| {}).await;
         let channel = channel(&h.socket).await;
         let mut sds = SecretDiscoveryServiceClient::new(channel.clone());
-        let status = sds
-            .fetch_secrets(sds_request(&["default", "bogus"]))
+        let fetched = sds
+            .fetch_secrets(sds_request(&["default", "bogus", "default"]))
             .await
-            .unwrap_err();
-        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
-        assert!(status.message().contains("\"bogus\""), "{status:?}");
-        let (_requests, mut stream) = secret_stream(&channel, &["bogus"]).await;
-        let status = stream.message().await.unwrap_err();
-        assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+            .expect("answered without the unknown name")
+            .into_inner();
+        let names: Vec<String> = fetched
+            .resources
+            .iter()
+            .map(|any| Secret::decode(any.value.as_slice()).unwrap().name)
+            .collect();
+        assert_eq!(names, ["default"]);
+        // On a stream: an empty answer, and the stream goes on.
+        let (requests, mut stream) = secret_stream(&channel, &["bogus"]).await;
+        let empty = tokio::time::timeout(WAIT, stream.message())
+            .await
+            .expect("an answer")
+            .unwrap()
+            .unwrap();
+        assert!(empty.resources.is_empty(), "{empty:?}");
+        let mut next = sds_request(&["bogus", "ROOTCA"]);
+        next.response_nonce = empty.nonce.clone();
+        next.version_info = empty.version_info.clone();
+        requests.send(next).await.unwrap();
+        let roots = tokio::time::timeout(WAIT, stream.message())
+            .await
+            .expect("an answer")
+            .unwrap()
+            .unwrap();
+        assert_eq!(roots.resources.len(), 1);
+        assert_ne!(roots.nonce, empty.nonce);
         // No names at all is every secret (Envoy's wildcard), as before.
         let all = sds
             .fetch_secrets(sds_request(&[]))
@@ -645,6 +684,92 @@ mod tests {
             .unwrap()
             .into_inner();
         assert_eq!(all.resources.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn request_messages_larger_than_the_bound_are_refused() {
+        let h = start(LONG, 16, ConnectionTimers::default(), |_| {}).await;
+        let channel = channel(&h.socket).await;
+        let name = "x".repeat(MAX_SDS_REQUEST_BYTES);
+        let status = SecretDiscoveryServiceClient::new(channel.clone())
+            .fetch_secrets(sds_request(&[&name]))
+            .await
+            .unwrap_err();
+        assert_eq!(status.code(), Code::OutOfRange, "{status:?}");
+        // A request within the bound is served on the same connection.
+        let fetched = SecretDiscoveryServiceClient::new(channel)
+            .fetch_secrets(sds_request(&["ROOTCA"]))
+            .await
+            .unwrap();
+        assert_eq!(fetched.into_inner().resources.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_request_holds_its_stream_place_from_its_headers() {
+        use http_body_util::StreamBody;
+        use hyper::body::Frame;
+        use tonic::codegen::Bytes;
+
+        // The harness serves at most 16 streams.
+        let h = start(LONG, 64, ConnectionTimers::default(), |_| {}).await;
+        let io = TokioIo::new(UnixStream::connect(&h.socket).await.unwrap());
+        let (send, connection) =
+            hyper::client::conn::http2::handshake(hyper_util::rt::TokioExecutor::new(), io)
+                .await
+                .unwrap();
+        tokio::spawn(connection);
+        // Sixteen requests whose messages never come.
+        let unfinished: Vec<_> = (0..16)
+            .map(|_| {
+                let body = StreamBody::new(futures::stream::pending::<
+                    Result<Frame<Bytes>, std::convert::Infallible>,
+                >());
+                let request =
+                    tonic::codegen::http::Request::post("/SpiffeWorkloadAPI/FetchX509SVID")
+                        .header("content-type", "application/grpc")
+                        .header(meshca_proto::WORKLOAD_API_HEADER, "true")
+                        .body(body)
+                        .unwrap();
+                let mut send = send.clone();
+                tokio::spawn(async move { send.send_request(request).await })
+            })
+            .collect();
+        let channel = channel(&h.socket).await;
+        let refused = tokio::time::timeout(WAIT, async {
+            loop {
+                let answer = SpiffeWorkloadApiClient::new(channel.clone())
+                    .fetch_x509svid(with_header(X509svidRequest {}))
+                    .await;
+                match answer {
+                    Err(status) => return status,
+                    // Not all sixteen have arrived yet.
+                    Ok(stream) => drop(stream),
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the unfinished requests hold every place");
+        assert_eq!(refused.code(), Code::ResourceExhausted, "{refused:?}");
+        assert!(refused.message().contains("--max-streams"), "{refused:?}");
+        // Their streams reset: the places are free again.
+        for request in &unfinished {
+            request.abort();
+        }
+        let served = tokio::time::timeout(WAIT, async {
+            loop {
+                if let Ok(answer) = SpiffeWorkloadApiClient::new(channel.clone())
+                    .fetch_x509svid(with_header(X509svidRequest {}))
+                    .await
+                {
+                    return answer.into_inner().message().await;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("served once the places are free");
+        assert!(served.unwrap().is_some());
     }
 
     #[test]

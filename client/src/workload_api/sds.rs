@@ -5,11 +5,10 @@
 //!   chain and the key;
 //! - `ROOTCA`, `ALL`, or the trust domain's ID (`spiffe://cluster.local`):
 //!   a `validation_context` whose `trusted_ca` holds every root;
-//! - any other name fails the request with `INVALID_ARGUMENT` naming it
-//!   (as SPIRE's agent does; Envoy logs the status, where an answer
-//!   without the secret would be rejected as "missing resources" with
-//!   nothing in the agent's log); no names at all means `default` and
-//!   `ROOTCA`.
+//! - any other name is answered empty: the answer leaves it out, the
+//!   stream goes on, and the agent logs the name (at most one line per
+//!   interval, the name cut to [`LOGGED_TEXT_BYTES`]); no names at all
+//!   means `default` and `ROOTCA`. A name asked for twice is answered once.
 //!
 //! Bundle names are answered at once (the roots are known from
 //! `--root-cert` before any certificate); a request that names the
@@ -40,6 +39,9 @@ use tonic::{Request, Response, Status, Streaming};
 
 use meshca_certs::SpiffeId;
 
+use meshca_certs::rate_limited_log::RateLimitedLog;
+use meshca_certs::untrusted_text::shortened;
+
 use super::callers::{shutting_down, Callers, StreamLease};
 use super::credentials::{Credentials, Roots};
 use super::feeds::{FeedState, SvidState};
@@ -55,16 +57,31 @@ pub(crate) const ROOT_CA_NAME: &str = "ROOTCA";
 /// SPIRE's name of every bundle (here: the one trust domain's).
 pub(crate) const ALL_BUNDLES_NAME: &str = "ALL";
 
+/// The most bytes of a caller's text (a secret name, a NACK's message, a
+/// type URL) that a log line or a status message carries.
+pub(crate) const LOGGED_TEXT_BYTES: usize = 256;
+
 /// The SDS service.
 #[derive(Debug, Clone)]
 pub(crate) struct SdsService {
     callers: Arc<Callers>,
+    logs: Arc<SdsLogs>,
+}
+
+/// The log lines any caller can repeat at will: one per interval each.
+#[derive(Debug, Default)]
+struct SdsLogs {
+    unknown_names: RateLimitedLog,
+    nacks: RateLimitedLog,
 }
 
 impl SdsService {
     /// Serves `callers`' identities.
     pub(crate) fn new(callers: Arc<Callers>) -> Self {
-        Self { callers }
+        Self {
+            callers,
+            logs: Arc::default(),
+        }
     }
 }
 
@@ -149,30 +166,37 @@ fn secret_for(name: &str, identity: &SpiffeId, material: &Material) -> Option<Se
     })
 }
 
-/// The names a request asks for (none: the certificate and the bundle),
-/// or `INVALID_ARGUMENT` naming those this agent does not serve (as
-/// SPIRE's agent answers them).
-fn requested_names(request: &DiscoveryRequest, identity: &SpiffeId) -> Result<Vec<String>, Status> {
+/// The names a request asks for that this agent serves, each once, in
+/// the order asked (none asked: the certificate and the bundle); the names
+/// it does not serve are left out and logged (see the module's
+/// documentation).
+fn requested_names(request: &DiscoveryRequest, identity: &SpiffeId, logs: &SdsLogs) -> Vec<String> {
     if request.resource_names.is_empty() {
-        return Ok(vec![
-            DEFAULT_CERT_NAME.to_string(),
-            ROOT_CA_NAME.to_string(),
-        ]);
+        return vec![DEFAULT_CERT_NAME.to_string(), ROOT_CA_NAME.to_string()];
     }
-    let unknown: Vec<&str> = request
-        .resource_names
-        .iter()
-        .map(String::as_str)
-        .filter(|name| kind_of(name, identity).is_none())
-        .collect();
-    if !unknown.is_empty() {
-        return Err(Status::invalid_argument(format!(
-            "unknown secret names {unknown:?}: this agent serves {DEFAULT_CERT_NAME:?} or {:?} (the certificate) and {ROOT_CA_NAME:?}, {ALL_BUNDLES_NAME:?} or {:?} (the trust bundle)",
-            identity.as_str(),
-            identity.trust_domain().id_string()
-        )));
+    let mut names: Vec<String> = Vec::new();
+    let mut unknown = 0usize;
+    let mut first_unknown = None;
+    for name in &request.resource_names {
+        if kind_of(name, identity).is_none() {
+            unknown += 1;
+            first_unknown.get_or_insert(name.as_str());
+        } else if !names.contains(name) {
+            names.push(name.clone());
+        }
     }
-    Ok(request.resource_names.clone())
+    if let Some(first) = first_unknown {
+        if let Some(unlogged) = logs.unknown_names.record() {
+            tracing::warn!(
+                identity = %identity,
+                unknown,
+                first = %shortened(first, LOGGED_TEXT_BYTES),
+                unlogged,
+                "SDS request names secrets this agent does not serve: answered without them (it serves default or the SPIFFE ID, and ROOTCA, ALL or the trust domain's ID; unlogged: such requests since the last line)"
+            );
+        }
+    }
+    names
 }
 
 /// Whether any of `names` is the certificate.
@@ -227,7 +251,7 @@ fn check_type(request: &DiscoveryRequest) -> Result<(), Status> {
     } else {
         Err(Status::invalid_argument(format!(
             "this is an SDS server: type_url must be {SECRET_TYPE_URL}, not {:?}",
-            request.type_url
+            shortened(&request.type_url, LOGGED_TEXT_BYTES)
         )))
     }
 }
@@ -235,6 +259,7 @@ fn check_type(request: &DiscoveryRequest) -> Result<(), Status> {
 /// One SDS stream's state.
 struct SdsStream {
     requests: Streaming<DiscoveryRequest>,
+    logs: Arc<SdsLogs>,
     lease: StreamLease,
     /// The names the client asked for last; `None` before its first request.
     names: Option<Vec<String>>,
@@ -292,28 +317,25 @@ impl SdsStream {
                         // sent is stale (xDS): the client has not seen the
                         // newest answer yet, and will ACK or NACK that one.
                         tracing::debug!(
-                            nonce = %request.response_nonce,
+                            nonce = %shortened(&request.response_nonce, LOGGED_TEXT_BYTES),
                             latest = self.version,
                             "stale SDS request ignored"
                         );
                         continue;
                     }
                     if let Some(error) = &request.error_detail {
-                        tracing::warn!(
-                            identity = %identity,
-                            nonce = %request.response_nonce,
-                            code = error.code,
-                            error = %error.message,
-                            "Envoy rejected the secrets (NACK); the next change will be pushed"
-                        );
-                    }
-                    let names = match requested_names(&request, &identity) {
-                        Ok(names) => names,
-                        Err(status) => {
-                            tracing::warn!(identity = %identity, names = ?request.resource_names, "SDS request for unknown secret names refused");
-                            return Step::Fail(status);
+                        if let Some(unlogged) = self.logs.nacks.record() {
+                            tracing::warn!(
+                                identity = %identity,
+                                nonce = %shortened(&request.response_nonce, LOGGED_TEXT_BYTES),
+                                code = error.code,
+                                error = %shortened(&error.message, LOGGED_TEXT_BYTES),
+                                unlogged,
+                                "Envoy rejected the secrets (NACK); the next change will be pushed (unlogged: NACKs since the last line)"
+                            );
                         }
-                    };
+                    }
+                    let names = requested_names(&request, &identity, &self.logs);
                     if self.names.as_ref() != Some(&names) {
                         // The first request, or new names: answer now.
                         self.names = Some(names);
@@ -354,10 +376,11 @@ impl SecretDiscoveryService for SdsService {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamSecretsStream>, Status> {
         let identity = self.callers.identity_of(&request).await?;
-        let lease = self.callers.lease(&request, &identity)?;
+        let lease = self.callers.lease(&identity)?;
         tracing::debug!(identity = %identity, "SDS stream opened");
         let state = SdsStream {
             requests: request.into_inner(),
+            logs: self.logs.clone(),
             lease,
             names: None,
             sent: None,
@@ -381,8 +404,8 @@ impl SecretDiscoveryService for SdsService {
     ) -> Result<Response<DiscoveryResponse>, Status> {
         let identity = self.callers.identity_of(&request).await?;
         check_type(request.get_ref())?;
-        let names = requested_names(request.get_ref(), &identity)?;
-        let mut lease = self.callers.lease(&request, &identity)?;
+        let names = requested_names(request.get_ref(), &identity, &self.logs);
+        let mut lease = self.callers.lease(&identity)?;
         let mut state = lease.feed.state();
         // The roots are there at once; a certificate is waited for up to
         // FIRST_SVID_WAIT.

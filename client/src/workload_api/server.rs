@@ -26,6 +26,7 @@ use tonic::codegen::http::{Request, Response};
 use tonic::service::Routes;
 use tower::ServiceExt;
 
+use super::callers::Callers;
 use super::socket::CallerConnection;
 use super::MAX_STREAMS_PER_CONNECTION;
 
@@ -78,6 +79,7 @@ enum GoAway {
 pub(crate) async fn serve_connection(
     connection: CallerConnection,
     routes: Routes,
+    callers: Arc<Callers>,
     timers: ConnectionTimers,
     mut stopping: watch::Receiver<bool>,
 ) {
@@ -87,15 +89,23 @@ pub(crate) async fn serve_connection(
     let service = {
         let activity = activity.clone();
         hyper::service::service_fn(move |mut request: Request<Incoming>| {
+            // The stream's place, before its message is read: a request
+            // beyond the limits is answered at its HEADERS.
+            let slot = callers.admit_stream(&info);
             request.extensions_mut().insert(info.clone());
             let stream = activity.open();
             let routes = routes.clone();
             async move {
+                let slot = match slot {
+                    Ok(slot) => slot,
+                    Err(status) => return Ok(status.into_http()),
+                };
                 let response = routes.oneshot(request).await?;
-                // The stream counts as open for as long as its body lives.
+                // The stream counts as open, and holds its place, for as
+                // long as its body lives.
                 Ok::<Response<Body>, Infallible>(response.map(move |body| {
                     Body::new(body.map_frame(move |frame| {
-                        let _open = &stream;
+                        let _open = (&stream, &slot);
                         frame
                     }))
                 }))
