@@ -544,6 +544,18 @@ impl TryFrom<ServeArgs> for Config {
                         "names under kubernetes.io are reserved for Kubernetes; use a domain of your own, e.g. meshca.io/spiffe".into(),
                     ));
                 }
+                // The trust domain labels the ClusterTrustBundle the signer
+                // publishes, and a label value is shorter than some trust
+                // domains: the API would refuse every write.
+                let td = args.trust_domain.as_str();
+                let alphanumeric_ends = td.starts_with(|c: char| c.is_ascii_alphanumeric())
+                    && td.ends_with(|c: char| c.is_ascii_alphanumeric());
+                if td.len() > 63 || !alphanumeric_ends {
+                    return Err(refuse(format!(
+                        "the trust domain {td:?} cannot be the value of the ClusterTrustBundle's label {} (at most 63 characters, beginning and ending with a letter or digit); pod certificates need a trust domain that can",
+                        crate::cluster::TRUST_DOMAIN_LABEL
+                    )));
+                }
                 if args.max_workload_cert_ttl < Duration::from_secs(3600) {
                     return Err(ConfigError::PodCertificateTtlTooShort(
                         args.max_workload_cert_ttl,
@@ -692,6 +704,19 @@ mod tests {
         let cli = Cli::try_parse_from(std::iter::once("meshca").chain(args.iter().copied()))
             .map_err(|e| e.to_string())?;
         Config::try_from(cli.serve).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn pod_certificates_need_a_trust_domain_that_fits_a_label() {
+        let signer = ["--pod-certificate-signer", "meshca.io/spiffe"];
+        let long = format!("a{}", "b".repeat(63));
+        let error = parse(&[&signer[..], &["--trust-domain", &long]].concat()).unwrap_err();
+        assert!(error.contains("meshca.io/trust-domain"), "{error}");
+        assert!(parse(&[&signer[..], &["--trust-domain", "td-"]].concat()).is_err());
+        let at_limit = "a".repeat(63);
+        assert!(parse(&[&signer[..], &["--trust-domain", &at_limit]].concat()).is_ok());
+        // Without pod certificates, no label: any trust domain.
+        assert!(parse(&["--trust-domain", &long]).is_ok());
     }
 
     #[test]

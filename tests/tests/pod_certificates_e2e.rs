@@ -336,7 +336,9 @@ async fn requests_that_must_not_be_signed_are_denied_with_the_reason() {
         recreated.to_json(&key, KeyEncoding::StubCsr),
     )
     .unwrap();
-    // An unverifiedUserAnnotations key meshca does not know.
+    // unverifiedUserAnnotations meshca does not know: 150 keys of 250
+    // characters (37 KiB of names, more than the API lets a condition's
+    // message hold: the denial must still be written).
     kube.add_pod("default", "pod-annotated", "uid-annotated", "web", NODE);
     let mut annotated = PodRequest {
         name: "annotated",
@@ -344,7 +346,10 @@ async fn requests_that_must_not_be_signed_are_denied_with_the_reason() {
         ..elsewhere.clone()
     }
     .to_json(&key, KeyEncoding::StubCsr);
-    annotated["spec"]["unverifiedUserAnnotations"] = serde_json::json!({"example.com/role": "db"});
+    let keys: serde_json::Map<String, serde_json::Value> = (0..150)
+        .map(|i| (format!("example.com/{i:03}{}", "k".repeat(234)), "v".into()))
+        .collect();
+    annotated["spec"]["unverifiedUserAnnotations"] = serde_json::Value::Object(keys);
     kube.create_object("podcertificaterequests", annotated)
         .unwrap();
     // A proof of possession over another pod's UID: kube-apiserver refuses

@@ -276,6 +276,7 @@ pub(crate) async fn sign_pod_certificates(
             metrics.clone(),
             queue_tx.clone(),
         );
+        let signer_name = config.signer_name.clone();
         async move {
             futures::pin_mut!(events);
             while let Some(event) = events.next().await {
@@ -287,7 +288,10 @@ pub(crate) async fn sign_pod_certificates(
                         continue;
                     }
                 };
-                if is_answered(&request) {
+                if is_answered(&request) || request.spec.signer_name != signer_name {
+                    // Another signer's request (the field selector keeps
+                    // them out; an API server that ignores it does not) is
+                    // left untouched.
                     continue;
                 }
                 let uid = request.metadata.uid.as_deref().unwrap_or_default();
@@ -667,6 +671,25 @@ async fn decide(
     Ok((outcome, status))
 }
 
+/// The most names [`listed_briefly`] lists, and the most bytes of each.
+const LISTED_NAMES: usize = 5;
+const LISTED_NAME_BYTES: usize = 64;
+
+/// `names` for a condition's message, which the API caps at 32 KiB where
+/// a request's annotations may hold 256 KiB: the first few, each cut
+/// short, and how many more.
+fn listed_briefly<'a>(names: impl ExactSizeIterator<Item = &'a String>) -> String {
+    let total = names.len();
+    let mut listed: Vec<String> = names
+        .take(LISTED_NAMES)
+        .map(|name| meshca_certs::untrusted_text::shortened(name, LISTED_NAME_BYTES))
+        .collect();
+    if total > LISTED_NAMES {
+        listed.push(format!("and {} more", total - LISTED_NAMES));
+    }
+    listed.join(", ")
+}
+
 /// The checks before signing: `Ok(Err(outcome))` is a denial.
 async fn check(
     client: &kube::Client,
@@ -676,9 +699,10 @@ async fn check(
     let spec = &request.spec;
     let namespace = request.metadata.namespace.clone().unwrap_or_default();
     if spec.signer_name != config.signer_name {
-        return Ok(Err(denied(
-            "UnknownSigner",
-            format!("this signer is {}", config.signer_name),
+        // Never queued (see the watch): another signer's to answer.
+        return Err(Transient::CannotSign(format!(
+            "the request is for signer {}, not this one",
+            meshca_certs::untrusted_text::shortened(&spec.signer_name, 256)
         )));
     }
     if let Some(annotations) = spec
@@ -686,12 +710,11 @@ async fn check(
         .as_ref()
         .filter(|a| !a.is_empty())
     {
-        let keys: Vec<&str> = annotations.keys().map(String::as_str).collect();
         return Ok(Err(denied(
             "UnknownUserAnnotation",
             format!(
                 "this signer knows no unverifiedUserAnnotations; remove {}",
-                keys.join(", ")
+                listed_briefly(annotations.keys())
             ),
         )));
     }
@@ -825,13 +848,14 @@ fn issue(
     let (not_before, not_after) = (summary.not_before, summary.not_after);
     if not_after - not_before < time::Duration::seconds(pod_certificate::MIN_MAX_EXPIRATION_SECONDS)
     {
-        return Err(IssueError::Outcome(Outcome::Failed {
-            reason: "CAExpiresTooSoon",
-            message: format!(
-                "the CA's certificate expires at {}, too soon for a certificate of at least one hour; the operator must rotate the CA",
-                meshca_certs::Rfc3339(not_after)
-            ),
-        }));
+        // Not Failed: the kubelet takes Failed as final (and drops the
+        // pod's current certificate on a renewal), where this passes once
+        // the operator rotates the CA. The request waits, as for a CA
+        // outside its validity.
+        return Err(IssueError::Transient(Transient::CannotSign(format!(
+            "the CA's certificate expires at {}, too soon for a certificate of at least one hour; the operator must rotate the CA",
+            meshca_certs::Rfc3339(not_after)
+        ))));
     }
     // [leaf, intermediates..., roots]: the last element (every root of the
     // bundle) is left out; the pod trusts the ClusterTrustBundle.
@@ -914,6 +938,19 @@ fn timestamp(t: &Time) -> OffsetDateTime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_in_a_message_are_few_and_short() {
+        let names: Vec<String> = (0..150)
+            .map(|i| format!("example.com/{i:03}{}", "k".repeat(300)))
+            .collect();
+        let listed = listed_briefly(names.iter());
+        assert!(listed.len() < 1024, "{} bytes", listed.len());
+        assert!(listed.starts_with("example.com/000"), "{listed}");
+        assert!(listed.ends_with("and 145 more"), "{listed}");
+        let few = ["a".to_string(), "b".to_string()];
+        assert_eq!(listed_briefly(few.iter()), "a, b");
+    }
 
     #[test]
     fn lifetime_is_the_smaller_of_the_request_and_the_flag() {
