@@ -199,13 +199,16 @@ impl PodIndex {
 
     /// Replaces the whole content (after a full list) and marks it synced.
     pub(crate) fn replace(&self, pods: &[Pod]) {
-        let mut fresh = PodMaps::default();
+        let mut fresh = PodListing::default();
         for pod in pods {
-            if let Some((key, info)) = pod_entry(pod) {
-                fresh.insert(key, info);
-            }
+            fresh.add(pod);
         }
-        *self.maps.write().unwrap_or_else(|e| e.into_inner()) = fresh;
+        self.replace_with(fresh);
+    }
+
+    /// Replaces the whole content with a full list's and marks it synced.
+    pub(crate) fn replace_with(&self, listing: PodListing) {
+        *self.maps.write().unwrap_or_else(|e| e.into_inner()) = listing.maps;
         self.synced.store(true, Ordering::Release);
     }
 
@@ -306,6 +309,26 @@ fn with_call_timeout(client: kube::Client, timeout: Duration) -> kube::Client {
     kube::Client::new(service, namespace)
 }
 
+/// The entries of a full list of pods as it arrives, before it replaces
+/// the index's content: one small entry per pod (as in the index), never
+/// the pods themselves.
+#[derive(Debug, Default)]
+pub(crate) struct PodListing {
+    maps: PodMaps,
+    /// Pods listed, with or without an entry.
+    listed: usize,
+}
+
+impl PodListing {
+    /// Adds `pod`'s entry.
+    pub(crate) fn add(&mut self, pod: &Pod) {
+        self.listed += 1;
+        if let Some((key, info)) = pod_entry(pod) {
+            self.maps.insert(key, info);
+        }
+    }
+}
+
 /// Keeps `index` current from a watch on all pods until the task is dropped.
 /// Errors (API down, watch expired, a call not answered within
 /// [`POD_WATCH_CALL_TIMEOUT`]) are retried with backoff.
@@ -314,18 +337,20 @@ pub(crate) async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
     let config = watcher::Config::default().timeout(POD_WATCH_TIMEOUT_SECS);
     let stream = watcher::watcher(api, config).default_backoff();
     futures::pin_mut!(stream);
-    let mut buffer: Vec<Pod> = Vec::new();
+    // A listing in progress keeps each pod's small entry, not the pod:
+    // the whole cluster's pods at full size would not fit the memory limit.
+    let mut listing = PodListing::default();
     while let Some(event) = stream.next().await {
         if event.is_ok() {
             index.watch_succeeded();
         }
         match event {
-            Ok(Event::Init) => buffer.clear(),
-            Ok(Event::InitApply(pod)) => buffer.push(pod),
+            Ok(Event::Init) => listing = PodListing::default(),
+            Ok(Event::InitApply(pod)) => listing.add(&pod),
             Ok(Event::InitDone) => {
-                index.replace(&buffer);
-                tracing::info!(pods = buffer.len(), "pod index synced");
-                buffer = Vec::new();
+                let listed = std::mem::take(&mut listing);
+                tracing::info!(pods = listed.listed, "pod index synced");
+                index.replace_with(listed);
             }
             Ok(Event::Apply(pod)) => index.apply(&pod),
             Ok(Event::Delete(pod)) => index.delete(&pod),

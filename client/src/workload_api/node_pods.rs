@@ -159,13 +159,19 @@ impl NodePods {
         self.bump();
     }
 
+    /// A pod added or changed; one that has finished is forgotten, as a
+    /// new listing would (its containers are gone, its UID attests
+    /// nothing any more).
     fn apply(&self, pod: &Pod) {
-        if let Some((uid, info)) = entry(pod) {
-            self.by_uid
-                .write()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(uid, info);
-            self.bump();
+        match entry(pod) {
+            Some((uid, info)) => {
+                self.by_uid
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(uid, info);
+                self.bump();
+            }
+            None => self.delete(pod),
         }
     }
 
@@ -280,5 +286,24 @@ mod tests {
         assert!(pod.has_container("abc"));
         assert!(!pod.has_container("containerd://abc"));
         assert_eq!(pod.service_account, "default");
+    }
+
+    #[test]
+    fn a_pod_that_finishes_is_forgotten() {
+        let pods = NodePods::new("node-a");
+        let mut pod = Pod::default();
+        pod.metadata.uid = Some("u1".into());
+        pod.metadata.namespace = Some("ns".into());
+        pod.status = Some(PodStatus {
+            phase: Some("Running".into()),
+            ..Default::default()
+        });
+        pods.apply(&pod);
+        assert!(pods.contains("u1"));
+        if let Some(status) = pod.status.as_mut() {
+            status.phase = Some("Succeeded".into());
+        }
+        pods.apply(&pod);
+        assert!(!pods.contains("u1"), "its UID attests nothing any more");
     }
 }
