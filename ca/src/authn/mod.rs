@@ -404,10 +404,32 @@ pub struct JwtAuthenticator {
     /// Fetches finished, to tell whether one ran while a caller waited.
     fetches: AtomicU64,
     last_refresh: std::sync::Mutex<Option<tokio::time::Instant>>,
+    /// A fetch whose refresh was cancelled (its request reset): it runs
+    /// on in its own task, and the next refresh takes its keys instead of
+    /// fetching again.
+    orphaned_fetch: std::sync::Mutex<Option<JwksFetch>>,
     /// SHA-256 of the JWKS document the keys came from, when fetched.
     jwks_digest: std::sync::Mutex<Option<[u8; 32]>>,
     cache: VerifiedTokenCache,
     clock: SharedClock,
+}
+
+/// A JWKS fetch running in its own task.
+type JwksFetch = tokio::task::JoinHandle<Result<String, String>>;
+
+/// A refresh's fetch while the refresh awaits it: if the refresh is
+/// dropped first, the fetch is left in `orphans` for the next one.
+struct FetchAwaited<'a> {
+    fetch: Option<JwksFetch>,
+    orphans: &'a std::sync::Mutex<Option<JwksFetch>>,
+}
+
+impl Drop for FetchAwaited<'_> {
+    fn drop(&mut self) {
+        if let Some(fetch) = self.fetch.take() {
+            *self.orphans.lock().unwrap_or_else(|e| e.into_inner()) = Some(fetch);
+        }
+    }
 }
 
 /// Where fresh keys of an issuer come from (e.g. the Kubernetes API's
@@ -492,6 +514,7 @@ impl JwtAuthenticator {
             refreshing: tokio::sync::Mutex::new(()),
             fetches: AtomicU64::new(0),
             last_refresh: std::sync::Mutex::new(None),
+            orphaned_fetch: std::sync::Mutex::new(None),
             jwks_digest: std::sync::Mutex::new(Some(VerifiedTokenCache::key(jwks_json))),
             cache: VerifiedTokenCache::new(Duration::ZERO),
             clock: clock::system_clock(),
@@ -550,15 +573,37 @@ impl JwtAuthenticator {
         if self.fetches.load(Ordering::SeqCst) != seen {
             return Ok(self.key_snapshot().len());
         }
-        *self.last_refresh.lock().unwrap_or_else(|e| e.into_inner()) = Some(self.clock.instant());
-        let fetched = tokio::time::timeout(self.fetch_timeout, fetcher.fetch_jwks()).await;
+        // The fetch runs in a task of its own, so that a caller that goes
+        // away (a reset stream) does not cancel it: the fetch is then left
+        // for the next refresh to take, instead of started again.
+        let orphaned = self
+            .orphaned_fetch
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        let fetch = orphaned.unwrap_or_else(|| {
+            *self.last_refresh.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some(self.clock.instant());
+            let (fetcher, timeout) = (fetcher.clone(), self.fetch_timeout);
+            tokio::spawn(async move {
+                tokio::time::timeout(timeout, fetcher.fetch_jwks())
+                    .await
+                    .map_err(|_| {
+                        format!("fetching the issuer's keys took longer than {timeout:?}")
+                    })?
+            })
+        });
+        let mut awaited = FetchAwaited {
+            fetch: Some(fetch),
+            orphans: &self.orphaned_fetch,
+        };
+        let fetched = match awaited.fetch.as_mut() {
+            Some(fetch) => fetch.await,
+            None => return Ok(self.key_snapshot().len()),
+        };
+        awaited.fetch = None;
         self.fetches.fetch_add(1, Ordering::SeqCst);
-        let text = fetched.map_err(|_| {
-            format!(
-                "fetching the issuer's keys took longer than {:?}",
-                self.fetch_timeout
-            )
-        })??;
+        let text = fetched.map_err(|e| format!("fetching the issuer's keys failed: {e}"))??;
         let keys = parse_jwks(&text).map_err(|e| e.to_string())?;
         let n = keys.len();
         let digest = VerifiedTokenCache::key(&text);
@@ -709,7 +754,15 @@ impl Authenticator for JwtAuthenticator {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .is_none_or(|t| now.duration_since(t) >= MIN_JWKS_REFRESH_INTERVAL);
-            if due {
+            // A fetch under way (or left by a cancelled caller) is waited
+            // for: its keys may be the ones this token needs.
+            let fetching = self.refreshing.try_lock().is_err()
+                || self
+                    .orphaned_fetch
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .is_some();
+            if due || fetching {
                 match self.refresh().await {
                     Ok(n) => {
                         tracing::info!(issuer = %self.issuer, keys = n, "refreshed the issuer's keys for an unknown key ID")
@@ -1096,6 +1149,75 @@ mod tests {
         .unwrap()
         .with_refresher(fetcher.clone());
         (fetcher, authn)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refresh_cancelled_by_its_caller_leaves_its_keys_to_the_next() {
+        // The issuer rotated its key: tokens name a key the CA does not hold.
+        let original = TokenIssuer::generate().unwrap();
+        let rotated = TokenIssuer::generate()
+            .unwrap()
+            .with_issuer(original.issuer().to_string());
+        let fetcher = Arc::new(SlowJwks {
+            document: rotated.jwks_json(),
+            delay: Some(Duration::from_secs(1)),
+            fetches: AtomicU64::new(0),
+        });
+        let authn = JwtAuthenticator::from_jwks(
+            "oidc",
+            original.issuer(),
+            &original.jwks_json(),
+            vec!["istio-ca".into()],
+            TrustDomain::default(),
+        )
+        .unwrap()
+        .with_refresher(fetcher.clone());
+        let token = mint(&rotated, "istio-ca", 600, SystemTime::now());
+        // The first caller resets its stream 10 ms into the fetch.
+        let first = tokio::time::timeout(
+            Duration::from_millis(10),
+            authn.authenticate(&creds(token.clone())),
+        )
+        .await;
+        assert!(first.is_err(), "still fetching when its caller left");
+        // The next caller, within the 10 s between refreshes, waits for
+        // that fetch and is accepted with its keys.
+        tokio::time::advance(Duration::from_millis(40)).await;
+        let second = authn.authenticate(&creds(token)).await;
+        assert!(matches!(second, Ok(Some(_))), "{second:?}");
+        assert_eq!(fetcher.fetches.load(Ordering::SeqCst), 1, "one fetch");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_caller_arriving_during_a_refresh_waits_for_its_keys() {
+        let original = TokenIssuer::generate().unwrap();
+        let rotated = TokenIssuer::generate()
+            .unwrap()
+            .with_issuer(original.issuer().to_string());
+        let fetcher = Arc::new(SlowJwks {
+            document: rotated.jwks_json(),
+            delay: Some(Duration::from_secs(1)),
+            fetches: AtomicU64::new(0),
+        });
+        let authn = JwtAuthenticator::from_jwks(
+            "oidc",
+            original.issuer(),
+            &original.jwks_json(),
+            vec!["istio-ca".into()],
+            TrustDomain::default(),
+        )
+        .unwrap()
+        .with_refresher(fetcher.clone());
+        let token = mint(&rotated, "istio-ca", 600, SystemTime::now());
+        let late = async {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            authn.authenticate(&creds(token.clone())).await
+        };
+        let first_creds = creds(token.clone());
+        let (first, second) = tokio::join!(authn.authenticate(&first_creds), late);
+        assert!(matches!(first, Ok(Some(_))), "{first:?}");
+        assert!(matches!(second, Ok(Some(_))), "{second:?}");
+        assert_eq!(fetcher.fetches.load(Ordering::SeqCst), 1, "one fetch");
     }
 
     #[tokio::test(start_paused = true)]
