@@ -92,8 +92,50 @@ pub(crate) fn parse_cgroup_file(text: &str) -> PodUidLookup {
     }
 }
 
+/// The pod of the process `pid` that connected, as [`pod_uid_of_pid`]
+/// reads it, made sure to be that process's: the process is pinned (a
+/// pidfd) before its cgroup file is read and must still be running after,
+/// so that a PID reused by another process (the caller exited, leaving
+/// its socket to a child, and a process of another pod took its number)
+/// is never read as the caller's. A caller that exited is refused as one
+/// whose cgroups cannot be read. Where pidfds are missing (Linux before
+/// 5.3), the file is read as it is.
+pub(crate) fn pod_uid_of_caller(proc_root: &Path, pid: i32) -> PodUidLookup {
+    use rustix::process::{pidfd_open, Pid, PidfdFlags};
+    let Some(process) = Pid::from_raw(pid) else {
+        return PodUidLookup::NoPid;
+    };
+    let pinned = match pidfd_open(process, PidfdFlags::empty()) {
+        Ok(pidfd) => Some(pidfd),
+        Err(rustix::io::Errno::SRCH) => {
+            return PodUidLookup::Unreadable(format!(
+                "process {pid} exited before it could be identified"
+            ))
+        }
+        Err(_) => None,
+    };
+    let lookup = pod_uid_of_pid(proc_root, pid);
+    if pinned.as_ref().is_some_and(has_exited) {
+        return PodUidLookup::Unreadable(format!(
+            "process {pid} exited while it was identified (its PID may be another process's now)"
+        ));
+    }
+    lookup
+}
+
+/// Whether the process of `pidfd` has exited (a pidfd polls readable then).
+fn has_exited(pidfd: &std::os::fd::OwnedFd) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(pidfd, PollFlags::IN)];
+    let now = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    matches!(poll(&mut fds, Some(&now)), Ok(ready) if ready > 0)
+}
+
 /// Reads `<proc_root>/<pid>/cgroup` and finds the process's pod.
-pub(crate) fn pod_uid_of_pid(proc_root: &Path, pid: i32) -> PodUidLookup {
+fn pod_uid_of_pid(proc_root: &Path, pid: i32) -> PodUidLookup {
     let file = proc_root.join(pid.to_string()).join("cgroup");
     match std::fs::read_to_string(&file) {
         Ok(text) => parse_cgroup_file(&text),
@@ -104,6 +146,38 @@ pub(crate) fn pod_uid_of_pid(proc_root: &Path, pid: i32) -> PodUidLookup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_caller_is_identified_only_while_it_runs() {
+        let proc_root = tempfile::tempdir().unwrap();
+        let cgroup = format!("0::/kubepods/pod{UID}/{CONTAINER}\n");
+        let write_cgroup = |pid: u32| {
+            let dir = proc_root.path().join(pid.to_string());
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("cgroup"), &cgroup).unwrap();
+        };
+        // A running caller (this test's own process).
+        let running = std::process::id();
+        write_cgroup(running);
+        assert_eq!(
+            pod_uid_of_caller(proc_root.path(), running as i32),
+            PodUidLookup::Pod {
+                uid: UID.into(),
+                container: CONTAINER.into()
+            }
+        );
+        // A caller that has exited: whatever its PID's cgroup file says now
+        // is not the caller's.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let exited = child.id();
+        child.wait().unwrap();
+        write_cgroup(exited);
+        let lookup = pod_uid_of_caller(proc_root.path(), exited as i32);
+        assert!(
+            matches!(&lookup, PodUidLookup::Unreadable(why) if why.contains("exited")),
+            "{lookup:?}"
+        );
+    }
 
     const UID: &str = "2c48913c-b29f-11e7-9350-020968147796";
     const CONTAINER: &str = "9bca8d63d5fa610783847915bcff0ecac1273e5b4bed3f6fa1b07350e0135961";

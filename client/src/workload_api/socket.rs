@@ -15,7 +15,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
-use super::attest::{pod_uid_of_pid, PodUidLookup};
+use super::attest::{pod_uid_of_caller, PodUidLookup};
 use super::per_pod::{Admission, PodSlot};
 
 /// Mode of the socket file: every local user may connect. Who gets which
@@ -292,7 +292,7 @@ pub(crate) fn accept_callers(
                         let pid = cred.as_ref().and_then(|c| c.pid());
                         let pod_uid = node.as_ref().map(|node| {
                             Arc::new(match pid {
-                                Some(pid) => pod_uid_of_pid(&node.proc_root, pid),
+                                Some(pid) => pod_uid_of_caller(&node.proc_root, pid),
                                 None => PodUidLookup::NoPid,
                             })
                         });
