@@ -86,6 +86,12 @@ pub(crate) struct StreamLease {
     pub(crate) closing: watch::Receiver<bool>,
 }
 
+impl Drop for StreamLease {
+    fn drop(&mut self) {
+        self.feed.linger();
+    }
+}
+
 /// A request's place among the socket's streams (`--max-streams`) and, in
 /// node mode, its pod's (`--max-streams-per-pod`), from its HEADERS until
 /// its answer ends; dropping it frees both. Taken before the request's

@@ -8,7 +8,11 @@
 //! state ([`SvidState`]: pending, ready, refused by the CA, or expired).
 //! A certificate is never served past its notAfter: at that moment the
 //! feed turns it into [`SvidState::Expired`] until a new one arrives.
-//! When the last stream of an identity closes its feed is dropped, its task
+//! A stream that closes keeps its identity's feed for [`FEED_LINGER`] more
+//! ([`Feed::linger`]): a client that reconnects (the `spiffe` crate's
+//! `X509Source` opens a second stream after its first answer; a pod
+//! restarts its sidecar) gets the same certificate, not a new key and a new
+//! CSR. After that, when no stream holds it, the feed is dropped, its task
 //! ends and the identity leaves the manager (unless it is pinned, as the
 //! configured identity of pod mode is).
 
@@ -78,12 +82,22 @@ impl SvidState {
 /// A receiver of one identity's [`FeedState`].
 pub(crate) type FeedWatch = watch::Receiver<FeedState>;
 
+/// How long an identity's feed is kept after a stream of it closed: a
+/// client that comes back within it gets the same certificate.
+pub(crate) const FEED_LINGER: Duration = Duration::from_secs(300);
+
+/// How often the feeds kept after their streams closed are looked at.
+const LINGER_SWEEP: Duration = Duration::from_secs(30);
+
 /// The live feeds, by identity.
 #[derive(Debug)]
 pub struct Feeds {
     manager: Arc<CertManager>,
     bundle: watch::Receiver<TrustBundle>,
     live: Mutex<HashMap<SpiffeId, Weak<Feed>>>,
+    /// Feeds kept after a stream closed, until when; one entry per
+    /// identity, so no larger than the identities served.
+    lingering: Mutex<HashMap<SpiffeId, (Arc<Feed>, Instant)>>,
 }
 
 /// One identity's credentials for the streams that hold it.
@@ -98,11 +112,54 @@ pub struct Feed {
 impl Feeds {
     /// Feeds over `manager`, trusting also the roots `bundle` holds.
     pub fn new(manager: Arc<CertManager>, bundle: watch::Receiver<TrustBundle>) -> Arc<Self> {
-        Arc::new(Self {
+        let feeds = Arc::new(Self {
             manager,
             bundle,
             live: Mutex::new(HashMap::new()),
-        })
+            lingering: Mutex::new(HashMap::new()),
+        });
+        // Lets the kept feeds go when their time is up; ends with the feeds.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let weak = Arc::downgrade(&feeds);
+            runtime.spawn(async move {
+                loop {
+                    tokio::time::sleep(LINGER_SWEEP).await;
+                    let Some(feeds) = weak.upgrade() else { return };
+                    feeds.let_go_of_lingering();
+                }
+            });
+        }
+        feeds
+    }
+
+    /// Keeps `feed` for [`FEED_LINGER`] from now.
+    fn keep(&self, feed: &Arc<Feed>) {
+        let expired = {
+            let mut lingering = self.lingering.lock().unwrap_or_else(|e| e.into_inner());
+            lingering.insert(
+                feed.identity.clone(),
+                (feed.clone(), Instant::now() + FEED_LINGER),
+            )
+        };
+        // Dropped outside the lock: it may be the feed's last holder.
+        drop(expired);
+    }
+
+    /// Drops the kept feeds whose time is up.
+    fn let_go_of_lingering(&self) {
+        let now = Instant::now();
+        let expired: Vec<(SpiffeId, (Arc<Feed>, Instant))> = {
+            let mut lingering = self.lingering.lock().unwrap_or_else(|e| e.into_inner());
+            let gone: Vec<SpiffeId> = lingering
+                .iter()
+                .filter(|(_, (_, until))| *until <= now)
+                .map(|(identity, _)| identity.clone())
+                .collect();
+            gone.into_iter()
+                .filter_map(|identity| lingering.remove_entry(&identity))
+                .collect()
+        };
+        drop(expired);
     }
 
     /// The feed of `identity`, started (and the identity added to the
@@ -156,6 +213,11 @@ impl Feed {
     /// A receiver of the identity's state.
     pub(crate) fn state(&self) -> FeedWatch {
         self.state.clone()
+    }
+
+    /// A stream of this feed closed: keeps it for [`FEED_LINGER`].
+    pub(crate) fn linger(self: &Arc<Self>) {
+        self.feeds.keep(self);
     }
 }
 
@@ -433,6 +495,26 @@ pub(crate) mod tests {
             2,
             "no renewal after release"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_feed_lingers_after_its_stream_closes() {
+        let (issuer, feeds, _bundle) = setup(Duration::from_secs(3600));
+        let feed = feeds.get(&id("web"));
+        let first = next(&mut feed.state()).await;
+        feed.linger();
+        drop(feed);
+        // A client back within the linger gets the same certificate.
+        tokio::time::sleep(FEED_LINGER / 2).await;
+        let again = feeds.get(&id("web"));
+        assert_eq!(ready(&again.state()).serial_hex, first.serial_hex);
+        assert_eq!(issuer.calls.load(Ordering::SeqCst), 1, "no new CSR");
+        again.linger();
+        drop(again);
+        // Gone once the linger is over.
+        tokio::time::sleep(FEED_LINGER + LINGER_SWEEP * 2).await;
+        assert!(feeds.is_empty());
+        assert!(feeds.manager.is_empty(), "the identity left the manager");
     }
 
     #[tokio::test(start_paused = true)]
