@@ -281,10 +281,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let manager = Arc::new(CertManager::new(Arc::new(client), ManagerConfig::default()));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut socket = None;
+    let mut socket_file = None;
     if let Some(path) = &args.workload_api_socket {
         let listener = workload_api::bind(path)
             .await
             .with_context(|| format!("--workload-api-socket {}", path.display()))?;
+        socket_file = SocketFile::of(path);
         let feeds = Feeds::new(manager.clone(), bundle);
         // Pinned: the configured identity is fetched now and kept managed
         // with no stream open.
@@ -367,7 +369,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(task) = socket {
         task.await.context("the socket server task")??;
     }
-    remove_socket(args.workload_api_socket.as_deref());
+    remove_socket(socket_file);
     Ok(())
 }
 
@@ -387,6 +389,7 @@ async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
     let listener = workload_api::bind(&path)
         .await
         .with_context(|| format!("--workload-api-socket {}", path.display()))?;
+    let socket_file = SocketFile::of(&path);
     let bundle = workload_api::watch_root_file(client.clone(), args.bundle_refresh);
     let manager = Arc::new(CertManager::new(Arc::new(client), ManagerConfig::default()));
     let feeds = Feeds::new(manager, bundle);
@@ -420,7 +423,7 @@ async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
         result = wait_socket(&mut socket) => result,
     };
     watch_task.abort();
-    remove_socket(Some(&path));
+    remove_socket(socket_file);
     result
 }
 
@@ -478,12 +481,41 @@ async fn wait_socket(socket: &mut Option<SocketTask>) -> anyhow::Result<()> {
     }
 }
 
-/// Removes our socket file on a clean exit.
-fn remove_socket(path: Option<&std::path::Path>) {
-    if let Some(path) = path {
-        if let Err(e) = std::fs::remove_file(path) {
-            tracing::debug!(socket = %path.display(), error = %e, "removing the socket file");
+/// The socket file this agent bound: its path, and the file's identity
+/// right after the bind (device, inode, and change time: a file made
+/// after ours was removed may get our inode number back).
+struct SocketFile {
+    path: std::path::PathBuf,
+    id: (u64, u64, i64, i64),
+}
+
+impl SocketFile {
+    /// The file now at `path`, if any.
+    fn of(path: &std::path::Path) -> Option<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::symlink_metadata(path).ok()?;
+        Some(Self {
+            path: path.to_path_buf(),
+            id: (meta.dev(), meta.ino(), meta.ctime(), meta.ctime_nsec()),
+        })
+    }
+}
+
+/// Removes our socket file on a clean exit, only if it is still ours: a
+/// successor that bound the path meanwhile (it found ours refusing
+/// connections, so stale) keeps its socket.
+fn remove_socket(bound: Option<SocketFile>) {
+    let Some(bound) = bound else { return };
+    match SocketFile::of(&bound.path) {
+        Some(now) if now.id == bound.id => {
+            if let Err(e) = std::fs::remove_file(&bound.path) {
+                tracing::debug!(socket = %bound.path.display(), error = %e, "removing the socket file");
+            }
         }
+        Some(_) => {
+            tracing::info!(socket = %bound.path.display(), "the socket path holds another agent's socket now; left in place")
+        }
+        None => {}
     }
 }
 
@@ -508,6 +540,23 @@ mod tests {
     use meshca_client::workload_api::DEFAULT_ATTESTATION_WAIT;
 
     use super::*;
+
+    #[test]
+    fn on_exit_only_our_own_socket_file_is_removed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("agent.sock");
+        let ours = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let bound = SocketFile::of(&path).unwrap();
+        // A successor replaced the file meanwhile: it stays.
+        drop(ours);
+        std::fs::remove_file(&path).unwrap();
+        let _successor = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        remove_socket(Some(bound));
+        assert!(path.exists(), "the successor's socket is left in place");
+        // Our own file is removed.
+        remove_socket(SocketFile::of(&path));
+        assert!(!path.exists());
+    }
 
     const REQUIRED: [&str; 5] = [
         "meshca-agent",

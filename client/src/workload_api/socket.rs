@@ -77,15 +77,21 @@ pub async fn bind(path: &Path) -> Result<UnixListener, SocketError> {
         }
     }
     match std::fs::symlink_metadata(path) {
-        Ok(meta) if meta.file_type().is_socket() => {
-            if UnixStream::connect(path).await.is_ok() {
+        Ok(meta) if meta.file_type().is_socket() => match UnixStream::connect(path).await {
+            Ok(_) => {
                 return Err(SocketError::InUse {
                     path: path.to_path_buf(),
-                });
+                })
             }
-            tracing::info!(socket = %path.display(), "replacing a stale socket file");
-            std::fs::remove_file(path).map_err(io_error("removing the stale socket", path))?;
-        }
+            // Nobody listens: a crashed run's file.
+            Err(e) if e.kind() == io::ErrorKind::ConnectionRefused => {
+                tracing::info!(socket = %path.display(), "replacing a stale socket file");
+                std::fs::remove_file(path).map_err(io_error("removing the stale socket", path))?;
+            }
+            // Anything else (a live agent whose queue is full, no
+            // permission) says nothing of staleness: the file stays.
+            Err(e) => return Err(io_error("checking whether an agent answers on", path)(e)),
+        },
         Ok(_) => {
             return Err(SocketError::NotASocket {
                 path: path.to_path_buf(),
