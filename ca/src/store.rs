@@ -129,14 +129,25 @@ pub fn generate_self_signed_root(
 ) -> Result<(PrivateKey, IssuedCert), StoreError> {
     let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256)
         .map_err(|e| StoreError::Generate(e.to_string()))?;
+    let root = self_signed_root_of(&key, trust_domain, ttl, now)?;
+    Ok((key, root))
+}
+
+/// The self-signed root certificate of `key` (see
+/// [`generate_self_signed_root`]).
+fn self_signed_root_of(
+    key: &PrivateKey,
+    trust_domain: &TrustDomain,
+    ttl: time::Duration,
+    now: OffsetDateTime,
+) -> Result<IssuedCert, StoreError> {
     let name = SubjectName {
         organization: Some(trust_domain.to_string()),
         common_name: Some("meshca self-signed root CA".to_string()),
         ..Default::default()
     };
-    let root = self_signed_root(&key, &name, Validity::backdated(now, ttl))
-        .map_err(|e| StoreError::Generate(e.to_string()))?;
-    Ok((key, root))
+    self_signed_root(key, &name, Validity::backdated(now, ttl))
+        .map_err(|e| StoreError::Generate(e.to_string()))
 }
 
 /// Loads the embedded mode's self-signed root from `dir`, creating the
@@ -157,7 +168,7 @@ pub fn load_or_create_data_dir(
         (false, false) => {
             let (key, root) = generate_self_signed_root(trust_domain, root_ttl, now)?;
             // Key first: a crash between the two writes leaves a key
-            // without a certificate, which the next start reports.
+            // without a certificate, and the next start finishes with it.
             bundle::write_file_atomic(
                 &key_path,
                 key.to_pkcs8_pem().as_bytes(),
@@ -181,6 +192,23 @@ pub fn load_or_create_data_dir(
                 present: CA_CERT_FILE,
                 missing: CA_KEY_FILE,
             })
+        }
+        // A key and nothing published: a first start interrupted between
+        // its two writes. The key never signed anything and nobody trusts
+        // it yet; the start is finished with it (the key is kept).
+        (false, true) if !dir.join(ROOT_CERT_FILE).exists() => {
+            let key = cadir::read_key(&key_path)?;
+            let root = self_signed_root_of(&key, trust_domain, root_ttl, now)?;
+            bundle::write_file_atomic(
+                &cert_path,
+                root.to_pem().as_bytes(),
+                bundle::PUBLIC_FILE_MODE,
+            )?;
+            tracing::warn!(
+                dir = %dir.display(),
+                serial = %root.serial_hex,
+                "finished an interrupted first start: made the root certificate of the key it left"
+            );
         }
         (false, true) => {
             return Err(StoreError::PartialDataDir {
@@ -327,6 +355,25 @@ mod tests {
         // And nothing was overwritten.
         assert!(dir.path().join(CA_CERT_FILE).exists());
         assert!(!dir.path().join(CA_KEY_FILE).exists());
+    }
+
+    #[test]
+    fn an_interrupted_first_start_is_finished_with_its_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let td = TrustDomain::default();
+        // The first start wrote its key and no more.
+        let (key, _) = generate_self_signed_root(&td, TEN_YEARS, now()).unwrap();
+        fs::write(dir.path().join(CA_KEY_FILE), key.to_pkcs8_pem()).unwrap();
+        let material = load_or_create_data_dir(dir.path(), &td, TEN_YEARS, now()).unwrap();
+        let kept = fs::read_to_string(dir.path().join(CA_KEY_FILE)).unwrap();
+        assert_eq!(kept, key.to_pkcs8_pem().as_str(), "the key is kept");
+        assert!(dir.path().join(ROOT_CERT_FILE).exists(), "and published");
+        let again = load_or_create_data_dir(dir.path(), &td, TEN_YEARS, now()).unwrap();
+        assert_eq!(again.anchor_root, material.anchor_root, "one root");
+        // With a root already published, a missing certificate is refused.
+        fs::remove_file(dir.path().join(CA_CERT_FILE)).unwrap();
+        let err = load_or_create_data_dir(dir.path(), &td, TEN_YEARS, now()).unwrap_err();
+        assert!(err.to_string().contains("ca-cert.pem"), "{err}");
     }
 
     fn write_cacerts(dir: &Path) -> (Vec<u8>, Vec<u8>) {
