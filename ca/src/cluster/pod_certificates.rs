@@ -438,6 +438,8 @@ async fn answer(
     let mut wait = FIRST_RETRY;
     let mut prepared: Option<(Outcome, PodCertificateRequestStatus)> = None;
     let mut reread = round > 0;
+    // Whether a status the API refused (422) has been signed again.
+    let mut signed_again = false;
     for attempt in 1..=MAX_ATTEMPTS {
         if reread {
             match api.get_opt(&name).await {
@@ -467,12 +469,14 @@ async fn answer(
         }
         let now = OffsetDateTime::now_utc();
         // A status signed in an earlier attempt is written again if it is
-        // still fresh (kube-apiserver wants notBefore within 5 minutes).
+        // still fresh: kube-apiserver wants notBefore within 5 minutes of
+        // its own clock, and notBefore is backdated 2 minutes, so a status
+        // is reused for at most a minute after it was signed.
         let reuse = prepared.take().filter(|(_, status)| {
             status
                 .not_before
                 .as_ref()
-                .is_none_or(|nb| timestamp(nb) + time::Duration::minutes(4) > now)
+                .is_none_or(|nb| timestamp(nb) + time::Duration::minutes(3) > now)
         });
         let (outcome, status) = match reuse {
             Some(p) => p,
@@ -521,6 +525,21 @@ async fn answer(
             Err(kube::Error::Api(e)) if e.code == 404 => {
                 discarded(&request, &outcome, trust_domain, "the request was deleted");
                 return Finished::Done;
+            }
+            Err(kube::Error::Api(e))
+                if e.code == 422 && matches!(outcome, Outcome::Issued { .. }) && !signed_again =>
+            {
+                // Most likely the API server's clock is ahead of ours and
+                // found notBefore too old: sign once more, afresh, before
+                // telling the kubelet (which takes Failed as final).
+                tracing::warn!(namespace = %namespace, request = %name, error = %e.message, "kube-apiserver refused the issued status; signing again");
+                discarded(
+                    &request,
+                    &outcome,
+                    trust_domain,
+                    "kube-apiserver refused the status; signed again",
+                );
+                signed_again = true;
             }
             Err(kube::Error::Api(e))
                 if e.code == 422 && matches!(outcome, Outcome::Issued { .. }) =>
