@@ -414,8 +414,11 @@ pub struct JwtAuthenticator {
     clock: SharedClock,
 }
 
-/// A JWKS fetch running in its own task.
-type JwksFetch = tokio::task::JoinHandle<Result<String, String>>;
+/// A JWKS fetch running in its own task, and when it was started.
+struct JwksFetch {
+    handle: tokio::task::JoinHandle<Result<String, String>>,
+    started: tokio::time::Instant,
+}
 
 /// A refresh's fetch while the refresh awaits it: if the refresh is
 /// dropped first, the fetch is left in `orphans` for the next one.
@@ -565,10 +568,17 @@ impl JwtAuthenticator {
     /// another is fetching waits for it and takes its keys; the number of
     /// keys held is returned.
     pub(crate) async fn refresh(&self) -> Result<usize, String> {
+        let seen = self.fetches.load(Ordering::SeqCst);
+        self.refresh_with(seen, true).await
+    }
+
+    /// [`JwtAuthenticator::refresh`] when fetches finished were `seen`;
+    /// with `start_new` false it only waits for a fetch under way (or
+    /// takes one a cancelled caller left) and never starts one.
+    async fn refresh_with(&self, seen: u64, start_new: bool) -> Result<usize, String> {
         let Some(fetcher) = &self.refresher else {
             return Ok(self.key_snapshot().len());
         };
-        let seen = self.fetches.load(Ordering::SeqCst);
         let _fetching = self.refreshing.lock().await;
         if self.fetches.load(Ordering::SeqCst) != seen {
             return Ok(self.key_snapshot().len());
@@ -581,24 +591,38 @@ impl JwtAuthenticator {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        let fetch = orphaned.unwrap_or_else(|| {
-            *self.last_refresh.lock().unwrap_or_else(|e| e.into_inner()) =
-                Some(self.clock.instant());
-            let (fetcher, timeout) = (fetcher.clone(), self.fetch_timeout);
-            tokio::spawn(async move {
-                tokio::time::timeout(timeout, fetcher.fetch_jwks())
-                    .await
-                    .map_err(|_| {
-                        format!("fetching the issuer's keys took longer than {timeout:?}")
-                    })?
-            })
+        // One left too long ago is stale for a refresh that is due.
+        let orphaned = orphaned.filter(|orphan| {
+            let fresh = !start_new
+                || self.clock.instant().duration_since(orphan.started) < MIN_JWKS_REFRESH_INTERVAL;
+            if !fresh {
+                orphan.handle.abort();
+            }
+            fresh
         });
+        let fetch = match orphaned {
+            Some(orphan) => orphan,
+            None if !start_new => return Ok(self.key_snapshot().len()),
+            None => {
+                let started = self.clock.instant();
+                *self.last_refresh.lock().unwrap_or_else(|e| e.into_inner()) = Some(started);
+                let (fetcher, timeout) = (fetcher.clone(), self.fetch_timeout);
+                let handle = tokio::spawn(async move {
+                    tokio::time::timeout(timeout, fetcher.fetch_jwks())
+                        .await
+                        .map_err(|_| {
+                            format!("fetching the issuer's keys took longer than {timeout:?}")
+                        })?
+                });
+                JwksFetch { handle, started }
+            }
+        };
         let mut awaited = FetchAwaited {
             fetch: Some(fetch),
             orphans: &self.orphaned_fetch,
         };
         let fetched = match awaited.fetch.as_mut() {
-            Some(fetch) => fetch.await,
+            Some(fetch) => (&mut fetch.handle).await,
             None => return Ok(self.key_snapshot().len()),
         };
         awaited.fetch = None;
@@ -755,7 +779,9 @@ impl Authenticator for JwtAuthenticator {
                 .unwrap_or_else(|e| e.into_inner())
                 .is_none_or(|t| now.duration_since(t) >= MIN_JWKS_REFRESH_INTERVAL);
             // A fetch under way (or left by a cancelled caller) is waited
-            // for: its keys may be the ones this token needs.
+            // for: its keys may be the ones this token needs. Only a due
+            // refresh starts a fetch.
+            let seen = self.fetches.load(Ordering::SeqCst);
             let fetching = self.refreshing.try_lock().is_err()
                 || self
                     .orphaned_fetch
@@ -763,7 +789,7 @@ impl Authenticator for JwtAuthenticator {
                     .unwrap_or_else(|e| e.into_inner())
                     .is_some();
             if due || fetching {
-                match self.refresh().await {
+                match self.refresh_with(seen, due).await {
                     Ok(n) => {
                         tracing::info!(issuer = %self.issuer, keys = n, "refreshed the issuer's keys for an unknown key ID")
                     }
@@ -1218,6 +1244,35 @@ mod tests {
         assert!(matches!(first, Ok(Some(_))), "{first:?}");
         assert!(matches!(second, Ok(Some(_))), "{second:?}");
         assert_eq!(fetcher.fetches.load(Ordering::SeqCst), 1, "one fetch");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_flood_of_unknown_key_ids_fetches_at_most_once_per_interval() {
+        let (fetcher, authn) = refreshing_authn(Some(Duration::from_secs(1)));
+        // Plausible tokens of the trusted issuer, signed by a key that no
+        // fetch will ever list.
+        let stranger = TokenIssuer::generate()
+            .unwrap()
+            .with_issuer(authn.issuer.clone());
+        let token = mint(&stranger, "istio-ca", 600, SystemTime::now());
+        // Twenty callers, 60 ms apart: before, during and after the fetch
+        // the first one starts.
+        let callers = (0..20u64).map(|i| {
+            let credentials = creds(token.clone());
+            let authn = &authn;
+            async move {
+                tokio::time::sleep(Duration::from_millis(60 * i)).await;
+                authn.authenticate(&credentials).await
+            }
+        });
+        for result in futures::future::join_all(callers).await {
+            assert!(result.is_err(), "an unknown key is refused");
+        }
+        assert_eq!(fetcher.fetches.load(Ordering::SeqCst), 1, "one fetch");
+        // After the interval, the next such token may fetch again.
+        tokio::time::advance(MIN_JWKS_REFRESH_INTERVAL).await;
+        assert!(authn.authenticate(&creds(token)).await.is_err());
+        assert_eq!(fetcher.fetches.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test(start_paused = true)]
