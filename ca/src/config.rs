@@ -49,13 +49,22 @@ pub(crate) const MEMORY_PER_CONNECTION: u64 = 96 << 10;
 /// window unread in h2 (8 KiB each), rounded up (README, "Memory").
 pub(crate) const MEMORY_PER_OPEN_REQUEST: u64 = 25 << 10;
 
+/// The most gRPC health requests (`Check`, `Watch`) open at once across
+/// every connection, in a pool apart from `--max-open-requests` (anyone
+/// may send them, without credentials); one more is answered
+/// `RESOURCE_EXHAUSTED` at its HEADERS. Kubernetes probes the CA over HTTP
+/// on the monitoring port, so these serve only gRPC clients that check
+/// health themselves.
+pub const MAX_HEALTH_REQUESTS: usize = 64;
+
 /// The most resident memory `max_connections` connections and
 /// `max_open_requests` open requests can make the server use: the sum of
-/// [`MEMORY_AT_REST`] and the measured cost of each (README, "Memory").
+/// [`MEMORY_AT_REST`] and the measured cost of each, the health requests'
+/// places ([`MAX_HEALTH_REQUESTS`]) included (README, "Memory").
 pub const fn memory_bound(max_connections: u64, max_open_requests: u64) -> u64 {
     MEMORY_AT_REST
         + max_connections * MEMORY_PER_CONNECTION
-        + max_open_requests * MEMORY_PER_OPEN_REQUEST
+        + (max_open_requests + MAX_HEALTH_REQUESTS as u64) * MEMORY_PER_OPEN_REQUEST
 }
 
 /// gRPC requests (HTTP/2 streams) open at once across every connection

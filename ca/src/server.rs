@@ -855,7 +855,7 @@ async fn serve_until_drained(
             open_requests,
             // Not counted in the metric of refused certificate requests.
             health_requests: transport::OpenRequests::new(
-                transport::MAX_HEALTH_REQUESTS,
+                crate::config::MAX_HEALTH_REQUESTS,
                 Default::default(),
             ),
         },

@@ -531,7 +531,10 @@ async fn answer(
             {
                 // Most likely the API server's clock is ahead of ours and
                 // found notBefore too old: sign once more, afresh, before
-                // telling the kubelet (which takes Failed as final).
+                // telling the kubelet (which takes Failed as final). Any
+                // other 422 costs one more certificate (audited) and then
+                // fails as before; so does a clock more than about three
+                // minutes ahead.
                 tracing::warn!(namespace = %namespace, request = %name, error = %e.message, "kube-apiserver refused the issued status; signing again");
                 discarded(
                     &request,

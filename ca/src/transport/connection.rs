@@ -6,11 +6,13 @@
 //!
 //! gRPC health requests (`/grpc.health.v1.Health/`, which anyone may send
 //! without credentials) take a place in a pool of their own
-//! ([`MAX_HEALTH_REQUESTS`]) instead, so that they can never hold the
+//! ([`crate::config::MAX_HEALTH_REQUESTS`]) instead, so that they can never hold the
 //! places of certificate requests, and do not count as activity of their
 //! connection: a connection with only health streams open (a `Watch`
 //! never ends by itself) is idle, and is told to go away and cut off like
-//! any idle connection, its `Watch` streams with it.
+//! any idle connection, its `Watch` streams with it. (A connection that
+//! also carries other requests now and then is not idle, and its `Watch`
+//! streams stay: they hold only health places.)
 
 use std::future::Future;
 use std::pin::Pin;
@@ -23,13 +25,6 @@ use http_body_util::BodyExt;
 use meshca_certs::stream_activity::StreamActivity;
 use tonic::codegen::{Body as HttpBody, Bytes, StdError};
 use tower::{Layer, Service};
-
-/// The most gRPC health requests (`Check`, `Watch`) open at once across
-/// every connection; one more is answered `RESOURCE_EXHAUSTED` at its
-/// HEADERS. Kubernetes probes the CA over HTTP on the monitoring port
-/// (`/healthz`, `/ready`), so these serve only gRPC clients that check
-/// health themselves.
-pub(crate) const MAX_HEALTH_REQUESTS: usize = 64;
 
 /// The path prefix of the gRPC health service's methods.
 const HEALTH_PATH_PREFIX: &str = "/grpc.health.v1.Health/";
@@ -218,7 +213,7 @@ mod tests {
     use super::*;
 
     fn health_pool() -> Arc<OpenRequests> {
-        OpenRequests::new(MAX_HEALTH_REQUESTS, Default::default())
+        OpenRequests::new(crate::config::MAX_HEALTH_REQUESTS, Default::default())
     }
 
     #[tokio::test(start_paused = true)]

@@ -38,7 +38,7 @@ use tower::Service;
 
 use crate::metrics::IstioCounter;
 use connection::CountStreamsLayer;
-pub(crate) use connection::{OpenRequests, MAX_HEALTH_REQUESTS};
+pub(crate) use connection::OpenRequests;
 pub(crate) use listener::{
     bind_with_backlog, tls_incoming, AcceptLimits, Accepted, LISTEN_BACKLOG,
 };
@@ -103,7 +103,7 @@ pub(crate) struct SharedByConnections {
     /// The requests open across all connections (`--max-open-requests`).
     pub(crate) open_requests: Arc<OpenRequests>,
     /// The health requests open across all connections
-    /// ([`connection::MAX_HEALTH_REQUESTS`]).
+    /// ([`crate::config::MAX_HEALTH_REQUESTS`]).
     pub(crate) health_requests: Arc<OpenRequests>,
 }
 

@@ -93,13 +93,15 @@ pub(crate) fn parse_cgroup_file(text: &str) -> PodUidLookup {
 }
 
 /// The pod of the process `pid` that connected, as [`pod_uid_of_pid`]
-/// reads it, made sure to be that process's: the process is pinned (a
-/// pidfd) before its cgroup file is read and must still be running after,
-/// so that a PID reused by another process (the caller exited, leaving
-/// its socket to a child, and a process of another pod took its number)
-/// is never read as the caller's. A caller that exited is refused as one
-/// whose cgroups cannot be read. Where pidfds are missing (Linux before
-/// 5.3), the file is read as it is.
+/// reads it: the process holding the PID at accept is pinned (a pidfd)
+/// before its cgroup file is read and must still be running after, so a
+/// PID reused while the file is read (the caller exited, leaving its
+/// socket to a child, and a process of another pod took its number) is
+/// not read as the caller's. A caller that exited is refused as one whose
+/// cgroups cannot be read. What this cannot see is a reuse between the
+/// caller's connect and the accept (SECURITY.md, "What is not
+/// defended"). Where pidfds are missing (Linux before 5.3, or a seccomp
+/// profile that forbids them), the file is read as it is.
 pub(crate) fn pod_uid_of_caller(proc_root: &Path, pid: i32) -> PodUidLookup {
     use rustix::process::{pidfd_open, Pid, PidfdFlags};
     let Some(process) = Pid::from_raw(pid) else {

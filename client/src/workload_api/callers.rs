@@ -3,7 +3,7 @@
 //! and the stream limits every stream passes: the socket's, and in node
 //! mode its pod's.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use meshca_certs::rate_limited_log::RateLimitedLog;
@@ -100,8 +100,21 @@ impl Drop for StreamLease {
 #[derive(Debug)]
 pub(crate) struct StreamSlot {
     _slot: OwnedSemaphorePermit,
-    _pod_slot: Option<PodSlot>,
+    pod_place: PodPlace,
 }
+
+impl StreamSlot {
+    /// The stream's pod place, for the request's extensions: the request
+    /// handler moves it to the caller's pod once the caller is attested.
+    pub(crate) fn pod_place(&self) -> PodPlace {
+        self.pod_place.clone()
+    }
+}
+
+/// A stream's place among its pod's (node mode; `None` in pod mode),
+/// shared between the stream's [`StreamSlot`] and its request.
+#[derive(Debug, Clone)]
+pub(crate) struct PodPlace(Arc<Mutex<Option<PodSlot>>>);
 
 /// The status a stream ends with when the agent stops.
 pub(crate) fn shutting_down() -> Status {
@@ -300,18 +313,7 @@ impl Callers {
     /// `max_streams` streams are open, or the caller's pod holds its most.
     pub(crate) fn admit_stream(&self, caller: &CallerInfo) -> Result<StreamSlot, Status> {
         let pod_slot = match (&self.per_pod, self.pod_key(caller)) {
-            (Some(per_pod), Some(key)) => {
-                let streams = &per_pod.streams;
-                Some(streams.try_take(&key).ok_or_else(|| {
-                    if let Some(unlogged) = streams.refusals.record() {
-                        tracing::warn!(pid = ?caller.pid, caller = %key, max_streams_per_pod = streams.max(), unlogged, "refused a stream: the pod holds its most streams (unlogged: refusals of any pod since the last line)");
-                    }
-                    Status::resource_exhausted(format!(
-                        "{key} has {} streams open, the most one pod may have on this agent (--max-streams-per-pod); close some",
-                        streams.max()
-                    ))
-                })?)
-            }
+            (Some(_), Some(key)) => Some(self.pod_stream_place(caller, &key)?),
             _ => None,
         };
         let slot = self.streams.clone().try_acquire_owned().map_err(|_| {
@@ -325,16 +327,52 @@ impl Callers {
         })?;
         Ok(StreamSlot {
             _slot: slot,
-            _pod_slot: pod_slot,
+            pod_place: PodPlace(Arc::new(Mutex::new(pod_slot))),
         })
     }
 
-    /// The feed of `identity` for a stream (its slot was taken at its
-    /// HEADERS, [`Callers::admit_stream`]), or `UNAVAILABLE` when the
-    /// agent is stopping.
-    pub(crate) fn lease(&self, identity: &SpiffeId) -> Result<StreamLease, Status> {
+    /// One of `key`'s stream places (node mode), or `RESOURCE_EXHAUSTED`
+    /// naming the pod.
+    fn pod_stream_place(&self, caller: &CallerInfo, key: &PodKey) -> Result<PodSlot, Status> {
+        let Some(per_pod) = &self.per_pod else {
+            return Err(Status::internal("no per-pod limits in pod mode"));
+        };
+        let streams = &per_pod.streams;
+        streams.try_take(key).ok_or_else(|| {
+            if let Some(unlogged) = streams.refusals.record() {
+                tracing::warn!(pid = ?caller.pid, caller = %key, max_streams_per_pod = streams.max(), unlogged, "refused a stream: the pod holds its most streams (unlogged: refusals of any pod since the last line)");
+            }
+            Status::resource_exhausted(format!(
+                "{key} has {} streams open, the most one pod may have on this agent (--max-streams-per-pod); close some",
+                streams.max()
+            ))
+        })
+    }
+
+    /// The feed of `identity` for the stream `request` opens (its place
+    /// was taken at its HEADERS, [`Callers::admit_stream`]), or
+    /// `UNAVAILABLE` when the agent is stopping. A stream whose pod was
+    /// not listed yet at its HEADERS (it waited for it in
+    /// [`Callers::identity_of`]) moves its place from the callers not
+    /// attested to a pod to its pod's (`RESOURCE_EXHAUSTED` if its pod
+    /// holds its most).
+    pub(crate) fn lease<T>(
+        &self,
+        request: &Request<T>,
+        identity: &SpiffeId,
+    ) -> Result<StreamLease, Status> {
         if *self.closing.borrow() {
             return Err(shutting_down());
+        }
+        let caller = request.extensions().get::<CallerInfo>();
+        let place = request.extensions().get::<PodPlace>();
+        if let (Some(caller), Some(place), Some(key)) =
+            (caller, place, caller.and_then(|c| self.pod_key(c)))
+        {
+            let mut held = place.0.lock().unwrap_or_else(|e| e.into_inner());
+            if held.as_ref().is_some_and(|slot| *slot.key() != key) {
+                *held = Some(self.pod_stream_place(caller, &key)?);
+            }
         }
         Ok(StreamLease {
             feed: self.feeds.get(identity),
@@ -391,6 +429,32 @@ mod tests {
             Admission::Admitted(slot) => slot,
             Admission::Refused { .. } => panic!("refused"),
         }
+    }
+
+    #[tokio::test]
+    async fn a_stream_whose_pod_appears_late_moves_to_its_pods_places() {
+        let (_issuer, feeds, _bundle) = setup(Duration::from_secs(3600));
+        let pods = NodePods::synced_with("node-a", &[("a", "test", "web")]);
+        let policy = CallerPolicy::Node {
+            trust_domain: TrustDomain::new("cluster.local").unwrap(),
+            pods: pods.clone(),
+            attestation_wait: DEFAULT_ATTESTATION_WAIT,
+        };
+        let callers = Callers::new(policy, feeds, 16, 2);
+        let streams = &callers.per_pod.as_ref().unwrap().streams;
+        // At its HEADERS pod c is not listed yet: an unattested place.
+        let slot = callers.admit_stream(&caller(in_pod("c"))).unwrap();
+        assert_eq!(streams.held_by(&PodKey::Unattested), 1);
+        // The pod appears; attested, the stream moves to its pod's places.
+        pods.add_pod("c", "test", "web");
+        let mut request = request_from(in_pod("c"));
+        request.extensions_mut().insert(slot.pod_place());
+        let lease = callers.lease(&request, &id("web")).unwrap();
+        assert_eq!(streams.held_by(&PodKey::Unattested), 0);
+        assert_eq!(streams.held_by(&PodKey::Pod("c".into())), 1);
+        // The place is shared by the stream's body and its request.
+        drop((lease, slot, request));
+        assert_eq!(streams.held_by(&PodKey::Pod("c".into())), 0);
     }
 
     #[tokio::test]

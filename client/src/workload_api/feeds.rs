@@ -98,6 +98,8 @@ pub struct Feeds {
     /// Feeds kept after a stream closed, until when; one entry per
     /// identity, so no larger than the identities served.
     lingering: Mutex<HashMap<SpiffeId, (Arc<Feed>, Instant)>>,
+    /// Whether the task that lets them go runs.
+    sweeping: std::sync::atomic::AtomicBool,
 }
 
 /// One identity's credentials for the streams that hold it.
@@ -112,28 +114,43 @@ pub struct Feed {
 impl Feeds {
     /// Feeds over `manager`, trusting also the roots `bundle` holds.
     pub fn new(manager: Arc<CertManager>, bundle: watch::Receiver<TrustBundle>) -> Arc<Self> {
-        let feeds = Arc::new(Self {
+        Arc::new(Self {
             manager,
             bundle,
             live: Mutex::new(HashMap::new()),
             lingering: Mutex::new(HashMap::new()),
-        });
-        // Lets the kept feeds go when their time is up; ends with the feeds.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let weak = Arc::downgrade(&feeds);
-            runtime.spawn(async move {
-                loop {
-                    tokio::time::sleep(LINGER_SWEEP).await;
-                    let Some(feeds) = weak.upgrade() else { return };
-                    feeds.let_go_of_lingering();
-                }
-            });
+            sweeping: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Starts the task that lets the kept feeds go when their time is up
+    /// (once; it ends with the feeds).
+    fn start_sweeping(self: &Arc<Self>) {
+        if self
+            .sweeping
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            return;
         }
-        feeds
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // No runtime here: the next feed kept tries again.
+            self.sweeping
+                .store(false, std::sync::atomic::Ordering::Release);
+            return;
+        };
+        let weak = Arc::downgrade(self);
+        runtime.spawn(async move {
+            loop {
+                tokio::time::sleep(LINGER_SWEEP).await;
+                let Some(feeds) = weak.upgrade() else { return };
+                feeds.let_go_of_lingering();
+            }
+        });
     }
 
     /// Keeps `feed` for [`FEED_LINGER`] from now.
-    fn keep(&self, feed: &Arc<Feed>) {
+    fn keep(self: &Arc<Self>, feed: &Arc<Feed>) {
+        self.start_sweeping();
         let expired = {
             let mut lingering = self.lingering.lock().unwrap_or_else(|e| e.into_inner());
             lingering.insert(
@@ -215,8 +232,13 @@ impl Feed {
         self.state.clone()
     }
 
-    /// A stream of this feed closed: keeps it for [`FEED_LINGER`].
+    /// A stream of this feed closed: keeps it for [`FEED_LINGER`], unless
+    /// the CA refused the identity (a client that comes back after the
+    /// operator mends its authorization gets a fresh request, at once).
     pub(crate) fn linger(self: &Arc<Self>) {
+        if matches!(self.state.borrow().svid, SvidState::Refused(_)) {
+            return;
+        }
         self.feeds.keep(self);
     }
 }

@@ -115,28 +115,16 @@ impl NodePods {
         let index = Self::new(node);
         let pods: Vec<Pod> = pods
             .iter()
-            .map(|(uid, namespace, service_account)| {
-                let mut pod = Pod::default();
-                pod.metadata.uid = Some(uid.to_string());
-                pod.metadata.namespace = Some(namespace.to_string());
-                pod.metadata.name = Some(format!("pod-{uid}"));
-                pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
-                    service_account_name: Some(service_account.to_string()),
-                    ..Default::default()
-                });
-                pod.status = Some(k8s_openapi::api::core::v1::PodStatus {
-                    container_statuses: Some(vec![k8s_openapi::api::core::v1::ContainerStatus {
-                        name: "app".into(),
-                        container_id: Some("containerd://c".into()),
-                        ..Default::default()
-                    }]),
-                    ..Default::default()
-                });
-                pod
-            })
+            .map(|(uid, namespace, service_account)| test_pod(uid, namespace, service_account))
             .collect();
         index.replace(&pods);
         index
+    }
+
+    /// Tests: the watch reports one more pod (as [`NodePods::synced_with`]).
+    #[cfg(test)]
+    pub(crate) fn add_pod(&self, uid: &str, namespace: &str, service_account: &str) {
+        self.apply(&test_pod(uid, namespace, service_account));
     }
 
     /// Tests: the kubelet reports one more container of pod `uid`.
@@ -184,6 +172,28 @@ impl NodePods {
             self.bump();
         }
     }
+}
+
+/// Tests: a running pod with one container, `containerd://c`.
+#[cfg(test)]
+fn test_pod(uid: &str, namespace: &str, service_account: &str) -> Pod {
+    let mut pod = Pod::default();
+    pod.metadata.uid = Some(uid.to_string());
+    pod.metadata.namespace = Some(namespace.to_string());
+    pod.metadata.name = Some(format!("pod-{uid}"));
+    pod.spec = Some(k8s_openapi::api::core::v1::PodSpec {
+        service_account_name: Some(service_account.to_string()),
+        ..Default::default()
+    });
+    pod.status = Some(k8s_openapi::api::core::v1::PodStatus {
+        container_statuses: Some(vec![k8s_openapi::api::core::v1::ContainerStatus {
+            name: "app".into(),
+            container_id: Some("containerd://c".into()),
+            ..Default::default()
+        }]),
+        ..Default::default()
+    });
+    pod
 }
 
 /// A pod's UID and what the agent keeps of it; `None` for pods without a

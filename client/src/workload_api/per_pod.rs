@@ -137,6 +137,13 @@ impl PerPodLimit {
     }
 }
 
+impl PodSlot {
+    /// Whom the place counts for.
+    pub(crate) fn key(&self) -> &PodKey {
+        &self.key
+    }
+}
+
 impl Drop for PodSlot {
     fn drop(&mut self) {
         let mut held = self

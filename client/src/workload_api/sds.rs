@@ -376,7 +376,7 @@ impl SecretDiscoveryService for SdsService {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamSecretsStream>, Status> {
         let identity = self.callers.identity_of(&request).await?;
-        let lease = self.callers.lease(&identity)?;
+        let lease = self.callers.lease(&request, &identity)?;
         tracing::debug!(identity = %identity, "SDS stream opened");
         let state = SdsStream {
             requests: request.into_inner(),
@@ -405,7 +405,7 @@ impl SecretDiscoveryService for SdsService {
         let identity = self.callers.identity_of(&request).await?;
         check_type(request.get_ref())?;
         let names = requested_names(request.get_ref(), &identity, &self.logs);
-        let mut lease = self.callers.lease(&identity)?;
+        let mut lease = self.callers.lease(&request, &identity)?;
         let mut state = lease.feed.state();
         // The roots are there at once; a certificate is waited for up to
         // FIRST_SVID_WAIT.

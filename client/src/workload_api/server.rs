@@ -93,6 +93,9 @@ pub(crate) async fn serve_connection(
             // beyond the limits is answered at its HEADERS.
             let slot = callers.admit_stream(&info);
             request.extensions_mut().insert(info.clone());
+            if let Ok(slot) = &slot {
+                request.extensions_mut().insert(slot.pod_place());
+            }
             let stream = activity.open();
             let routes = routes.clone();
             async move {

@@ -188,7 +188,7 @@ impl SpiffeWorkloadApi for WorkloadApiService {
     ) -> Result<Response<Self::FetchX509SVIDStream>, Status> {
         check_header(&request)?;
         let identity = self.callers.identity_of(&request).await?;
-        let lease = self.callers.lease(&identity)?;
+        let lease = self.callers.lease(&request, &identity)?;
         tracing::debug!(identity = %identity, "X.509-SVID stream opened");
         let stream = futures::StreamExt::map(svid_updates(lease), |c| c.map(|c| svid_response(&c)));
         Ok(Response::new(Box::pin(stream)))
@@ -200,7 +200,7 @@ impl SpiffeWorkloadApi for WorkloadApiService {
     ) -> Result<Response<Self::FetchX509BundlesStream>, Status> {
         check_header(&request)?;
         let identity = self.callers.identity_of(&request).await?;
-        let lease = self.callers.lease(&identity)?;
+        let lease = self.callers.lease(&request, &identity)?;
         let stream = futures::StreamExt::map(root_updates(lease), move |roots| {
             roots.map(|roots| X509BundlesResponse {
                 crl: Vec::new(),
