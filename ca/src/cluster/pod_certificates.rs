@@ -145,6 +145,20 @@ struct Queued {
     round: u32,
 }
 
+/// `request` reduced to what names it (namespace, name, UID), for a
+/// request that is read again before it is worked on.
+fn naming_only(request: &PodCertificateRequest) -> PodCertificateRequest {
+    PodCertificateRequest {
+        metadata: kube::api::ObjectMeta {
+            namespace: request.metadata.namespace.clone(),
+            name: request.metadata.name.clone(),
+            uid: request.metadata.uid.clone(),
+            ..Default::default()
+        },
+        ..Default::default()
+    }
+}
+
 /// How [`answer`] ended.
 enum Finished {
     /// Answered (by us or another writer), or deleted: done with it.
@@ -309,6 +323,10 @@ pub(crate) async fn sign_pod_certificates(
                     continue;
                 }
                 metrics.pod_certificate_requests_waiting.inc();
+                // What the API server keeps for its own bookkeeping is not
+                // kept while the request waits (it is never written back).
+                let mut request = request;
+                request.metadata.managed_fields = None;
                 // Waits while the queue is full: the watch is read no
                 // further until the signer catches up.
                 if queue_tx.send(Queued { request, round: 0 }).await.is_err() {
@@ -347,8 +365,11 @@ pub(crate) async fn sign_pod_certificates(
                         let round = round.saturating_add(1);
                         let delay = requeue_delay(round);
                         let (namespace, name) = key.clone();
+                        // A parked request is read again before its next
+                        // round: only what names it is kept meanwhile
+                        // (a request may carry 256 KiB of annotations).
                         match park_tx.try_send(Queued {
-                            request: *request,
+                            request: naming_only(&request),
                             round,
                         }) {
                             Ok(()) => {
@@ -960,6 +981,24 @@ fn timestamp(t: &Time) -> OffsetDateTime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_parked_request_keeps_only_its_name() {
+        let mut request = PodCertificateRequest::default();
+        request.metadata.namespace = Some("default".into());
+        request.metadata.name = Some("req".into());
+        request.metadata.uid = Some("uid-1".into());
+        request.spec.signer_name = "meshca.io/spiffe".into();
+        request.spec.unverified_user_annotations = Some(std::collections::BTreeMap::from([(
+            "example.com/k".repeat(1000),
+            "v".into(),
+        )]));
+        let parked = naming_only(&request);
+        assert_eq!(object_key(&parked), object_key(&request));
+        assert_eq!(parked.metadata.uid.as_deref(), Some("uid-1"));
+        assert!(parked.spec.unverified_user_annotations.is_none());
+        assert!(parked.spec.signer_name.is_empty());
+    }
 
     #[test]
     fn names_in_a_message_are_few_and_short() {
