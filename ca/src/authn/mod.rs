@@ -1177,9 +1177,9 @@ mod tests {
         (fetcher, authn)
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_refresh_cancelled_by_its_caller_leaves_its_keys_to_the_next() {
-        // The issuer rotated its key: tokens name a key the CA does not hold.
+    /// The issuer rotated its key: the CA holds the old one, a fetch
+    /// (1 s) brings the new one, and the token is signed with it.
+    fn after_a_key_rotation() -> (Arc<SlowJwks>, JwtAuthenticator, String) {
         let original = TokenIssuer::generate().unwrap();
         let rotated = TokenIssuer::generate()
             .unwrap()
@@ -1199,6 +1199,12 @@ mod tests {
         .unwrap()
         .with_refresher(fetcher.clone());
         let token = mint(&rotated, "istio-ca", 600, SystemTime::now());
+        (fetcher, authn, token)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refresh_cancelled_by_its_caller_leaves_its_keys_to_the_next() {
+        let (fetcher, authn, token) = after_a_key_rotation();
         // The first caller resets its stream 10 ms into the fetch.
         let first = tokio::time::timeout(
             Duration::from_millis(10),
@@ -1216,25 +1222,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_caller_arriving_during_a_refresh_waits_for_its_keys() {
-        let original = TokenIssuer::generate().unwrap();
-        let rotated = TokenIssuer::generate()
-            .unwrap()
-            .with_issuer(original.issuer().to_string());
-        let fetcher = Arc::new(SlowJwks {
-            document: rotated.jwks_json(),
-            delay: Some(Duration::from_secs(1)),
-            fetches: AtomicU64::new(0),
-        });
-        let authn = JwtAuthenticator::from_jwks(
-            "oidc",
-            original.issuer(),
-            &original.jwks_json(),
-            vec!["istio-ca".into()],
-            TrustDomain::default(),
-        )
-        .unwrap()
-        .with_refresher(fetcher.clone());
-        let token = mint(&rotated, "istio-ca", 600, SystemTime::now());
+        let (fetcher, authn, token) = after_a_key_rotation();
         let late = async {
             tokio::time::sleep(Duration::from_millis(50)).await;
             authn.authenticate(&creds(token.clone())).await
