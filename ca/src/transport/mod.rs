@@ -7,6 +7,8 @@
 //! - [`tls_policy`]: the rustls configuration (versions, ALPN, the order of
 //!   cipher suites, client certificates asked for but checked by
 //!   authentication).
+//! - [`coalesced_writes`]: what h2 writes during one turn of a
+//!   connection's task leaves in one TLS write at the start of the next.
 //! - [`connection`]: one connection's life: a tonic server of its own,
 //!   with the HTTP/2 limits, a GOAWAY when it has been idle too long, and
 //!   the limit on requests open across all connections.
@@ -21,6 +23,7 @@
 //! the log. (BENCHMARKS.md, "Event loops against tonic's own serving", has
 //! why there are no event loops, batched writes or gathered log lines.)
 
+mod coalesced_writes;
 mod connection;
 mod listener;
 mod tls_policy;
@@ -37,6 +40,7 @@ use tonic::server::NamedService;
 use tower::Service;
 
 use crate::metrics::IstioCounter;
+use coalesced_writes::CoalescedWrites;
 use connection::CountStreamsLayer;
 pub(crate) use connection::OpenRequests;
 pub(crate) use listener::{
@@ -264,6 +268,7 @@ async fn serve_connection<S: GrpcService, H: GrpcService>(
         }
         let _ = asked_tx.send(());
     };
+    let stream = CoalescedWrites::new(stream);
     // One connection, and then none: the server takes no other.
     let incoming = futures::stream::once(async move { Ok::<_, std::io::Error>(stream) })
         .chain(futures::stream::pending());
