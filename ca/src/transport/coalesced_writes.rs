@@ -11,15 +11,19 @@
 //!
 //! [`CoalescedWrites`] sits between h2 and the TLS stream. It keeps what
 //! h2 writes in a buffer of its own and, when h2 flushes, wakes its task
-//! once more instead of writing. The bytes go out, in one TLS write, when
-//! that next turn of the task begins (h2 reads from the connection first
-//! thing in every turn), so every answer finished by then leaves together.
+//! once more instead of writing. The bytes go out, in one TLS write, at
+//! the next read from the connection (h2 reads first thing in every turn
+//! of its task, and hyper's server polls h2 again for each request it
+//! takes up), so every answer finished by then leaves together.
 //!
 //! Bounds: at most [`MAX_COALESCED_BYTES`] wait in the buffer; a write that
 //! would go beyond writes the buffer out first and waits, as a plain write
 //! would, while the peer does not read. The buffer is given back once it
-//! has been written, so an idle connection holds none. A connection that
-//! is dropped drops what it had not written, as the socket would.
+//! has been written, so an idle connection holds none. h2 closes a
+//! connection through `poll_shutdown`, which writes what is kept first;
+//! only a connection dropped without closing (cut off by the accept loop,
+//! or its task aborted) loses what it kept, as it would lose h2's own
+//! queues.
 
 use std::io;
 use std::pin::Pin;
@@ -50,6 +54,9 @@ pub(crate) struct CoalescedWrites<S> {
     /// `inner` did not take all of `pending`: its own wake-up (the peer
     /// reading) comes before the next write, not one of ours.
     blocked: bool,
+    /// `inner` took everything but its flush was not finished: the next
+    /// read finishes it (h2 may only read until the peer writes).
+    unflushed: bool,
 }
 
 impl<S> CoalescedWrites<S> {
@@ -61,6 +68,7 @@ impl<S> CoalescedWrites<S> {
             taken: 0,
             wake_queued: false,
             blocked: false,
+            unflushed: false,
         }
     }
 
@@ -85,10 +93,13 @@ impl<S: AsyncWrite + Unpin> CoalescedWrites<S> {
                 }
             }
         }
+        // Given back, not kept: an idle connection holds no buffer.
         self.pending = Vec::new();
         self.taken = 0;
         self.blocked = false;
-        Pin::new(&mut self.inner).poll_flush(cx)
+        let flushed = Pin::new(&mut self.inner).poll_flush(cx);
+        self.unflushed = flushed.is_pending();
+        flushed
     }
 }
 
@@ -112,7 +123,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AsyncRead for CoalescedWrites<S> {
         // A new turn of the task: what the last one wrote goes out now. If
         // `inner` cannot take it all, it wakes the task when it can, and
         // the rest goes out then.
-        if this.has_pending() {
+        if this.has_pending() || this.unflushed {
             if let Poll::Ready(Err(e)) = this.write_out(cx) {
                 return Poll::Ready(Err(e));
             }
@@ -137,8 +148,17 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for CoalescedWrites<S> {
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
         let len: usize = bufs.iter().map(|b| b.len()).sum();
+        if len == 0 {
+            return Poll::Ready(Ok(0));
+        }
         if this.has_pending() && this.pending.len() - this.taken + len > MAX_COALESCED_BYTES {
             ready!(this.write_out(cx))?;
+        }
+        // What `inner` took of a buffer it could not take whole goes, so
+        // the buffer never holds more than the bound while it drains.
+        if this.taken > 0 {
+            this.pending.drain(..this.taken);
+            this.taken = 0;
         }
         // A write larger than the whole buffer is taken in part; h2 writes
         // the rest after.
@@ -201,6 +221,9 @@ mod tests {
         flushes: usize,
         shut: bool,
         full: bool,
+        /// Bytes the socket has room for (`None`: unlimited).
+        room: Option<usize>,
+        flush_pending: bool,
         to_read: Vec<u8>,
     }
 
@@ -229,12 +252,23 @@ mod tests {
             if this.full {
                 return Poll::Pending;
             }
-            this.writes.push(buf.to_vec());
-            Poll::Ready(Ok(buf.len()))
+            let n = buf.len().min(this.room.unwrap_or(usize::MAX));
+            if n == 0 {
+                return Poll::Pending;
+            }
+            if let Some(room) = &mut this.room {
+                *room -= n;
+            }
+            this.writes.push(buf[..n].to_vec());
+            Poll::Ready(Ok(n))
         }
 
         fn poll_flush(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-            self.get_mut().flushes += 1;
+            let this = self.get_mut();
+            this.flushes += 1;
+            if this.flush_pending {
+                return Poll::Pending;
+            }
             Poll::Ready(Ok(()))
         }
 
@@ -367,6 +401,59 @@ mod tests {
         let written: usize = stream.inner.writes.iter().map(Vec::len).sum();
         assert_eq!(written, kept);
         assert!(!stream.has_pending());
+    }
+
+    #[test]
+    fn a_slow_reader_never_makes_the_buffer_outgrow_the_bound() {
+        let (_wakes, waker) = waker();
+        let mut cx = Context::from_waker(&waker);
+        let mut stream = CoalescedWrites::new(RecordingStream {
+            room: Some(0),
+            ..RecordingStream::default()
+        });
+        let chunk = vec![3u8; 4000];
+        let mut kept = 0;
+        for _ in 0..200 {
+            // The peer reads a little between writes; h2 always has more.
+            stream.inner.room = Some(1000);
+            if let Poll::Ready(Ok(n)) = write(&mut stream, &mut cx, &chunk) {
+                kept += n;
+            }
+            assert!(
+                stream.pending.len() <= MAX_COALESCED_BYTES,
+                "{} bytes kept",
+                stream.pending.len()
+            );
+        }
+        stream.inner.room = None;
+        assert!(matches!(flush(&mut stream, &mut cx), Poll::Ready(Ok(()))));
+        let mut read_back = [0u8; 64];
+        let mut buf = ReadBuf::new(&mut read_back);
+        let _ = Pin::new(&mut stream).poll_read(&mut cx, &mut buf);
+        let written: usize = stream.inner.writes.iter().map(Vec::len).sum();
+        assert_eq!(written, kept, "every byte taken is written, once");
+    }
+
+    #[test]
+    fn a_flush_left_unfinished_is_finished_by_the_next_read() {
+        let (_wakes, waker) = waker();
+        let mut cx = Context::from_waker(&waker);
+        let mut stream = CoalescedWrites::new(RecordingStream {
+            flush_pending: true,
+            ..RecordingStream::default()
+        });
+        assert!(write(&mut stream, &mut cx, b"SETTINGS").is_ready());
+        assert!(flush(&mut stream, &mut cx).is_ready());
+        let _ = read(&mut stream, &mut cx);
+        assert_eq!(stream.inner.writes, vec![b"SETTINGS".to_vec()]);
+        assert_eq!(stream.inner.flushes, 1, "the flush was started");
+        // The stream beneath can flush now; h2 only reads (waiting for the
+        // client's preface), and that read finishes the flush.
+        stream.inner.flush_pending = false;
+        let _ = read(&mut stream, &mut cx);
+        assert_eq!(stream.inner.flushes, 2);
+        let _ = read(&mut stream, &mut cx);
+        assert_eq!(stream.inner.flushes, 2, "nothing left to flush");
     }
 
     #[test]
