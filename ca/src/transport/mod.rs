@@ -21,7 +21,8 @@
 //! An audit line (`meshca::audit`) is written by the handler before it
 //! returns the answer, so a client holding a certificate finds its line in
 //! the log. (BENCHMARKS.md, "Event loops against tonic's own serving", has
-//! why there are no event loops, batched writes or gathered log lines.)
+//! why there are no event loops or gathered log lines; "Answers written
+//! together" why answers leave through [`coalesced_writes`].)
 
 mod coalesced_writes;
 mod connection;
