@@ -5,9 +5,8 @@
 //! buffer: a unary gRPC answer (HEADERS, a DATA frame larger than h2 copies,
 //! then the trailers) is flushed twice, and tokio-rustls turns every write
 //! into a TLS record and a `writev` of its own. On loopback each `writev`
-//! also runs the receiver's TCP stack on the server's account, which made
-//! the writes a sixth of the server's CPU (BENCHMARKS.md, "Answers written
-//! together").
+//! also runs the receiver's TCP stack on the server's account
+//! (BENCHMARKS.md, "Answers written together", has the measurements).
 //!
 //! [`CoalescedWrites`] sits between h2 and the TLS stream. It keeps what
 //! h2 writes in a buffer of its own and, when h2 flushes, wakes its task
