@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use arc_swap::{ArcSwap, ArcSwapOption};
-use meshca_certs::profile::{ProfileError, SigningCa, SubjectKey, Validity};
+use meshca_certs::profile::{ProfileError, SubjectKey, Validity};
 use meshca_certs::{SpiffeId, TrustBundle};
 use time::OffsetDateTime;
 
@@ -71,6 +71,19 @@ pub(crate) struct SigningState {
     /// The material.
     pub(crate) material: CaMaterial,
     tail_pem: Vec<String>,
+    /// When the signing certificate, or a certificate above it up to the
+    /// anchoring root, expires first: no leaf outlives its chain.
+    chain_not_after: OffsetDateTime,
+}
+
+impl SigningState {
+    /// The signing certificate's validity, ending when its chain ends.
+    fn usable_validity(&self) -> Validity {
+        Validity {
+            not_before: self.material.signing.validity().not_before,
+            not_after: self.chain_not_after,
+        }
+    }
 }
 
 /// The signing authority.
@@ -127,7 +140,18 @@ impl Authority {
 
     fn state_for(material: CaMaterial) -> SigningState {
         let tail_pem = material.response_tail_pem();
-        SigningState { material, tail_pem }
+        let chain_not_after = material
+            .chain
+            .iter()
+            .chain(std::iter::once(&material.anchor_root))
+            .filter_map(|der| meshca_certs::inspect::CertSummary::from_der(der).ok())
+            .map(|summary| summary.not_after)
+            .fold(material.signing.validity().not_after, OffsetDateTime::min);
+        SigningState {
+            material,
+            tail_pem,
+            chain_not_after,
+        }
     }
 
     /// Swaps in new CA material; requests in flight finish with the old.
@@ -151,12 +175,12 @@ impl Authority {
     /// Whether the CA can sign at `now`: its certificate is inside its
     /// validity and does not expire within the safety margin.
     pub(crate) fn can_sign(&self, now: OffsetDateTime) -> bool {
-        check_ca_validity(&self.state.load().material.signing, now, self.expiry_margin).is_ok()
+        check_ca_validity(self.state.load().usable_validity(), now, self.expiry_margin).is_ok()
     }
 
     /// Why the CA cannot sign at `now`, if it cannot.
     pub(crate) fn cannot_sign_reason(&self, now: OffsetDateTime) -> Option<SignError> {
-        check_ca_validity(&self.state.load().material.signing, now, self.expiry_margin).err()
+        check_ca_validity(self.state.load().usable_validity(), now, self.expiry_margin).err()
     }
 
     /// The lifetime to give a workload certificate that asked for
@@ -210,7 +234,7 @@ impl Authority {
         }
         let state = self.state.load();
         let ca = &state.material.signing;
-        let ca_validity = check_ca_validity(ca, now, self.expiry_margin)?;
+        let ca_validity = check_ca_validity(state.usable_validity(), now, self.expiry_margin)?;
         let mut validity =
             Validity::backdated(now, to_time_duration(ttl)).capped_at(ca_validity.not_after);
         if let Some(max) = max_lifetime {
@@ -241,7 +265,7 @@ impl Authority {
         let ca = &state.material.signing;
         // No safety margin here: the server keeps a TLS identity while the
         // CA is still valid, so it can tell clients why it will not sign.
-        let ca_validity = check_ca_validity(ca, now, time::Duration::ZERO)?;
+        let ca_validity = check_ca_validity(state.usable_validity(), now, time::Duration::ZERO)?;
         let validity =
             Validity::backdated(now, to_time_duration(ttl)).capped_at(ca_validity.not_after);
         let issued = ca.issue_server(subject, dns, ips, validity)?;
@@ -251,13 +275,13 @@ impl Authority {
     }
 }
 
-/// The CA's validity, if `now` is inside it and at least `margin` before its end.
+/// The CA's validity `v`, if `now` is inside it and at least `margin`
+/// before its end.
 fn check_ca_validity(
-    ca: &SigningCa,
+    v: Validity,
     now: OffsetDateTime,
     margin: time::Duration,
 ) -> Result<Validity, SignError> {
-    let v = ca.validity();
     // Checked: the margin comes from a flag.
     let too_late = now.checked_add(margin).is_none_or(|end| end >= v.not_after);
     if now < v.not_before || too_late {
@@ -457,6 +481,58 @@ mod tests {
             Err(SignError::CaOutsideValidity { .. })
         ));
         assert!(!a.can_sign(ca_not_after));
+    }
+
+    /// An intermediate that outlives its root: no leaf outlives the root
+    /// either, and signing stops when the root ends.
+    #[test]
+    fn not_after_is_capped_at_the_root_when_the_root_ends_first() {
+        use meshca_certs::profile::{self_signed_root, SigningCa, SubjectName};
+        let now = OffsetDateTime::now_utc();
+        let name = |cn: &str| SubjectName {
+            common_name: Some(cn.into()),
+            ..Default::default()
+        };
+        let root_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let root_cert = self_signed_root(
+            &root_key,
+            &name("Root"),
+            Validity::backdated(now, time::Duration::days(2)),
+        )
+        .unwrap();
+        let root = SigningCa::new(root_cert.der.clone(), root_key).unwrap();
+        let int_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let long = Validity {
+            not_before: now - time::Duration::hours(1),
+            not_after: now + time::Duration::days(100),
+        };
+        let int_cert = root
+            .issue_ca(&SubjectKey::of(&int_key).unwrap(), &name("Int"), None, long)
+            .unwrap();
+        let root_not_after = meshca_certs::inspect::CertSummary::from_der(&root_cert.der)
+            .unwrap()
+            .not_after;
+        assert!(
+            meshca_certs::inspect::CertSummary::from_der(&int_cert.der)
+                .unwrap()
+                .not_after
+                > root_not_after,
+            "the test needs an intermediate that outlives its root"
+        );
+        let material = CaMaterial {
+            signing: SigningCa::new(int_cert.der.clone(), int_key).unwrap(),
+            chain: vec![int_cert.der.clone()],
+            anchor_root: root_cert.der.clone(),
+            bundle: meshca_certs::verify::TrustBundle::new(vec![root_cert.der.clone()]),
+            source: crate::store::CaSource::PluggedIn("/nonexistent".into()),
+        };
+        let a = Authority::new(material, TtlPolicy::default());
+        let issued = a.sign_workload(&subject(), &id(), 72 * 3600, now).unwrap();
+        assert_eq!(
+            parse_not_after(&issued.chain_pem[0]),
+            root_not_after.unix_timestamp()
+        );
+        assert!(!a.can_sign(root_not_after + time::Duration::seconds(1)));
     }
 
     #[test]

@@ -111,6 +111,14 @@ impl CaMaterial {
 /// Loads and checks a plugged-in CA directory.
 pub(crate) fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<CaMaterial, StoreError> {
     let loaded = cadir::load_ca_dir(dir, now)?;
+    for subject in &loaded.without_key_usage {
+        tracing::warn!(
+            dir = %dir.display(),
+            certificate = %subject,
+            "a CA certificate has no keyUsage extension: accepted (RFC 5280 allows it), \
+             but strict verifiers such as `openssl verify -x509_strict` refuse the chains it signs"
+        );
+    }
     Ok(CaMaterial {
         signing: loaded.signing,
         chain: loaded.chain,

@@ -14,7 +14,9 @@ use time::OffsetDateTime;
 use crate::bundle::{self, BundleError, FileError};
 use crate::keys::{KeyError, PrivateKey};
 use crate::profile::{ProfileError, SigningCa};
-use crate::verify::{verify_ca_chain, TrustBundle, VerifyError};
+use crate::verify::{
+    cas_without_key_usage, check_trust_roots, verify_ca_chain, TrustBundle, VerifyError,
+};
 
 /// `cacerts` file: the signing certificate.
 pub const CA_CERT_FILE: &str = "ca-cert.pem";
@@ -95,6 +97,14 @@ pub enum CaDirError {
         /// What is wrong.
         cause: ProfileError,
     },
+    /// A certificate of the roots file cannot be a trusted root.
+    #[error("{}: {cause}: it cannot be a trusted root", path.display())]
+    TrustRoot {
+        /// The roots file.
+        path: PathBuf,
+        /// What is wrong, with the certificate's place in the file.
+        cause: VerifyError,
+    },
     /// The chain check failed.
     #[error("{}: CA chain check failed ({files}): {cause}", dir.display())]
     Chain {
@@ -120,6 +130,10 @@ pub struct LoadedCa {
     pub bundle: TrustBundle,
     /// The file the signing certificate was read from.
     pub cert_file: PathBuf,
+    /// Subjects of the CA certificates (chain and roots) without a keyUsage
+    /// extension: accepted, and worth a warning
+    /// ([`crate::verify::cas_without_key_usage`]).
+    pub without_key_usage: Vec<String>,
 }
 
 /// Loads and checks a CA directory in any of the three layouts.
@@ -252,6 +266,16 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
         files: files_for(&cause),
         cause,
     })?;
+    check_trust_roots(&bundle, now).map_err(|cause| CaDirError::TrustRoot {
+        path: dir.join(root_file),
+        cause,
+    })?;
+    let mut without_key_usage = cas_without_key_usage(&full);
+    for subject in cas_without_key_usage(bundle.roots()) {
+        if !without_key_usage.contains(&subject) {
+            without_key_usage.push(subject);
+        }
+    }
     let chain: Vec<Vec<u8>> = full.into_iter().filter(|c| !bundle.contains(c)).collect();
     Ok(LoadedCa {
         signing,
@@ -259,6 +283,7 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
         anchor_root,
         bundle,
         cert_file: cert_path,
+        without_key_usage,
     })
 }
 
@@ -278,7 +303,7 @@ pub fn read_key(path: &Path) -> Result<PrivateKey, CaDirError> {
 mod tests {
     use super::*;
     use crate::keys::KeyAlgorithm;
-    use crate::profile::{self_signed_root, SubjectKey, SubjectName, Validity};
+    use crate::profile::{self_signed_root, IssuedCert, SubjectKey, SubjectName, Validity};
 
     fn name(cn: &str) -> SubjectName {
         SubjectName {
@@ -373,5 +398,114 @@ mod tests {
         let loaded = load_ca_dir(dir.path(), now).unwrap();
         assert_eq!(loaded.cert_file, dir.path().join(CA_CERT_FILE));
         assert!(crate::verify::check_room_for_sub_ca(&loaded.chain).is_err());
+    }
+
+    /// A root set and its intermediate in the cacerts layout, in `dir`.
+    fn write_istio_set(dir: &Path, now: OffsetDateTime) -> (SigningCa, IssuedCert) {
+        let validity = Validity::backdated(now, time::Duration::days(30));
+        let root_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let root_cert = self_signed_root(&root_key, &name("Root"), validity).unwrap();
+        let root = SigningCa::new(root_cert.der.clone(), root_key).unwrap();
+        let int_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let int_cert = root
+            .issue_ca(
+                &SubjectKey::of(&int_key).unwrap(),
+                &name("Int"),
+                None,
+                validity,
+            )
+            .unwrap();
+        let write = |file: &str, text: String| std::fs::write(dir.join(file), text).unwrap();
+        write(CA_CERT_FILE, int_cert.to_pem());
+        write(CA_KEY_FILE, int_key.to_pkcs8_pem().to_string());
+        write(
+            CERT_CHAIN_FILE,
+            bundle::encode_certs_pem(&[&int_cert.der, &root_cert.der]),
+        );
+        write(ROOT_CERT_FILE, root_cert.to_pem());
+        (root, root_cert)
+    }
+
+    #[test]
+    fn a_leaf_or_an_expired_certificate_among_the_roots_is_refused_naming_the_roots_file() {
+        let now = OffsetDateTime::now_utc();
+        let dir = tempfile::tempdir().unwrap();
+        let (root, root_cert) = write_istio_set(dir.path(), now);
+        assert!(load_ca_dir(dir.path(), now).is_ok(), "the set itself loads");
+
+        // A workload's certificate appended to root-cert.pem.
+        let leaf_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let leaf = root
+            .issue_workload(
+                &SubjectKey::of(&leaf_key).unwrap(),
+                &crate::spiffe::SpiffeId::parse("spiffe://cluster.local/ns/a/sa/b").unwrap(),
+                Validity::backdated(now, time::Duration::hours(1)),
+            )
+            .unwrap();
+        let roots_file = dir.path().join(ROOT_CERT_FILE);
+        std::fs::write(
+            &roots_file,
+            bundle::encode_certs_pem(&[&root_cert.der, &leaf.der]),
+        )
+        .unwrap();
+        let err = load_ca_dir(dir.path(), now).unwrap_err();
+        assert!(matches!(err, CaDirError::TrustRoot { .. }), "{err:?}");
+        let text = err.to_string();
+        assert!(
+            text.starts_with(&roots_file.display().to_string())
+                && text.contains("certificate #2")
+                && text.contains("not a CA")
+                && text.ends_with("it cannot be a trusted root"),
+            "{text}"
+        );
+
+        // An old root that has expired.
+        let old_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let expired = Validity {
+            not_before: now - time::Duration::days(30),
+            not_after: now - time::Duration::days(1),
+        };
+        let old_root = self_signed_root(&old_key, &name("Old root"), expired).unwrap();
+        std::fs::write(
+            &roots_file,
+            bundle::encode_certs_pem(&[&root_cert.der, &old_root.der]),
+        )
+        .unwrap();
+        let text = load_ca_dir(dir.path(), now).unwrap_err().to_string();
+        assert!(
+            text.contains("certificate #2 (CN=Old root)") && text.contains("expired at"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_ca_without_key_usage_loads_and_is_named_for_a_warning() {
+        let now = OffsetDateTime::now_utc();
+        let mut params = rcgen::CertificateParams::default();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "No key usage");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.not_before = now - time::Duration::days(1);
+        params.not_after = now + time::Duration::days(30);
+        let key = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join(ROOT_CERT_FILE), cert.pem()).unwrap();
+        std::fs::write(dir.path().join(ROOT_KEY_FILE), key.serialize_pem()).unwrap();
+        let loaded = load_ca_dir(dir.path(), now).unwrap();
+        assert_eq!(
+            loaded.without_key_usage,
+            vec!["CN=No key usage".to_string()]
+        );
+
+        // Istio's own layout, made here, carries keyUsage: nothing to say.
+        let dir = tempfile::tempdir().unwrap();
+        write_istio_set(dir.path(), now);
+        assert!(load_ca_dir(dir.path(), now)
+            .unwrap()
+            .without_key_usage
+            .is_empty());
     }
 }

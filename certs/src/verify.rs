@@ -408,6 +408,39 @@ pub fn verify_ca_chain(
     ))
 }
 
+/// Checks every root of `bundle` as a trust anchor: a CA (basicConstraints
+/// cA; keyUsage, when present, with keyCertSign) inside its validity at
+/// `now`. A leaf or an expired certificate among the roots would be handed
+/// to every workload as a root. The error's index is the root's 1-based
+/// place in the bundle.
+pub fn check_trust_roots(bundle: &TrustBundle, now: OffsetDateTime) -> Result<(), VerifyError> {
+    let parsed = parse_chain(&bundle.roots)?;
+    for (i, root) in parsed.iter().enumerate() {
+        check_ca_bits(root)
+            .and_then(|()| check_time(root, now))
+            .map_err(|reason| VerifyError::BadCa {
+                index: i + 1,
+                subject: root.subject().to_string(),
+                reason,
+            })?;
+    }
+    Ok(())
+}
+
+/// The subjects of the CA certificates among `certs` (DER) that carry no
+/// keyUsage extension. RFC 5280 allows it (every use is then permitted),
+/// but strict verifiers (`openssl verify -x509_strict`) refuse chains
+/// through such a CA, so a CA loading them says so.
+pub fn cas_without_key_usage(certs: &[Vec<u8>]) -> Vec<String> {
+    certs
+        .iter()
+        .filter_map(|der| X509Certificate::from_der(der).ok().map(|(_, c)| c))
+        .filter(|c| matches!(c.basic_constraints(), Ok(Some(bc)) if bc.value.ca))
+        .filter(|c| matches!(c.key_usage(), Ok(None)))
+        .map(|c| c.subject().to_string())
+        .collect()
+}
+
 /// Parses every certificate of `chain` (DER); the first that is not one is
 /// named by its place (1-based).
 fn parse_chain(chain: &[Vec<u8>]) -> Result<Vec<X509Certificate<'_>>, VerifyError> {

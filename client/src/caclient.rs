@@ -213,15 +213,31 @@ impl CaClient {
         let response = loop {
             let mut again = tonic::Request::new(request.get_ref().clone());
             *again.metadata_mut() = request.metadata().clone();
-            match connection.client.clone().create_certificate(again).await {
+            // The whole call is bounded, the connection and its TLS
+            // handshake included: tonic's own timeouts cover the TCP
+            // connect and the call on a ready connection, not a CA that
+            // accepts and then says nothing.
+            let mut client = connection.client.clone();
+            let call = client.create_certificate(again);
+            let result = match tokio::time::timeout(self.config.timeout, call).await {
+                Ok(result) => result.map_err(ClientError::from),
+                Err(_) => Err(ClientError::Unreachable {
+                    code: tonic::Code::DeadlineExceeded,
+                    message: format!(
+                        "no answer within {:?} (connecting, the TLS handshake or the call)",
+                        self.config.timeout
+                    ),
+                }),
+            };
+            match result {
                 Ok(response) => break response.into_inner(),
-                Err(status) if attempt < attempts && is_retryable(status.code()) => {
-                    tracing::debug!(identity = %identity, code = ?status.code(), attempt, "retrying");
+                Err(e) if attempt < attempts && e.code().is_some_and(is_retryable) => {
+                    tracing::debug!(identity = %identity, code = ?e.code(), attempt, "retrying");
                     tokio::time::sleep(backoff).await;
                     backoff *= 2;
                     attempt += 1;
                 }
-                Err(status) => return Err(status.into()),
+                Err(e) => return Err(e),
             }
         };
         let checked = check_answer(
@@ -418,5 +434,60 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("does not chain"), "{err}");
+    }
+
+    /// A CA that accepts the connection and then says nothing (a paused
+    /// process, a black hole behind a load balancer): the call still ends
+    /// within its timeout, the TLS handshake included, as "could not reach".
+    #[tokio::test]
+    async fn a_ca_that_accepts_and_never_speaks_fails_the_call_in_time() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let held = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((stream, _)) = listener.accept().await {
+                held.push(stream);
+            }
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let root_cert = dir.path().join("root-cert.pem");
+        std::fs::write(&root_cert, roots(&[&root_ca("Root")])).unwrap();
+        let client = CaClient::new(CaClientConfig {
+            ca_addr: format!("https://{addr}"),
+            root_cert,
+            server_name: Some("istiod.istio-system.svc".into()),
+            token_file: None,
+            cluster_id: None,
+            timeout: Duration::from_millis(300),
+            request: RequestOptions {
+                attempts: 2,
+                retry_backoff: Duration::from_millis(10),
+                ..RequestOptions::default()
+            },
+        })
+        .unwrap();
+        let started = std::time::Instant::now();
+        let err = tokio::time::timeout(Duration::from_secs(10), client.fetch_default(&id()))
+            .await
+            .expect("the call must end by itself")
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ClientError::Unreachable {
+                    code: tonic::Code::DeadlineExceeded,
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("TLS handshake"), "{err}");
+        // Two attempts of 300 ms and a 10 ms pause.
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            started.elapsed()
+        );
+        held.abort();
     }
 }
