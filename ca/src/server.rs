@@ -261,7 +261,11 @@ struct MonitoringState {
 }
 
 async fn metrics_handler(State(state): State<MonitoringState>) -> impl IntoResponse {
-    update_expiry_metrics(&state.authority, &state.metrics);
+    update_expiry_metrics(
+        &state.authority,
+        &state.metrics,
+        state.serving.load(Ordering::Relaxed),
+    );
     (
         [(
             header::CONTENT_TYPE,
@@ -350,7 +354,9 @@ fn spawn_monitoring_thread(
     Ok(done_rx)
 }
 
-fn update_expiry_metrics(authority: &Authority, metrics: &Metrics) {
+/// Sets the gauges that follow the clock and the state: expiries, and
+/// `meshca_ready`, which says what `/ready` says (0 while shutting down).
+fn update_expiry_metrics(authority: &Authority, metrics: &Metrics, serving: bool) {
     let now = OffsetDateTime::now_utc();
     let state = authority.current();
     let root_not_after = meshca_certs::inspect::CertSummary::from_der(&state.material.anchor_root)
@@ -366,7 +372,9 @@ fn update_expiry_metrics(authority: &Authority, metrics: &Metrics) {
         .min()
         .unwrap_or(now);
     metrics.set_expiry(root_not_after, chain_not_after, now);
-    metrics.ready.set(i64::from(authority.can_sign(now)));
+    metrics
+        .ready
+        .set(i64::from(serving && authority.can_sign(now)));
     metrics
         .reload_refused
         .set(i64::from(authority.refused().is_some()));
@@ -623,7 +631,7 @@ fn build_authorizer(
 /// the first request.
 fn register_metrics(metrics: &Metrics, authority: &Authority) -> Arc<Registry> {
     let registry = Arc::new(metrics.register());
-    update_expiry_metrics(authority, metrics);
+    update_expiry_metrics(authority, metrics, true);
     metrics.set_rotation_phase(
         RotationPhase::Stable.name(),
         &RotationPhase::ALL.map(RotationPhase::name),
@@ -952,6 +960,24 @@ mod tests {
     fn config(args: &[&str]) -> Config {
         let cli = Cli::parse_from(std::iter::once("meshca").chain(args.iter().copied()));
         Config::try_from(cli.serve).unwrap()
+    }
+
+    #[test]
+    fn the_ready_gauge_says_what_ready_says_and_is_0_while_shutting_down() {
+        let dir = tempfile::tempdir().unwrap();
+        let material = store::load_or_create_data_dir(
+            dir.path(),
+            &Default::default(),
+            time::Duration::days(365),
+            OffsetDateTime::now_utc(),
+        )
+        .unwrap();
+        let authority = Authority::new(material, Default::default());
+        let metrics = Metrics::default();
+        update_expiry_metrics(&authority, &metrics, true);
+        assert_eq!(metrics.ready.get(), 1);
+        update_expiry_metrics(&authority, &metrics, false);
+        assert_eq!(metrics.ready.get(), 0, "shutting down: /ready answers 503");
     }
 
     #[test]

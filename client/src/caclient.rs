@@ -190,6 +190,12 @@ impl CaClient {
                 path: path.clone(),
                 cause,
             })?;
+            if token.trim().is_empty() {
+                return Err(ClientError::Config(format!(
+                    "token file {} is empty",
+                    path.display()
+                )));
+            }
             let value = format!("Bearer {}", token.trim()).parse().map_err(|_| {
                 ClientError::Config(format!(
                     "token file {} holds invalid characters",
@@ -229,6 +235,7 @@ impl CaClient {
                     ),
                 }),
             };
+            let result = result.map_err(|e| self.explained(e));
             match result {
                 Ok(response) => break response.into_inner(),
                 Err(e) if attempt < attempts && e.code().is_some_and(is_retryable) => {
@@ -253,6 +260,39 @@ impl CaClient {
             bundle: checked.roots,
             leaf: checked.leaf,
         })
+    }
+}
+
+impl CaClient {
+    /// Adds what only this side knows to a failure: which token file the
+    /// CA refused, or that a plain `http://` address met a TLS server.
+    fn explained(&self, e: ClientError) -> ClientError {
+        match e {
+            ClientError::Rpc {
+                code: tonic::Code::Unauthenticated,
+                message,
+            } => match &self.config.token_file {
+                Some(path) => ClientError::Rpc {
+                    code: tonic::Code::Unauthenticated,
+                    message: format!("{message} (the token read from {})", path.display()),
+                },
+                None => ClientError::Rpc {
+                    code: tonic::Code::Unauthenticated,
+                    message,
+                },
+            },
+            ClientError::Unreachable { code, message }
+                if self.config.ca_addr.starts_with("http://") =>
+            {
+                ClientError::Unreachable {
+                    code,
+                    message: format!(
+                        "{message} (the CA address is plain http://; meshca speaks TLS only: use https://)"
+                    ),
+                }
+            }
+            other => other,
+        }
     }
 }
 
@@ -489,5 +529,30 @@ mod tests {
             started.elapsed()
         );
         held.abort();
+    }
+
+    #[tokio::test]
+    async fn an_empty_token_file_is_named_before_anything_is_sent() {
+        let dir = tempfile::tempdir().unwrap();
+        let root_cert = dir.path().join("root-cert.pem");
+        std::fs::write(&root_cert, roots(&[&root_ca("Root")])).unwrap();
+        let token = dir.path().join("token");
+        std::fs::write(&token, "\n").unwrap();
+        let client = CaClient::new(CaClientConfig {
+            // Nothing listens there: the error comes before any connection.
+            ca_addr: "https://127.0.0.1:9".into(),
+            root_cert,
+            server_name: None,
+            token_file: Some(token.clone()),
+            cluster_id: None,
+            timeout: Duration::from_secs(5),
+            request: RequestOptions::default(),
+        })
+        .unwrap();
+        let err = client.fetch_default(&id()).await.unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            format!("token file {} is empty", token.display())
+        );
     }
 }

@@ -317,5 +317,11 @@ async fn agent_once_fails_clearly_without_a_ca() {
     assert!(!output.status.success());
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("Unauthenticated"), "{stderr}");
+    // The refusal names the file the token came from, never the token.
+    assert!(
+        stderr.contains(&format!("(the token read from {})", token.display()))
+            && !stderr.contains("not-a-token"),
+        "{stderr}"
+    );
     assert!(!dir.path().join("out").join("key.pem").exists());
 }

@@ -428,6 +428,37 @@ fn fails(args: &[&str]) -> String {
     stderr
 }
 
+/// `token` without a usable issuer key: the advice to start `meshca serve`
+/// once is given only when the key is missing (a corrupt key stops the
+/// server too).
+#[test]
+fn token_advises_a_first_start_only_when_the_issuer_key_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let args = |d: &Path| {
+        [
+            "token".to_string(),
+            "--data-dir".into(),
+            p(d),
+            "--namespace".into(),
+            "a".into(),
+            "--service-account".into(),
+            "b".into(),
+        ]
+    };
+    let run = |d: &Path| {
+        let args = args(d);
+        fails(&args.iter().map(String::as_str).collect::<Vec<_>>())
+    };
+    let stderr = run(dir.path());
+    assert!(stderr.contains("once to create it"), "{stderr}");
+    std::fs::write(dir.path().join("token-issuer-key.pem"), "garbage").unwrap();
+    let stderr = run(dir.path());
+    assert!(
+        stderr.contains("token-issuer-key.pem") && !stderr.contains("once to create it"),
+        "{stderr}"
+    );
+}
+
 #[test]
 fn absurd_lifetimes_are_refused_or_capped_without_a_panic() {
     let dir = tempfile::tempdir().unwrap();

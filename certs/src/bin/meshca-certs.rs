@@ -321,10 +321,21 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 bail!("--ttl must be more than zero");
             }
             let issuer = TokenIssuer::load(&data_dir).with_context(|| {
+                // The advice helps only when the key is not there yet: a
+                // key file that is there but unusable stops `meshca serve`
+                // too.
+                let missing = !data_dir.join(meshca_certs::token::ISSUER_KEY_FILE).exists();
                 format!(
-                    "loading the local token issuer from --data-dir {} (start `meshca serve --data-dir {}` once to create it)",
+                    "loading the local token issuer from --data-dir {}{}",
                     data_dir.display(),
-                    data_dir.display()
+                    if missing {
+                        format!(
+                            " (start `meshca serve --data-dir {}` once to create it)",
+                            data_dir.display()
+                        )
+                    } else {
+                        String::new()
+                    }
                 )
             })?;
             let token = issuer.mint(
