@@ -346,18 +346,7 @@ mod tests {
     fn a_ca_its_chain_forbids_is_refused_naming_the_file_and_the_constraint() {
         let now = OffsetDateTime::now_utc();
         let validity = Validity::backdated(now, time::Duration::days(30));
-        let root_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
-        let root_cert = self_signed_root(&root_key, &name("Root"), validity).unwrap();
-        let root = SigningCa::new(root_cert.der.clone(), root_key).unwrap();
-        let int_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
-        let int_cert = root
-            .issue_ca(
-                &SubjectKey::of(&int_key).unwrap(),
-                &name("Int"),
-                Some(0),
-                validity,
-            )
-            .unwrap();
+        let (_, root_cert, int_key, int_cert) = root_and_intermediate(now, Some(0));
         let int = SigningCa::new(int_cert.der.clone(), int_key).unwrap();
         let sub_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
         let sub_cert = int
@@ -400,8 +389,13 @@ mod tests {
         assert!(crate::verify::check_room_for_sub_ca(&loaded.chain).is_err());
     }
 
-    /// A root set and its intermediate in the cacerts layout, in `dir`.
-    fn write_istio_set(dir: &Path, now: OffsetDateTime) -> (SigningCa, IssuedCert) {
+    /// A root ("Root") and an intermediate ("Int", `path_len`) under it,
+    /// both valid for 30 days from `now`: the root, its certificate, the
+    /// intermediate's key and certificate.
+    fn root_and_intermediate(
+        now: OffsetDateTime,
+        path_len: Option<u8>,
+    ) -> (SigningCa, IssuedCert, PrivateKey, IssuedCert) {
         let validity = Validity::backdated(now, time::Duration::days(30));
         let root_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
         let root_cert = self_signed_root(&root_key, &name("Root"), validity).unwrap();
@@ -411,10 +405,16 @@ mod tests {
             .issue_ca(
                 &SubjectKey::of(&int_key).unwrap(),
                 &name("Int"),
-                None,
+                path_len,
                 validity,
             )
             .unwrap();
+        (root, root_cert, int_key, int_cert)
+    }
+
+    /// A root set and its intermediate in the cacerts layout, in `dir`.
+    fn write_istio_set(dir: &Path, now: OffsetDateTime) -> (SigningCa, IssuedCert) {
+        let (root, root_cert, int_key, int_cert) = root_and_intermediate(now, None);
         let write = |file: &str, text: String| std::fs::write(dir.join(file), text).unwrap();
         write(CA_CERT_FILE, int_cert.to_pem());
         write(CA_KEY_FILE, int_key.to_pkcs8_pem().to_string());
