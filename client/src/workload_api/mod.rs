@@ -34,6 +34,7 @@
 //! streams end at once and connections are closed within [`CLOSE_GRACE`].
 
 mod attest;
+mod authority_fix;
 mod callers;
 mod credentials;
 mod feeds;
@@ -458,6 +459,91 @@ mod tests {
         assert!(read.is_ok() || buf.len() < 1024, "{read:?}");
         let answer = tokio::time::timeout(WAIT, client).await.unwrap().unwrap();
         assert_eq!(answer.bundles.len(), 1);
+    }
+
+    /// Python's grpcio sends the socket's path, percent-encoded, as
+    /// `:authority`; h2 alone resets such a stream with PROTOCOL_ERROR. The
+    /// agent answers it, and a second request on the connection whose
+    /// block refers to the first's HPACK entries too.
+    #[tokio::test]
+    async fn a_request_with_grpcio_s_socket_path_authority_is_answered() {
+        let h = start(LONG, 16, ConnectionTimers::default(), |_| {}).await;
+        let mut raw = UnixStream::connect(&h.socket).await.unwrap();
+        let mut encoder = loona_hpack::Encoder::new();
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        bytes.extend_from_slice(&[0, 0, 0, 4, 0, 0, 0, 0, 0]);
+        for stream in [1u8, 3] {
+            let fields: [(&[u8], &[u8]); 6] = [
+                (b":method", b"POST"),
+                (b":scheme", b"http"),
+                (b":path", b"/SpiffeWorkloadAPI/FetchX509Bundles"),
+                (b":authority", b"tmp%2Fpytest-0%2Fagent.sock"),
+                (b"content-type", b"application/grpc"),
+                (b"workload.spiffe.io", b"true"),
+            ];
+            let block = encoder.encode(fields);
+            let len = block.len();
+            // HEADERS, END_HEADERS.
+            bytes.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, 1, 4]);
+            bytes.extend_from_slice(&[0, 0, 0, stream]);
+            bytes.extend_from_slice(&block);
+            // DATA, END_STREAM: an empty gRPC message.
+            bytes.extend_from_slice(&[0, 0, 5, 0, 1, 0, 0, 0, stream, 0, 0, 0, 0, 0]);
+        }
+        tokio::io::AsyncWriteExt::write_all(&mut raw, &bytes)
+            .await
+            .unwrap();
+        // Read the agent's frames until both streams have their response
+        // headers and a first message (FetchX509Bundles streams), or a
+        // reset comes.
+        let mut decoder = loona_hpack::Decoder::new();
+        let mut received = Vec::new();
+        let mut statuses = std::collections::BTreeMap::new();
+        let mut messages = std::collections::BTreeSet::new();
+        tokio::time::timeout(WAIT, async {
+            let mut chunk = [0u8; 4096];
+            let mut at = 0;
+            while messages.len() < 2 {
+                let n = raw.read(&mut chunk).await.unwrap();
+                assert!(n > 0, "the agent closed the connection");
+                received.extend_from_slice(&chunk[..n]);
+                while received.len() >= at + 9 {
+                    let len = usize::from(received[at]) << 16
+                        | usize::from(received[at + 1]) << 8
+                        | usize::from(received[at + 2]);
+                    if received.len() < at + 9 + len {
+                        break;
+                    }
+                    let (kind, stream) = (received[at + 3], received[at + 8]);
+                    let payload = &received[at + 9..at + 9 + len];
+                    assert_ne!(kind, 3, "stream {stream} was reset: {payload:?}");
+                    if kind == 1 {
+                        let fields = decoder.decode(payload).unwrap();
+                        for (name, value) in fields {
+                            if name == b"grpc-status" || name == b":status" {
+                                statuses
+                                    .entry(stream)
+                                    .or_insert_with(Vec::new)
+                                    .push(String::from_utf8(value).unwrap());
+                            }
+                        }
+                    }
+                    if kind == 0 && len > 5 {
+                        messages.insert(stream);
+                    }
+                    at += 9 + len;
+                }
+            }
+        })
+        .await
+        .expect("both requests answered");
+        for stream in [1, 3] {
+            assert_eq!(
+                statuses.get(&stream).map(Vec::as_slice),
+                Some(&["200".to_string()][..]),
+                "stream {stream}"
+            );
+        }
     }
 
     #[tokio::test]

@@ -122,6 +122,9 @@ pub(crate) async fn serve_connection(
         .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
         .keep_alive_interval(Some(Duration::from_secs(60)))
         .keep_alive_timeout(Duration::from_secs(20));
+    // Python's grpcio sends the socket path as :authority, which h2 refuses
+    // (see authority_fix).
+    let connection = super::authority_fix::AuthorityFix::new(connection);
     let serving = builder.serve_connection(TokioIo::new(connection), service);
     tokio::pin!(serving);
     let go_away = tokio::select! {

@@ -1,0 +1,681 @@
+//! The `:authority` Python's gRPC sends on a Unix socket, made acceptable.
+//!
+//! gRPC's C core (Python's `grpcio` 1.57 and later, so py-spiffe) sends the
+//! socket's path, percent-encoded, as the HTTP/2 `:authority` of every
+//! request on a `unix:` target (`tmp%2Fagent.sock`). That is not an
+//! authority (RFC 9113 §8.3.1: `host[:port]`), and `h2`, the HTTP/2 library
+//! the agent serves with, resets every such stream with `PROTOCOL_ERROR`.
+//! Go, Rust and Envoy send `localhost`, and are not touched.
+//!
+//! [`AuthorityFix`] sits between the socket and `h2`, on what the client
+//! sends. It reads the connection preface and the frames up to the first
+//! header block and decodes that block (HPACK):
+//! - an `:authority` that parses as one, or none: everything already read
+//!   and everything after goes to `h2` unchanged, and this stream only
+//!   forwards reads;
+//! - one that does not: from then on every header block of the connection
+//!   is decoded (with the client's dynamic table) and encoded again for
+//!   `h2` as never-indexed literals, `:authority` as `localhost`, in
+//!   frames of at most [`MAX_FRAME_PAYLOAD`] bytes. `h2`'s own table stays
+//!   empty, so the two stay in step whatever the client indexes.
+//!
+//! Bounds: a frame's payload at most [`MAX_FRAME_PAYLOAD`] (the size `h2`
+//! accepts; a larger one is passed on for `h2` to refuse), a header block
+//! at most [`MAX_HEADER_BLOCK`] bytes encoded and decoded, the client's
+//! dynamic table at most HPACK's default 4,096 bytes (the size `h2`
+//! advertises). A client that breaks HTTP/2 framing inside a header block
+//! gets its connection closed, as `h2` would.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// HTTP/2's client connection preface.
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// The largest frame payload read or written: HTTP/2's default
+/// SETTINGS_MAX_FRAME_SIZE, which the agent's server keeps.
+pub(crate) const MAX_FRAME_PAYLOAD: usize = 16 * 1024;
+/// The largest header block kept, encoded or decoded.
+pub(crate) const MAX_HEADER_BLOCK: usize = 64 * 1024;
+/// HPACK's default dynamic table size, the one the agent's server advertises.
+const HPACK_TABLE_SIZE: usize = 4096;
+/// What replaces an authority that is not one.
+const LOCALHOST: &[u8] = b"localhost";
+
+const FRAME_HEADER: usize = 9;
+const HEADERS: u8 = 0x1;
+const CONTINUATION: u8 = 0x9;
+const END_STREAM: u8 = 0x1;
+const END_HEADERS: u8 = 0x4;
+const PADDED: u8 = 0x8;
+const PRIORITY: u8 = 0x20;
+
+/// What the stream does with the client's bytes.
+enum Mode {
+    /// Before the first header block is complete.
+    Inspecting,
+    /// Every header block is encoded again.
+    Rewriting(Box<loona_hpack::Decoder<'static>>),
+    /// Everything is forwarded as it comes.
+    Forwarding,
+}
+
+/// A header block being put together from its frames.
+struct PendingBlock {
+    stream_id: u32,
+    /// END_STREAM of its HEADERS frame.
+    end_stream: bool,
+    /// The priority fields of its HEADERS frame, if any.
+    priority: Option<[u8; 5]>,
+    /// The header block fragments so far.
+    fragment: Vec<u8>,
+}
+
+/// The client side of a Workload API connection, as `h2` should read it
+/// (see the module's documentation). Writes go to `inner` unchanged.
+pub(crate) struct AuthorityFix<S> {
+    inner: S,
+    mode: Mode,
+    /// Read from `inner`, not yet looked at.
+    input: Vec<u8>,
+    /// Ready for `h2`, from `output_pos` on.
+    output: Vec<u8>,
+    output_pos: usize,
+    /// The frames of the first header block as the client sent them, for
+    /// the case that they need no change.
+    first_block_raw: Vec<u8>,
+    pending: Option<PendingBlock>,
+    preface_seen: bool,
+    /// `process` stopped with input left because the output is full.
+    backlog: bool,
+}
+
+impl<S> AuthorityFix<S> {
+    /// Wraps the connection's stream.
+    pub(crate) fn new(inner: S) -> Self {
+        Self {
+            inner,
+            mode: Mode::Inspecting,
+            input: Vec::new(),
+            output: Vec::new(),
+            output_pos: 0,
+            first_block_raw: Vec::new(),
+            pending: None,
+            preface_seen: false,
+            backlog: false,
+        }
+    }
+
+    /// Moves everything looked at so far, and everything not yet, to the
+    /// output unchanged, and forwards from then on.
+    fn forward_everything(&mut self) {
+        self.output.append(&mut self.first_block_raw);
+        self.output.append(&mut self.input);
+        self.pending = None;
+        self.mode = Mode::Forwarding;
+    }
+
+    /// Turns as much of `input` as possible into `output`, stopping once
+    /// the output holds [`MAX_HEADER_BLOCK`] bytes (a block re-encoded can
+    /// be far larger than the client sent: the decoded size is bounded).
+    fn process(&mut self) -> io::Result<()> {
+        self.backlog = false;
+        if !self.preface_seen {
+            let n = self.input.len().min(PREFACE.len());
+            if self.input[..n] != PREFACE[..n] {
+                // Not HTTP/2 with prior knowledge: h2 will say so.
+                self.forward_everything();
+                return Ok(());
+            }
+            if n < PREFACE.len() {
+                return Ok(());
+            }
+            self.output.extend(self.input.drain(..PREFACE.len()));
+            self.preface_seen = true;
+        }
+        loop {
+            if matches!(self.mode, Mode::Forwarding) {
+                self.output.append(&mut self.input);
+                return Ok(());
+            }
+            if self.output.len() >= MAX_HEADER_BLOCK {
+                self.backlog = true;
+                return Ok(());
+            }
+            if self.input.len() < FRAME_HEADER {
+                return Ok(());
+            }
+            let len = usize::from(self.input[0]) << 16
+                | usize::from(self.input[1]) << 8
+                | usize::from(self.input[2]);
+            let (kind, flags) = (self.input[3], self.input[4]);
+            let stream_id =
+                u32::from_be_bytes([self.input[5], self.input[6], self.input[7], self.input[8]])
+                    & 0x7fff_ffff;
+            if len > MAX_FRAME_PAYLOAD {
+                if self.pending.is_some() {
+                    return Err(broken("a frame too large inside a header block"));
+                }
+                // h2 refuses it (FRAME_SIZE_ERROR).
+                self.forward_everything();
+                return Ok(());
+            }
+            if self.input.len() < FRAME_HEADER + len {
+                return Ok(());
+            }
+            let frame: Vec<u8> = self.input.drain(..FRAME_HEADER + len).collect();
+            let payload = &frame[FRAME_HEADER..];
+            match (kind, self.pending.is_some()) {
+                (HEADERS, false) => {
+                    let (fragment, priority) = headers_fragment(flags, payload)?;
+                    self.pending = Some(PendingBlock {
+                        stream_id,
+                        end_stream: flags & END_STREAM != 0,
+                        priority,
+                        fragment: fragment.to_vec(),
+                    });
+                }
+                (CONTINUATION, true) => {
+                    let pending = self.pending.as_mut().ok_or_else(|| broken("no block"))?;
+                    if pending.stream_id != stream_id {
+                        return Err(broken("a CONTINUATION of another stream"));
+                    }
+                    pending.fragment.extend_from_slice(payload);
+                }
+                (_, true) => return Err(broken("a frame inside a header block")),
+                (_, false) => {
+                    // Any other frame is forwarded as it is.
+                    self.output.extend_from_slice(&frame);
+                    continue;
+                }
+            }
+            if self
+                .pending
+                .as_ref()
+                .is_some_and(|p| p.fragment.len() > MAX_HEADER_BLOCK)
+            {
+                return Err(broken("a header block too large"));
+            }
+            if matches!(self.mode, Mode::Inspecting) {
+                self.first_block_raw.extend_from_slice(&frame);
+            }
+            if flags & END_HEADERS != 0 {
+                let block = self.pending.take().ok_or_else(|| broken("no block"))?;
+                self.finish_block(block)?;
+            }
+        }
+    }
+
+    /// A complete header block: decides the mode on the first, encodes it
+    /// again when rewriting.
+    fn finish_block(&mut self, block: PendingBlock) -> io::Result<()> {
+        if matches!(self.mode, Mode::Inspecting) {
+            let mut decoder = loona_hpack::Decoder::new();
+            decoder.set_max_allowed_table_size(HPACK_TABLE_SIZE);
+            let fields = decode(&mut decoder, &block.fragment)?;
+            let acceptable = fields
+                .iter()
+                .find(|(name, _)| name == b":authority")
+                .is_none_or(|(_, value)| http::uri::Authority::try_from(value.as_slice()).is_ok());
+            if acceptable {
+                self.forward_everything();
+                return Ok(());
+            }
+            self.first_block_raw.clear();
+            tracing::debug!(
+                "a workload client sent a socket path as :authority; its header blocks are re-encoded with localhost"
+            );
+            self.write_block(&block, &fields);
+            self.mode = Mode::Rewriting(Box::new(decoder));
+            return Ok(());
+        }
+        let Mode::Rewriting(decoder) = &mut self.mode else {
+            return Ok(());
+        };
+        let fields = decode(decoder, &block.fragment)?;
+        self.write_block(&block, &fields);
+        Ok(())
+    }
+
+    /// Writes `fields` as never-indexed literals in a HEADERS frame and as
+    /// many CONTINUATION frames as needed, `:authority` as `localhost`.
+    fn write_block(&mut self, block: &PendingBlock, fields: &[(Vec<u8>, Vec<u8>)]) {
+        let mut encoded = Vec::new();
+        for (name, value) in fields {
+            let value = if name == b":authority" {
+                LOCALHOST
+            } else {
+                value.as_slice()
+            };
+            // Literal header field never indexed, new name (RFC 7541 §6.2.3).
+            encoded.push(0x10);
+            encode_string(&mut encoded, name);
+            encode_string(&mut encoded, value);
+        }
+        let mut first = Vec::new();
+        let mut flags = 0;
+        if block.end_stream {
+            flags |= END_STREAM;
+        }
+        if let Some(priority) = block.priority {
+            flags |= PRIORITY;
+            first.extend_from_slice(&priority);
+        }
+        let room = MAX_FRAME_PAYLOAD - first.len();
+        let (head, mut rest) = encoded.split_at(encoded.len().min(room));
+        first.extend_from_slice(head);
+        if rest.is_empty() {
+            flags |= END_HEADERS;
+        }
+        write_frame(&mut self.output, HEADERS, flags, block.stream_id, &first);
+        while !rest.is_empty() {
+            let (part, after) = rest.split_at(rest.len().min(MAX_FRAME_PAYLOAD));
+            let flags = if after.is_empty() { END_HEADERS } else { 0 };
+            write_frame(&mut self.output, CONTINUATION, flags, block.stream_id, part);
+            rest = after;
+        }
+    }
+}
+
+/// The header block fragment of a HEADERS frame's payload, without its
+/// padding, and its priority fields.
+fn headers_fragment(flags: u8, payload: &[u8]) -> io::Result<(&[u8], Option<[u8; 5]>)> {
+    let mut rest = payload;
+    let mut pad = 0usize;
+    if flags & PADDED != 0 {
+        let (&n, after) = rest.split_first().ok_or_else(|| broken("no pad length"))?;
+        pad = usize::from(n);
+        rest = after;
+    }
+    let mut priority = None;
+    if flags & PRIORITY != 0 {
+        if rest.len() < 5 {
+            return Err(broken("short priority fields"));
+        }
+        let (fields, after) = rest.split_at(5);
+        priority = Some([fields[0], fields[1], fields[2], fields[3], fields[4]]);
+        rest = after;
+    }
+    if pad > rest.len() {
+        return Err(broken("padding longer than the frame"));
+    }
+    Ok((&rest[..rest.len() - pad], priority))
+}
+
+/// Decodes a header block, within [`MAX_HEADER_BLOCK`] decoded bytes.
+fn decode(
+    decoder: &mut loona_hpack::Decoder<'static>,
+    block: &[u8],
+) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    let mut fields = Vec::new();
+    let mut size = 0usize;
+    let mut too_large = false;
+    decoder
+        .decode_with_cb(block, |name, value| {
+            size += name.len() + value.len() + 32;
+            if size > MAX_HEADER_BLOCK {
+                too_large = true;
+            } else {
+                fields.push((name.into_owned(), value.into_owned()));
+            }
+        })
+        .map_err(|_| broken("a header block that does not decode (HPACK)"))?;
+    if too_large {
+        return Err(broken("a header list too large"));
+    }
+    Ok(fields)
+}
+
+/// An HPACK string literal, not Huffman-coded (RFC 7541 §5.2).
+fn encode_string(out: &mut Vec<u8>, text: &[u8]) {
+    encode_integer(out, text.len(), 7, 0);
+    out.extend_from_slice(text);
+}
+
+/// An HPACK integer with an `n`-bit prefix (RFC 7541 §5.1); `first` holds
+/// the bits above the prefix.
+fn encode_integer(out: &mut Vec<u8>, value: usize, n: u8, first: u8) {
+    let max = (1usize << n) - 1;
+    if value < max {
+        out.push(first | value as u8);
+        return;
+    }
+    out.push(first | max as u8);
+    let mut rest = value - max;
+    while rest >= 128 {
+        out.push((rest % 128) as u8 | 0x80);
+        rest /= 128;
+    }
+    out.push(rest as u8);
+}
+
+fn write_frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream_id: u32, payload: &[u8]) {
+    let len = payload.len();
+    out.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags]);
+    out.extend_from_slice(&stream_id.to_be_bytes());
+    out.extend_from_slice(payload);
+}
+
+fn broken(what: &str) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("HTTP/2 from a workload client: {what}"),
+    )
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        loop {
+            if this.output_pos < this.output.len() {
+                let n = buf.remaining().min(this.output.len() - this.output_pos);
+                buf.put_slice(&this.output[this.output_pos..this.output_pos + n]);
+                this.output_pos += n;
+                if this.output_pos == this.output.len() {
+                    this.output = Vec::new();
+                    this.output_pos = 0;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if matches!(this.mode, Mode::Forwarding) && this.input.is_empty() {
+                return Pin::new(&mut this.inner).poll_read(cx, buf);
+            }
+            if this.backlog {
+                this.process()?;
+                continue;
+            }
+            let mut chunk = [0u8; 8192];
+            let mut chunk_buf = ReadBuf::new(&mut chunk);
+            std::task::ready!(Pin::new(&mut this.inner).poll_read(cx, &mut chunk_buf))?;
+            let read = chunk_buf.filled();
+            if read.is_empty() {
+                // End of the stream: what is left is passed on for h2 to judge.
+                this.output.append(&mut this.first_block_raw);
+                this.output.append(&mut this.input);
+                this.mode = Mode::Forwarding;
+                if this.output.is_empty() {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
+            }
+            this.input.extend_from_slice(read);
+            this.process()?;
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    /// Decoded header fields, (name, value).
+    type Fields = Vec<(Vec<u8>, Vec<u8>)>;
+
+    fn frame(kind: u8, flags: u8, stream_id: u32, payload: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        write_frame(&mut out, kind, flags, stream_id, payload);
+        out
+    }
+
+    fn request(authority: &str, path: &str) -> Fields {
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", path),
+            (":authority", authority),
+            ("content-type", "application/grpc"),
+            ("workload.spiffe.io", "true"),
+        ]
+        .iter()
+        .map(|(n, v)| (n.as_bytes().to_vec(), v.as_bytes().to_vec()))
+        .collect()
+    }
+
+    /// What a client sends: preface, SETTINGS, then two requests whose
+    /// blocks come from one encoder (the second refers to the first's
+    /// entries in the dynamic table), the first split over a CONTINUATION,
+    /// with a DATA frame between.
+    fn client_bytes(authority: &str) -> Vec<u8> {
+        let mut encoder = loona_hpack::Encoder::new();
+        let first = request(authority, "/SpiffeWorkloadAPI/FetchX509SVID");
+        let second = request(authority, "/SpiffeWorkloadAPI/FetchX509Bundles");
+        let block1 = encoder.encode(first.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
+        let block2 = encoder.encode(second.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
+        let mut bytes = PREFACE.to_vec();
+        bytes.extend(frame(0x4, 0, 0, &[]));
+        let (a, b) = block1.split_at(block1.len() / 2);
+        // PADDED with 3 bytes of padding.
+        let mut padded = vec![3];
+        padded.extend_from_slice(a);
+        padded.extend_from_slice(&[0, 0, 0]);
+        bytes.extend(frame(HEADERS, PADDED, 1, &padded));
+        bytes.extend(frame(CONTINUATION, END_HEADERS, 1, b));
+        bytes.extend(frame(0x0, END_STREAM, 1, &[0, 0, 0, 0, 0]));
+        bytes.extend(frame(HEADERS, END_HEADERS | END_STREAM, 3, &block2));
+        bytes
+    }
+
+    async fn read_all(input: Vec<u8>) -> io::Result<Vec<u8>> {
+        let mut fixed = AuthorityFix::new(input.as_slice());
+        let mut out = Vec::new();
+        // Small reads: the output must not depend on how h2 reads.
+        let mut chunk = [0u8; 7];
+        loop {
+            let n = fixed.read(&mut chunk).await?;
+            if n == 0 {
+                return Ok(out);
+            }
+            out.extend_from_slice(&chunk[..n]);
+        }
+    }
+
+    /// The header blocks of `bytes` (after the preface), decoded as h2
+    /// would: (stream, END_STREAM, fields).
+    fn blocks(bytes: &[u8]) -> Vec<(u32, bool, Fields)> {
+        let mut decoder = loona_hpack::Decoder::new();
+        let mut rest = &bytes[PREFACE.len()..];
+        let mut out = Vec::new();
+        let mut pending: Option<(u32, bool, Vec<u8>)> = None;
+        while !rest.is_empty() {
+            let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+            let (kind, flags) = (rest[3], rest[4]);
+            let id = u32::from_be_bytes([rest[5], rest[6], rest[7], rest[8]]);
+            let payload = &rest[9..9 + len];
+            match kind {
+                HEADERS => {
+                    let (fragment, _) = headers_fragment(flags, payload).unwrap();
+                    pending = Some((id, flags & END_STREAM != 0, fragment.to_vec()));
+                }
+                CONTINUATION => pending.as_mut().unwrap().2.extend_from_slice(payload),
+                _ => {}
+            }
+            if matches!(kind, HEADERS | CONTINUATION) && flags & END_HEADERS != 0 {
+                let (id, end, block) = pending.take().unwrap();
+                out.push((id, end, decode(&mut decoder, &block).unwrap()));
+            }
+            rest = &rest[9 + len..];
+        }
+        out
+    }
+
+    #[tokio::test]
+    async fn a_socket_path_as_authority_becomes_localhost_in_every_block() {
+        let input = client_bytes("tmp%2Ftrial%2Fagent.sock");
+        assert!(http::uri::Authority::try_from("tmp%2Ftrial%2Fagent.sock").is_err());
+        let output = read_all(input.clone()).await.unwrap();
+        let sent = blocks(&input);
+        let seen = blocks(&output);
+        assert_eq!(seen.len(), 2);
+        for ((id, end, fields), (sent_id, sent_end, sent_fields)) in seen.iter().zip(&sent) {
+            assert_eq!((id, end), (sent_id, sent_end));
+            assert_eq!(fields.len(), sent_fields.len());
+            for ((name, value), (sent_name, sent_value)) in fields.iter().zip(sent_fields) {
+                assert_eq!(name, sent_name);
+                if name == b":authority" {
+                    assert_eq!(value, b"localhost");
+                } else {
+                    assert_eq!(value, sent_value);
+                }
+            }
+        }
+        // The DATA frame between the blocks is there, unchanged.
+        let data = frame(0x0, END_STREAM, 1, &[0, 0, 0, 0, 0]);
+        assert!(output.windows(data.len()).any(|w| w == data));
+    }
+
+    #[tokio::test]
+    async fn a_proper_authority_leaves_every_byte_as_it_was() {
+        let input = client_bytes("localhost");
+        assert_eq!(read_all(input.clone()).await.unwrap(), input);
+        // Not HTTP/2 at all: passed on for h2 to refuse.
+        let junk = b"GET / HTTP/1.1\r\n\r\n".to_vec();
+        assert_eq!(read_all(junk.clone()).await.unwrap(), junk);
+    }
+
+    #[tokio::test]
+    async fn a_large_block_is_split_into_frames_h2_accepts() {
+        let mut encoder = loona_hpack::Encoder::new();
+        let mut fields = request("a%2Fb", "/x");
+        let big = vec![b'x'; 20_000];
+        fields.push((b"x-big".to_vec(), big.clone()));
+        let block = encoder.encode(fields.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
+        let mut input = PREFACE.to_vec();
+        let (a, b) = block.split_at(MAX_FRAME_PAYLOAD);
+        input.extend(frame(HEADERS, 0, 1, a));
+        input.extend(frame(CONTINUATION, END_HEADERS, 1, b));
+        let output = read_all(input).await.unwrap();
+        let mut rest = &output[PREFACE.len()..];
+        while !rest.is_empty() {
+            let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+            assert!(len <= MAX_FRAME_PAYLOAD, "{len}");
+            rest = &rest[9 + len..];
+        }
+        let seen = blocks(&output);
+        assert!(seen[0].2.contains(&(b"x-big".to_vec(), big)));
+    }
+
+    #[tokio::test]
+    async fn broken_framing_inside_a_block_closes_the_connection() {
+        let mut encoder = loona_hpack::Encoder::new();
+        let fields = request("a%2Fb", "/x");
+        let block = encoder.encode(fields.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, 0, 1, &block));
+        // A DATA frame where a CONTINUATION must come.
+        input.extend(frame(0x0, 0, 1, b"x"));
+        let err = read_all(input).await.unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        // Garbage that is not HPACK.
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(
+            HEADERS,
+            END_HEADERS,
+            1,
+            &[0xff, 0xff, 0xff, 0xff, 0xff],
+        ));
+        assert!(read_all(input).await.is_err());
+    }
+
+    /// Arbitrary bytes after the preface, and arbitrary cuts of a real
+    /// exchange: an answer or an error, never a panic.
+    #[tokio::test]
+    async fn arbitrary_input_is_an_answer_or_an_error_never_a_panic() {
+        let real = client_bytes("a%2Fb.sock");
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for round in 0..2000 {
+            let mut input = PREFACE.to_vec();
+            if round % 2 == 0 {
+                let len = (next() % 200) as usize;
+                input.extend((0..len).map(|_| next() as u8));
+            } else {
+                // The real bytes with a few of them changed and cut short.
+                input = real.clone();
+                for _ in 0..(next() % 4) {
+                    let at = PREFACE.len() + (next() as usize % (input.len() - PREFACE.len()));
+                    input[at] = next() as u8;
+                }
+                input
+                    .truncate(PREFACE.len() + (next() as usize % (real.len() - PREFACE.len() + 1)));
+            }
+            let _ = read_all(input).await;
+        }
+    }
+
+    /// Many one-byte blocks each naming a large table entry: what waits for
+    /// h2 stays bounded however much they expand.
+    #[tokio::test]
+    async fn expanding_blocks_wait_for_h2_in_bounded_output() {
+        let mut encoder = loona_hpack::Encoder::new();
+        let mut fields = request("a%2Fb", "/x");
+        fields.push((b"x-big".to_vec(), vec![b'x'; 3000]));
+        let block = encoder.encode(fields.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, END_HEADERS, 1, &block));
+        let again = encoder.encode(fields.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
+        assert!(
+            again.len() < 64,
+            "the encoder refers to its table: {}",
+            again.len()
+        );
+        for stream in 0..500u32 {
+            input.extend(frame(HEADERS, END_HEADERS, 3 + 2 * stream, &again));
+        }
+        let mut fixed = AuthorityFix::new(input.as_slice());
+        let mut total = 0;
+        let mut chunk = [0u8; 4096];
+        loop {
+            let n = fixed.read(&mut chunk).await.unwrap();
+            assert!(
+                fixed.output.len() <= MAX_HEADER_BLOCK + MAX_HEADER_BLOCK + 2 * MAX_FRAME_PAYLOAD
+            );
+            if n == 0 {
+                break;
+            }
+            total += n;
+        }
+        assert!(total > 500 * 3000, "every block is passed on: {total}");
+    }
+}
