@@ -21,7 +21,8 @@
 //!
 //! Bounds: a frame's payload at most [`MAX_FRAME_PAYLOAD`] (the size `h2`
 //! accepts; a larger one is passed on for `h2` to refuse), a header block
-//! at most [`MAX_HEADER_BLOCK`] bytes encoded and decoded, the client's
+//! at most [`MAX_HEADER_BLOCK`] bytes encoded and decoded and
+//! [`MAX_BLOCK_FRAMES`] frames, the client's
 //! dynamic table at most HPACK's default 4,096 bytes (the size `h2`
 //! advertises). A client that breaks HTTP/2 framing inside a header block
 //! gets its connection closed, as `h2` would.
@@ -39,6 +40,9 @@ const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 pub(crate) const MAX_FRAME_PAYLOAD: usize = 16 * 1024;
 /// The largest header block kept, encoded or decoded.
 pub(crate) const MAX_HEADER_BLOCK: usize = 64 * 1024;
+/// The most frames one header block may span: a client sending empty
+/// CONTINUATION frames for ever (the "CONTINUATION flood") is cut off.
+pub(crate) const MAX_BLOCK_FRAMES: usize = 32;
 /// HPACK's default dynamic table size, the one the agent's server advertises.
 const HPACK_TABLE_SIZE: usize = 4096;
 /// What replaces an authority that is not one.
@@ -71,6 +75,8 @@ struct PendingBlock {
     priority: Option<[u8; 5]>,
     /// The header block fragments so far.
     fragment: Vec<u8>,
+    /// Frames so far, HEADERS included.
+    frames: usize,
 }
 
 /// The client side of a Workload API connection, as `h2` should read it
@@ -175,6 +181,7 @@ impl<S> AuthorityFix<S> {
                         end_stream: flags & END_STREAM != 0,
                         priority,
                         fragment: fragment.to_vec(),
+                        frames: 1,
                     });
                 }
                 (CONTINUATION, true) => {
@@ -183,6 +190,7 @@ impl<S> AuthorityFix<S> {
                         return Err(broken("a CONTINUATION of another stream"));
                     }
                     pending.fragment.extend_from_slice(payload);
+                    pending.frames += 1;
                 }
                 (_, true) => return Err(broken("a frame inside a header block")),
                 (_, false) => {
@@ -194,7 +202,7 @@ impl<S> AuthorityFix<S> {
             if self
                 .pending
                 .as_ref()
-                .is_some_and(|p| p.fragment.len() > MAX_HEADER_BLOCK)
+                .is_some_and(|p| p.fragment.len() > MAX_HEADER_BLOCK || p.frames > MAX_BLOCK_FRAMES)
             {
                 return Err(broken("a header block too large"));
             }
@@ -602,6 +610,26 @@ mod tests {
         input.extend(frame(0x0, 0, 1, b"x"));
         let err = read_all(input).await.unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        // Empty CONTINUATION frames for ever: cut off, nothing piles up.
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, 0, 1, &block));
+        for _ in 0..10_000 {
+            input.extend(frame(CONTINUATION, 0, 1, &[]));
+        }
+        let mut fixed = AuthorityFix::new(input.as_slice());
+        let mut chunk = [0u8; 4096];
+        let err = loop {
+            match fixed.read(&mut chunk).await {
+                Ok(0) => panic!("the flood was passed on to its end"),
+                Ok(_) => {}
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert!(
+            fixed.first_block_raw.len()
+                < MAX_BLOCK_FRAMES * (FRAME_HEADER + MAX_FRAME_PAYLOAD) + 8192
+        );
         // Garbage that is not HPACK.
         let mut input = PREFACE.to_vec();
         input.extend(frame(
