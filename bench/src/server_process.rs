@@ -29,13 +29,18 @@ pub(crate) fn free_addr() -> anyhow::Result<SocketAddr> {
 /// a thread of its own, like a kubelet probe from another process: the
 /// answer time is the server's, not this busy load generator's.
 pub(crate) fn healthz(addr: SocketAddr, timeout: Duration) -> Result<(), String> {
+    probe(addr, "/healthz", timeout)
+}
+
+/// `GET path` on the monitoring port answers 200.
+pub(crate) fn probe(addr: SocketAddr, path: &str, timeout: Duration) -> Result<(), String> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect_timeout(&addr, timeout).map_err(|e| e.to_string())?;
     s.set_read_timeout(Some(timeout))
         .map_err(|e| e.to_string())?;
     s.set_write_timeout(Some(timeout))
         .map_err(|e| e.to_string())?;
-    s.write_all(b"GET /healthz HTTP/1.0\r\n\r\n")
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
         .map_err(|e| e.to_string())?;
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
@@ -133,7 +138,9 @@ impl Meshca {
             .with_context(|| format!("starting {}", meshca.display()))?;
         let child = KillOnDrop(child);
         let deadline = Instant::now() + Duration::from_secs(30);
-        while healthz(monitoring, Duration::from_secs(2)).is_err() {
+        // Ready: start-up is over and gRPC is served (the monitoring port
+        // answers /healthz before, while start-up may wait for the API).
+        while probe(monitoring, "/ready", Duration::from_secs(2)).is_err() {
             anyhow::ensure!(
                 Instant::now() < deadline,
                 "meshca did not start: {}",

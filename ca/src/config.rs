@@ -165,6 +165,12 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_KUBE_API_MAX_IN_FLIGHT", default_value_t = 64)]
     pub(crate) kube_api_max_in_flight: usize,
 
+    /// How long start-up waits for the Kubernetes API (unreachable,
+    /// starting, RBAC not synced yet) before giving up; `/ready` says what
+    /// it waits for meanwhile.
+    #[arg(long, env = "MESHCA_KUBE_API_STARTUP_TIMEOUT", default_value = "5m", value_parser = parse_duration)]
+    pub(crate) kube_api_startup_timeout: Duration,
+
     /// A node agent (NAMESPACE/SERVICE_ACCOUNT, e.g. istio-system/ztunnel)
     /// that may get certificates for pods on its node; repeatable.
     #[arg(
@@ -493,6 +499,8 @@ pub(crate) struct KubernetesConfig {
     pub(crate) api_timeout: Duration,
     /// Calls in flight.
     pub(crate) api_max_in_flight: usize,
+    /// How long start-up waits for the API.
+    pub(crate) startup_timeout: Duration,
 }
 
 impl TryFrom<ServeArgs> for Config {
@@ -639,6 +647,7 @@ impl TryFrom<ServeArgs> for Config {
                 token_review_refusal_cache_ttl: args.token_review_refusal_cache_ttl,
                 api_timeout: args.kube_api_timeout,
                 api_max_in_flight: args.kube_api_max_in_flight.max(1),
+                startup_timeout: args.kube_api_startup_timeout,
             },
             cluster_id: args.cluster_id,
             max_concurrent_requests: args.max_concurrent_requests,

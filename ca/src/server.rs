@@ -4,7 +4,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use axum::extract::State;
@@ -31,8 +31,9 @@ use crate::authz::Authorizer;
 use crate::caller_gate::CallerGate;
 use crate::cluster::leader::{self, candidate_identity, LeaderElector, LeaderTiming};
 use crate::cluster::root_secret::{RotationPhase, RotationPolicy};
-use crate::cluster::{self, bundle_publisher, ClusterError, SecretLoad};
+use crate::cluster::{self, bundle_publisher, ClusterError};
 use crate::config::Config;
+use crate::kube_api::{self, StepError};
 use crate::metrics::{encode_text, IstioCounter, Metrics};
 use crate::reload;
 use crate::server_identity;
@@ -117,17 +118,27 @@ async fn discovered_jwt_authenticator(
     cache_hits: IstioCounter,
     issuer: &str,
     client: kube::Client,
+    startup: &StartupWait,
     background: &mut tokio::task::JoinSet<()>,
 ) -> Result<Arc<JwtAuthenticator>, ServeError> {
     let fetcher = Arc::new(KubernetesJwks::new(client).with_timeout(config.kubernetes.api_timeout));
-    let discovery = fetcher.discover().await.map_err(ServeError::Kubernetes)?;
-    if discovery.issuer != issuer {
-        return Err(ServeError::Kubernetes(format!(
-            "--jwt-issuer {issuer:?}, but the Kubernetes API's OIDC discovery says its issuer is {:?}",
-            discovery.issuer
-        )));
-    }
-    let jwks = fetcher.fetch_jwks().await.map_err(ServeError::Kubernetes)?;
+    let jwks = kube_api::wait_for_api(
+        "OIDC discovery of the Kubernetes API",
+        config.kubernetes.startup_timeout,
+        &startup.waiting,
+        ServeError::Kubernetes,
+        || async {
+            let discovery = fetcher.discover().await.map_err(StepError::Transient)?;
+            if discovery.issuer != issuer {
+                return Err(StepError::Fatal(ServeError::Kubernetes(format!(
+                    "--jwt-issuer {issuer:?}, but the Kubernetes API's OIDC discovery says its issuer is {:?}",
+                    discovery.issuer
+                ))));
+            }
+            fetcher.fetch_jwks().await.map_err(StepError::Transient)
+        },
+    )
+    .await?;
     let authn = JwtAuthenticator::from_jwks(
         "kubernetes-oidc",
         issuer,
@@ -169,6 +180,7 @@ async fn build_authenticators(
     metrics: &Metrics,
     authority: &Arc<Authority>,
     kube: Option<kube::Client>,
+    startup: &StartupWait,
     background: &mut tokio::task::JoinSet<()>,
 ) -> Result<AuthenticatorChain, ServeError> {
     let mut chain = AuthenticatorChain::new();
@@ -224,6 +236,7 @@ async fn build_authenticators(
                     metrics.token_cache_hits.clone(),
                     issuer,
                     client.clone(),
+                    startup,
                     background,
                 )
                 .await?,
@@ -256,16 +269,26 @@ async fn build_authenticators(
 struct MonitoringState {
     registry: Arc<Registry>,
     metrics: Metrics,
-    authority: Arc<Authority>,
+    /// Set once start-up has loaded the CA material.
+    authority: Arc<OnceLock<Arc<Authority>>>,
     serving: Arc<AtomicBool>,
+    /// What start-up waits for (the Kubernetes API), while it waits.
+    waiting: tokio::sync::watch::Receiver<Option<String>>,
+}
+
+/// What start-up is waiting for, shown by `/ready` until the CA serves.
+struct StartupWait {
+    waiting: tokio::sync::watch::Sender<Option<String>>,
 }
 
 async fn metrics_handler(State(state): State<MonitoringState>) -> impl IntoResponse {
-    update_expiry_metrics(
-        &state.authority,
-        &state.metrics,
-        state.serving.load(Ordering::Relaxed),
-    );
+    if let Some(authority) = state.authority.get() {
+        update_expiry_metrics(
+            authority,
+            &state.metrics,
+            state.serving.load(Ordering::Relaxed),
+        );
+    }
     (
         [(
             header::CONTENT_TYPE,
@@ -283,13 +306,25 @@ async fn ready_handler(State(state): State<MonitoringState>) -> impl IntoRespons
             "not ready: shutting down\n".to_string(),
         );
     }
-    if let Some(reason) = state.authority.cannot_sign_reason(now) {
+    let Some(authority) = state.authority.get() else {
+        let waiting = state.waiting.borrow().clone();
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            match waiting {
+                Some(reason) => {
+                    format!("not ready: starting: waiting for the Kubernetes API: {reason}\n")
+                }
+                None => "not ready: starting\n".to_string(),
+            },
+        );
+    };
+    if let Some(reason) = authority.cannot_sign_reason(now) {
         return (
             StatusCode::SERVICE_UNAVAILABLE,
             format!("not ready: {reason}\n"),
         );
     }
-    match state.authority.refused() {
+    match authority.refused() {
         // Still able to sign with the previous material: taking every
         // replica out of the Service would be an outage, so stay ready and say why.
         Some(reason) => (
@@ -555,34 +590,77 @@ fn check_cluster_requirements(config: &Config, has_cluster: bool) -> Result<(), 
     Ok(())
 }
 
+/// Start-up step: with `--pod-certificate-signer`, checks (API discovery)
+/// that the API server serves what the signer uses, so a cluster without
+/// them gets one clear error at start instead of failing watches for ever.
+async fn check_served_apis(
+    config: &Config,
+    cluster: Option<&ClusterAccess>,
+    startup: &StartupWait,
+) -> Result<(), ServeError> {
+    let (Some(_), Some(ClusterAccess { client, .. })) =
+        (&config.cluster.pod_certificate_signer, cluster)
+    else {
+        return Ok(());
+    };
+    kube_api::wait_for_api(
+        "API discovery",
+        config.kubernetes.startup_timeout,
+        &startup.waiting,
+        ServeError::Kubernetes,
+        || async {
+            kube_api::check_served(
+                client,
+                cluster::pod_certificates::API_GROUP_VERSION,
+                cluster::pod_certificates::SERVED_RESOURCES,
+                "--pod-certificate-signer",
+            )
+            .await
+            .map_err(|e| match e {
+                StepError::Transient(reason) => StepError::Transient(reason),
+                StepError::Fatal(reason) => StepError::Fatal(ServeError::Kubernetes(reason)),
+            })
+        },
+    )
+    .await
+}
+
 /// Start-up step: loads the CA material. The root lives in the cluster's
 /// Secret when there is a cluster and no plugged-in CA (`--ca-dir`); else
 /// in the data directory. The flag tells whether it is in the Secret.
+/// The Secret is waited for while the API server cannot answer (see
+/// [`kube_api`]); an unusable Secret ends the start at once.
 async fn load_ca_material(
     config: &Config,
     cluster: Option<&ClusterAccess>,
+    startup: &StartupWait,
 ) -> Result<(CaMaterial, bool), ServeError> {
     let (None, Some(ClusterAccess { client, namespace })) = (&config.ca_dir, cluster) else {
         return Ok((load_material(config)?, false));
     };
-    match cluster::load_or_create_root_secret(
-        client,
-        namespace,
-        &config.trust_domain,
-        config.cluster.root_ttl,
+    let material = kube_api::wait_for_api(
+        "the CA Secret",
+        config.kubernetes.startup_timeout,
+        &startup.waiting,
+        ServeError::Kubernetes,
+        || async {
+            cluster::load_or_create_root_secret(
+                client,
+                namespace,
+                &config.trust_domain,
+                config.cluster.root_ttl,
+            )
+            .await
+            .map_err(|e| match &e {
+                ClusterError::Api { cause, .. } if kube_api::is_transient(cause) => {
+                    StepError::Transient(e.to_string())
+                }
+                _ => StepError::Fatal(ServeError::from(e)),
+            })
+        },
     )
-    .await?
-    {
-        SecretLoad::Loaded(material) => Ok((*material, true)),
-        SecretLoad::NotServed => {
-            tracing::warn!(
-                namespace = %namespace,
-                data_dir = %config.data_dir.display(),
-                "the Kubernetes API does not serve Secrets in this namespace; keeping the root in the data directory (replicas will not share it)"
-            );
-            Ok((load_material(config)?, false))
-        }
-    }
+    .await?;
+    Ok((material, true))
 }
 
 /// Start-up step: the signing authority over `material`, with the
@@ -627,11 +705,9 @@ fn build_authorizer(
     )))
 }
 
-/// Start-up step: registers the metrics and sets the gauges known before
-/// the first request.
-fn register_metrics(metrics: &Metrics, authority: &Authority) -> Arc<Registry> {
+/// Start-up step: registers the metrics.
+fn register_metrics(metrics: &Metrics) -> Arc<Registry> {
     let registry = Arc::new(metrics.register());
-    update_expiry_metrics(authority, metrics, true);
     metrics.set_rotation_phase(
         RotationPhase::Stable.name(),
         &RotationPhase::ALL.map(RotationPhase::name),
@@ -667,18 +743,28 @@ fn follow_ca_material(
     }
 }
 
-/// The listening sockets, bound before anything is served.
+/// The gRPC listening socket, bound once the CA can sign.
 struct Listeners {
     grpc: TcpListener,
-    monitoring: TcpListener,
     bound: BoundAddrs,
     /// How connections on the gRPC port are accepted.
     limits: AcceptLimits,
 }
 
-/// Start-up step: binds the gRPC port (with a deep accept queue) and the
-/// monitoring port.
-async fn bind_listeners(config: &Config) -> Result<Listeners, ServeError> {
+/// First start-up step: binds the monitoring port, so `/healthz` answers
+/// and `/ready` says what start-up waits for.
+async fn bind_monitoring(config: &Config) -> Result<TcpListener, ServeError> {
+    TcpListener::bind(config.monitoring_listen)
+        .await
+        .map_err(|cause| ServeError::Bind {
+            flag: "--monitoring-listen",
+            addr: config.monitoring_listen,
+            cause,
+        })
+}
+
+/// Start-up step: binds the gRPC port (with a deep accept queue).
+async fn bind_grpc(config: &Config, monitoring: SocketAddr) -> Result<Listeners, ServeError> {
     let grpc = transport::bind_with_backlog(config.listen, transport::LISTEN_BACKLOG).map_err(
         |cause| ServeError::Bind {
             flag: "--listen",
@@ -686,20 +772,12 @@ async fn bind_listeners(config: &Config) -> Result<Listeners, ServeError> {
             cause,
         },
     )?;
-    let monitoring = TcpListener::bind(config.monitoring_listen)
-        .await
-        .map_err(|cause| ServeError::Bind {
-            flag: "--monitoring-listen",
-            addr: config.monitoring_listen,
-            cause,
-        })?;
     let bound = BoundAddrs {
         grpc: grpc.local_addr().unwrap_or(config.listen),
-        monitoring: monitoring.local_addr().unwrap_or(config.monitoring_listen),
+        monitoring,
     };
     Ok(Listeners {
         grpc,
-        monitoring,
         bound,
         limits: AcceptLimits {
             max_connections: config.max_connections,
@@ -746,6 +824,7 @@ async fn build_service(
     authn: AuthenticatorChain,
     authz: Authorizer,
     metrics: &Metrics,
+    serving: Arc<AtomicBool>,
 ) -> Service<impl Health> {
     let ca = CaService::new(
         authority.clone(),
@@ -766,7 +845,7 @@ async fn build_service(
         ca,
         health,
         health_reporter,
-        serving: Arc::new(AtomicBool::new(true)),
+        serving,
     }
 }
 
@@ -786,8 +865,9 @@ fn start_monitoring(
     listener: TcpListener,
     registry: Arc<Registry>,
     metrics: &Metrics,
-    authority: &Arc<Authority>,
+    authority: &Arc<OnceLock<Arc<Authority>>>,
     serving: &Arc<AtomicBool>,
+    waiting: tokio::sync::watch::Receiver<Option<String>>,
     stop: tokio::sync::watch::Receiver<bool>,
 ) -> Result<tokio::sync::oneshot::Receiver<()>, ServeError> {
     let state = MonitoringState {
@@ -795,6 +875,7 @@ fn start_monitoring(
         metrics: metrics.clone(),
         authority: authority.clone(),
         serving: serving.clone(),
+        waiting,
     };
     let app = axum::Router::new()
         .route("/metrics", get(metrics_handler))
@@ -907,16 +988,43 @@ pub async fn run(
 ) -> Result<(), ServeError> {
     let cluster = connect_to_cluster(&config).await?;
     check_cluster_requirements(&config, cluster.is_some())?;
-    let (material, root_in_secret) = load_ca_material(&config, cluster.as_ref()).await?;
-    let authority = start_authority(&config, material);
     let (mut background, metrics) = (tokio::task::JoinSet::new(), Metrics::default());
-    let kube = cluster.as_ref().map(|c| c.client.clone());
-    let authn =
-        build_authenticators(&config, &metrics, &authority, kube.clone(), &mut background).await?;
-    let authz = build_authorizer(&config, kube, &mut background)?;
-    let registry = register_metrics(&metrics, &authority);
-    let (draining_tx, draining) = tokio::sync::watch::channel(false);
+    let registry = register_metrics(&metrics);
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let serving = Arc::new(AtomicBool::new(true));
+    let (waiting_tx, waiting_rx) = tokio::sync::watch::channel(None);
+    let startup = StartupWait {
+        waiting: waiting_tx,
+    };
+    let loaded = Arc::new(OnceLock::new());
+    let monitoring_listener = bind_monitoring(&config).await?;
+    let monitoring_addr = monitoring_listener
+        .local_addr()
+        .unwrap_or(config.monitoring_listen);
+    let monitoring = start_monitoring(
+        monitoring_listener,
+        registry,
+        &metrics,
+        &loaded,
+        &serving,
+        waiting_rx,
+        stop_rx.clone(),
+    )?;
+    check_served_apis(&config, cluster.as_ref(), &startup).await?;
+    let (material, root_in_secret) = load_ca_material(&config, cluster.as_ref(), &startup).await?;
+    let authority = start_authority(&config, material);
+    let kube = cluster.as_ref().map(|c| c.client.clone());
+    let authn = build_authenticators(
+        &config,
+        &metrics,
+        &authority,
+        kube.clone(),
+        &startup,
+        &mut background,
+    )
+    .await?;
+    let authz = build_authorizer(&config, kube, &mut background)?;
+    let (draining_tx, draining) = tokio::sync::watch::channel(false);
     follow_ca_material(&config, &authority, &metrics, &mut background);
     let elector = start_cluster_tasks(
         &config,
@@ -928,16 +1036,11 @@ pub async fn run(
         &mut background,
     );
     let acceptor = start_server_identity(&config, &authority, stop_rx.clone(), &mut background)?;
-    let listeners = bind_listeners(&config).await?;
-    let service = build_service(&config, &authority, authn, authz, &metrics).await;
-    let monitoring = start_monitoring(
-        listeners.monitoring,
-        registry,
-        &metrics,
-        &authority,
-        &service.serving,
-        stop_rx,
-    )?;
+    let listeners = bind_grpc(&config, monitoring_addr).await?;
+    let service = build_service(&config, &authority, authn, authz, &metrics, serving).await;
+    // From here /ready looks at the CA: it can sign and gRPC is bound.
+    update_expiry_metrics(&authority, &metrics, true);
+    let _ = loaded.set(authority.clone());
     announce(listeners.bound, on_bound);
     drain_on_shutdown(shutdown, &service, draining_tx);
     let incoming = transport::tls_incoming(listeners.grpc, acceptor, listeners.limits, &metrics);

@@ -713,6 +713,11 @@ async fn handle(
                 serde_json::from_str(&jwks).unwrap_or_default(),
             ))
         }
+        ("GET", discovery)
+            if discovery.starts_with("/apis/") && discovery.matches('/').count() == 3 =>
+        {
+            Ok(api_resource_list(&discovery["/apis/".len()..]))
+        }
         _ => match parse_resource_path(&path) {
             Some(target) => Ok(resource(&shared, method.as_str(), target, &query, &body).await),
             None => Ok(status_error(
@@ -722,6 +727,41 @@ async fn handle(
             )),
         },
     }
+}
+
+/// API discovery of one group version (`GET /apis/GROUP/VERSION`), as
+/// kube-apiserver answers it: 404 when the store serves nothing of it.
+fn api_resource_list(group_version: &str) -> Response<Body> {
+    let mut resources = Vec::new();
+    for (plural, kind, api_version, namespaced) in RESOURCES {
+        if *api_version != group_version {
+            continue;
+        }
+        resources.push(serde_json::json!({
+            "name": plural, "singularName": "", "namespaced": namespaced, "kind": kind,
+            "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"],
+        }));
+        if *plural == "podcertificaterequests" {
+            resources.push(serde_json::json!({
+                "name": "podcertificaterequests/status", "singularName": "", "namespaced": true,
+                "kind": kind, "verbs": ["get", "patch", "update"],
+            }));
+        }
+    }
+    if resources.is_empty() {
+        return status_error(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            "the server could not find the requested resource",
+        );
+    }
+    json_response(
+        StatusCode::OK,
+        serde_json::json!({
+            "kind": "APIResourceList", "apiVersion": "v1",
+            "groupVersion": group_version, "resources": resources,
+        }),
+    )
 }
 
 fn namespace_object(name: &str) -> serde_json::Value {

@@ -2,6 +2,7 @@
 //! binaries, talk to them over real TLS and gRPC, make CSRs (good, forged,
 //! weak) and tokens.
 
+pub mod control_plane;
 pub mod fake_ca;
 pub mod fake_certificates;
 pub mod fake_kube;
@@ -117,6 +118,9 @@ pub fn free_port() -> u16 {
         .unwrap_or(0)
 }
 
+/// What `meshca serve` logs once it serves gRPC.
+pub const SERVING_LINE: &str = "meshca is serving IstioCertificateService";
+
 /// A running `meshca serve`.
 #[derive(Debug)]
 pub struct MeshcaServer {
@@ -184,13 +188,46 @@ impl MeshcaServer {
         }
     }
 
-    /// Starts on the given addresses (e.g. to restart where a server was).
+    /// Starts on the given addresses (e.g. to restart where a server was)
+    /// and waits until it serves gRPC.
     pub fn start_on(
         data_dir: &Path,
         grpc: SocketAddr,
         monitoring: SocketAddr,
         extra: &[&str],
         env: &[(&str, &str)],
+    ) -> Result<Self, StartFailure> {
+        Self::spawn_on(data_dir, grpc, monitoring, extra, env, true)
+    }
+
+    /// Starts `meshca serve` and returns once `/healthz` answers, before
+    /// start-up has finished (it may be waiting for the Kubernetes API).
+    pub fn start_unready(
+        data_dir: &Path,
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Self, StartFailure> {
+        let grpc: SocketAddr = format!("127.0.0.1:{}", free_port())
+            .parse()
+            .expect("address");
+        let monitoring: SocketAddr = format!("127.0.0.1:{}", free_port())
+            .parse()
+            .expect("address");
+        Self::spawn_on(data_dir, grpc, monitoring, extra, env, false)
+    }
+
+    /// Whether the server has said it serves gRPC (its start-up is over).
+    pub fn serves_grpc(&self) -> bool {
+        self.log().contains(SERVING_LINE)
+    }
+
+    fn spawn_on(
+        data_dir: &Path,
+        grpc: SocketAddr,
+        monitoring: SocketAddr,
+        extra: &[&str],
+        env: &[(&str, &str)],
+        until_serving: bool,
     ) -> Result<Self, StartFailure> {
         let log_path = data_dir.with_extension(format!("{}.log", grpc.port()));
         let log = std::fs::File::create(&log_path).expect("log file");
@@ -234,7 +271,10 @@ impl MeshcaServer {
                     });
                 }
             }
-            if http_get(monitoring, "/healthz").is_ok_and(|(code, _)| code == 200) {
+            // The monitoring port answers first; gRPC once start-up is over.
+            if http_get(monitoring, "/healthz").is_ok_and(|(code, _)| code == 200)
+                && (!until_serving || server.serves_grpc())
+            {
                 return Ok(server);
             }
             if Instant::now() > deadline {

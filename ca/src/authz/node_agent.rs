@@ -21,11 +21,11 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::kube_api::WatchRetry;
 use async_trait::async_trait;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use kube::Api;
 use meshca_certs::SpiffeId;
 
@@ -335,14 +335,16 @@ impl PodListing {
 pub(crate) async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
     let api: Api<Pod> = Api::all(with_call_timeout(client, POD_WATCH_CALL_TIMEOUT));
     let config = watcher::Config::default().timeout(POD_WATCH_TIMEOUT_SECS);
-    let stream = watcher::watcher(api, config).default_backoff();
+    let stream = watcher::watcher(api, config);
     futures::pin_mut!(stream);
+    let mut retry = WatchRetry::new("pods");
     // A listing in progress keeps each pod's small entry, not the pod:
     // the whole cluster's pods at full size would not fit the memory limit.
     let mut listing = PodListing::default();
     while let Some(event) = stream.next().await {
         if event.is_ok() {
             index.watch_succeeded();
+            retry.succeeded();
         }
         match event {
             Ok(Event::Init) => listing = PodListing::default(),
@@ -356,8 +358,7 @@ pub(crate) async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
             Ok(Event::Delete(pod)) => index.delete(&pod),
             Err(e) => {
                 index.watch_failed();
-                tracing::warn!(error = %e, "watching pods failed; retrying");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                retry.failed(&e).await;
             }
         }
     }

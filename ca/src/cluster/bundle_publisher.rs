@@ -12,12 +12,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::kube_api::WatchRetry;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 
 use crate::authority::Authority;
 use crate::metrics::Metrics;
@@ -45,13 +45,13 @@ pub(crate) async fn publish_bundles(
     let excluded: BTreeSet<String> = excluded.into_iter().collect();
     let namespaces_api: Api<Namespace> = Api::all(client.clone());
     let configmaps_all: Api<ConfigMap> = Api::all(client.clone());
-    let namespace_events =
-        watcher::watcher(namespaces_api, watcher::Config::default()).default_backoff();
+    let namespace_events = watcher::watcher(namespaces_api, watcher::Config::default());
     let configmap_events = watcher::watcher(
         configmaps_all,
         watcher::Config::default().fields(&format!("metadata.name={CONFIGMAP_NAME}")),
-    )
-    .default_backoff();
+    );
+    let mut namespaces_retry = WatchRetry::new("namespaces");
+    let mut configmaps_retry = WatchRetry::new("bundle configmaps");
     futures::pin_mut!(namespace_events);
     futures::pin_mut!(configmap_events);
     let mut generation = authority.subscribe();
@@ -66,7 +66,7 @@ pub(crate) async fn publish_bundles(
     loop {
         let mut touched: BTreeSet<String> = BTreeSet::new();
         tokio::select! {
-            event = namespace_events.next() => match event {
+            event = namespace_events.next() => match event.inspect(|e| if e.is_ok() { namespaces_retry.succeeded() }) {
                 Some(Ok(Event::Init)) => listing.clear(),
                 Some(Ok(Event::InitApply(ns))) => {
                     if let Some(name) = active_namespace(&ns) {
@@ -95,12 +95,10 @@ pub(crate) async fn publish_bundles(
                         pending.remove(name);
                     }
                 }
-                Some(Err(e)) => {
-                    tracing::warn!(error = %e, "watching namespaces failed; retrying");
-                }
+                Some(Err(e)) => namespaces_retry.failed(&e).await,
                 None => return,
             },
-            event = configmap_events.next() => match event {
+            event = configmap_events.next() => match event.inspect(|e| if e.is_ok() { configmaps_retry.succeeded() }) {
                 Some(Ok(Event::Apply(cm))) | Some(Ok(Event::InitApply(cm))) => {
                     let bundle = authority.bundle().to_pem();
                     if let Some(ns) = cm.metadata.namespace.as_ref() {

@@ -17,12 +17,12 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::kube_api::WatchRetry;
 use futures::StreamExt;
 use k8s_openapi::api::certificates::v1beta1::{ClusterTrustBundle, ClusterTrustBundleSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use meshca_certs::pod_certificate::trust_bundle_name_prefix;
 
 use crate::authority::Authority;
@@ -56,8 +56,8 @@ pub(crate) async fn publish_cluster_trust_bundle(
     let events = watcher::watcher(
         api.clone(),
         watcher::Config::default().fields(&format!("metadata.name={name}")),
-    )
-    .default_backoff();
+    );
+    let mut watch_retry = WatchRetry::new("clustertrustbundle");
     futures::pin_mut!(events);
     let mut generation = authority.subscribe();
     let mut retry = tokio::time::interval(RETRY_AFTER);
@@ -68,14 +68,14 @@ pub(crate) async fn publish_cluster_trust_bundle(
     tracing::info!(name = %name, signer = %signer_name, "publishing the trust bundle as a ClusterTrustBundle");
     loop {
         let touched = tokio::select! {
-            event = events.next() => match event {
+            event = events.next() => match event.inspect(|e| if e.is_ok() { watch_retry.succeeded() }) {
                 Some(Ok(Event::Apply(ctb))) | Some(Ok(Event::InitApply(ctb))) => {
                     !is_current(&ctb, &authority.bundle().to_pem(), &signer_name, &trust_domain)
                 }
                 Some(Ok(Event::Delete(_))) | Some(Ok(Event::InitDone)) => true,
                 Some(Ok(Event::Init)) => false,
                 Some(Err(e)) => {
-                    tracing::warn!(error = %e, "watching the ClusterTrustBundle failed; retrying");
+                    watch_retry.failed(&e).await;
                     false
                 }
                 None => return,

@@ -23,6 +23,7 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, PostParams};
+use meshca_certs::rate_limited_log::RateLimitedLog;
 use tokio::sync::watch;
 use tokio::time::Instant;
 
@@ -60,6 +61,8 @@ pub(crate) struct LeaderElector {
     observed: Option<(Option<String>, Option<String>)>,
     observed_at: Instant,
     last_renew: Option<Instant>,
+    /// Failed attempts are logged once per interval, with a count.
+    failure_log: RateLimitedLog,
 }
 
 impl std::fmt::Debug for LeaderElector {
@@ -98,6 +101,7 @@ impl LeaderElector {
             observed: None,
             observed_at: Instant::now(),
             last_renew: None,
+            failure_log: RateLimitedLog::new(crate::kube_api::FAILURE_LOG_INTERVAL),
         }
     }
 
@@ -140,7 +144,14 @@ impl LeaderElector {
                     if *leader.borrow() && Instant::now() >= deadline {
                         self.step_down(&leader, "the lease could not be renewed in time");
                     }
-                    tracing::warn!(error = %e, lease = LEASE_NAME, "leader election: Kubernetes API call failed");
+                    if let Some(not_logged) = self.failure_log.record() {
+                        tracing::warn!(
+                            error = %crate::kube_api::describe(&e),
+                            lease = LEASE_NAME,
+                            not_logged,
+                            "leader election: Kubernetes API call failed; retrying"
+                        );
+                    }
                 }
                 Err(_) => {
                     if *leader.borrow() {
@@ -149,11 +160,14 @@ impl LeaderElector {
                             "renewing the lease did not finish within the renew deadline",
                         );
                     }
-                    tracing::warn!(
-                        deadline_ms = self.timing.renew_deadline.as_millis() as u64,
-                        lease = LEASE_NAME,
-                        "leader election: the Kubernetes API did not answer within the renew deadline"
-                    );
+                    if let Some(not_logged) = self.failure_log.record() {
+                        tracing::warn!(
+                            deadline_ms = self.timing.renew_deadline.as_millis() as u64,
+                            lease = LEASE_NAME,
+                            not_logged,
+                            "leader election: the Kubernetes API did not answer within the renew deadline"
+                        );
+                    }
                 }
             }
             // A leader never sleeps past its deadline: the next attempt

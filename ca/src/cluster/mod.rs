@@ -25,11 +25,11 @@ pub use root_secret::RootSecretError;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::kube_api::WatchRetry;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use meshca_certs::TrustDomain;
 use time::OffsetDateTime;
 use tokio::sync::watch;
@@ -177,25 +177,17 @@ pub(crate) fn own_namespace(flag: Option<&str>, client: &kube::Client) -> String
         .unwrap_or_else(|| client.default_namespace().to_string())
 }
 
-/// The outcome of [`load_or_create_root_secret`].
-#[derive(Debug)]
-pub(crate) enum SecretLoad {
-    /// The material of the Secret as read or written.
-    Loaded(Box<CaMaterial>),
-    /// The API does not serve Secrets in that namespace (404 on create):
-    /// the caller falls back to its data directory.
-    NotServed,
-}
-
 /// Loads the root from the Secret, or creates it if absent. When several
 /// replicas start together, exactly one create succeeds; the others get
-/// `AlreadyExists` and read the winner's Secret.
+/// `AlreadyExists` and read the winner's Secret. Every API failure is an
+/// error, a `404` of a missing namespace too: a replica never falls back to
+/// a root of its own (replicas would then sign with different roots).
 pub(crate) async fn load_or_create_root_secret(
     client: &kube::Client,
     namespace: &str,
     trust_domain: &TrustDomain,
     root_ttl: Duration,
-) -> Result<SecretLoad, ClusterError> {
+) -> Result<CaMaterial, ClusterError> {
     let api: Api<Secret> = Api::namespaced(client.clone(), namespace);
     let api_error = |action: &'static str| {
         let namespace = namespace.to_string();
@@ -219,7 +211,7 @@ pub(crate) async fn load_or_create_root_secret(
             phase = root.phase.name(),
             "using the CA root from the Secret"
         );
-        return Ok(SecretLoad::Loaded(Box::new(material)));
+        return Ok(material);
     }
     let root = RootSecret::new(
         RootKeyPair::generate(trust_domain, root_ttl, now).map_err(RootSecretError::from)?,
@@ -229,7 +221,7 @@ pub(crate) async fn load_or_create_root_secret(
         Ok(_) => {
             let material = root.material(namespace, now)?;
             tracing::info!(namespace, secret = SECRET_NAME, not_after = %meshca_certs::Rfc3339(material.signing.validity().not_after), "generated a new self-signed root and stored it in the Secret");
-            Ok(SecretLoad::Loaded(Box::new(material)))
+            Ok(material)
         }
         Err(kube::Error::Api(e)) if e.code == 409 => {
             // Another replica won the race: use its root, drop ours.
@@ -244,9 +236,8 @@ pub(crate) async fn load_or_create_root_secret(
                 secret = SECRET_NAME,
                 "another replica created the Secret first; using its root"
             );
-            Ok(SecretLoad::Loaded(Box::new(material)))
+            Ok(material)
         }
-        Err(kube::Error::Api(e)) if e.code == 404 => Ok(SecretLoad::NotServed),
         Err(e) => Err(api_error("creating")(e)),
     }
 }
@@ -282,10 +273,13 @@ pub(crate) async fn follow_root_secret(
     let events = watcher::watcher(
         api,
         watcher::Config::default().fields(&format!("metadata.name={SECRET_NAME}")),
-    )
-    .default_backoff();
+    );
     futures::pin_mut!(events);
+    let mut retry = WatchRetry::new("ca secret");
     while let Some(event) = events.next().await {
+        if event.is_ok() {
+            retry.succeeded();
+        }
         match event {
             Ok(Event::Apply(secret)) | Ok(Event::InitApply(secret)) => {
                 found = true;
@@ -302,9 +296,7 @@ pub(crate) async fn follow_root_secret(
                     latest.send_replace(Some(None));
                 }
             }
-            Err(e) => {
-                tracing::warn!(error = %e, secret = SECRET_NAME, "watching the CA Secret failed; retrying")
-            }
+            Err(e) => retry.failed(&e).await,
         }
     }
 }

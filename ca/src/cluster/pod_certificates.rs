@@ -40,13 +40,13 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::kube_api::WatchRetry;
 use futures::StreamExt;
 use k8s_openapi::api::certificates::v1beta1::{PodCertificateRequest, PodCertificateRequestStatus};
 use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use meshca_certs::pod_certificate::{self, PodKeyError, SUPPORTED_KEY_TYPES};
 use meshca_certs::profile::CLOCK_SKEW_BACKDATE;
 use meshca_certs::{SpiffeId, TrustDomain};
@@ -54,6 +54,15 @@ use time::OffsetDateTime;
 
 use crate::authority::{Authority, SignError};
 use crate::metrics::Metrics;
+
+/// The API group version of the requests and of the ClusterTrustBundle.
+pub(crate) const API_GROUP_VERSION: &str = "certificates.k8s.io/v1beta1";
+/// What the signer needs of [`API_GROUP_VERSION`] (checked at start).
+pub(crate) const SERVED_RESOURCES: &[&str] = &[
+    "podcertificaterequests",
+    "podcertificaterequests/status",
+    "clustertrustbundles",
+];
 
 /// Requests read from the watch and waiting to be signed, at most.
 pub(crate) const QUEUE_CAPACITY: usize = 1024;
@@ -275,8 +284,7 @@ pub(crate) async fn sign_pod_certificates(
     let events = watcher::watcher(
         requests,
         watcher::Config::default().fields(&format!("spec.signerName={}", config.signer_name)),
-    )
-    .default_backoff();
+    );
     let (queue_tx, queue_rx) = tokio::sync::mpsc::channel::<Queued>(QUEUE_CAPACITY);
     let (park_tx, park_rx) = tokio::sync::mpsc::channel::<Queued>(PARKED_CAPACITY);
     let queued: Arc<Mutex<HashSet<(String, String)>>> = Arc::default();
@@ -293,12 +301,16 @@ pub(crate) async fn sign_pod_certificates(
         let signer_name = config.signer_name.clone();
         async move {
             futures::pin_mut!(events);
+            let mut retry = WatchRetry::new("podcertificaterequests");
             while let Some(event) = events.next().await {
+                if event.is_ok() {
+                    retry.succeeded();
+                }
                 let request = match event {
                     Ok(Event::Apply(r)) | Ok(Event::InitApply(r)) => r,
                     Ok(_) => continue,
                     Err(e) => {
-                        tracing::warn!(error = %e, "watching PodCertificateRequests failed; retrying");
+                        retry.failed(&e).await;
                         continue;
                     }
                 };

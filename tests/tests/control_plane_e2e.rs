@@ -1,0 +1,855 @@
+//! meshca against a real Kubernetes control plane (`etcd` and
+//! `kube-apiserver` from `tests/controlplane`, see
+//! `meshca_tests::control_plane`), as its own ServiceAccount bound only to
+//! the RBAC in `deploy/kustomize/base/rbac.yaml`: real TokenReview, real
+//! pod-bound tokens, OIDC discovery, pods written by their kubelet,
+//! Secrets, Leases, ConfigMaps, PodCertificateRequests created as the node
+//! and ClusterTrustBundles. And what only a real API server shows: a
+//! restart (`410 Gone`, `403` while its RBAC caches fill), an outage, and
+//! start-up before the API server is up.
+//!
+//! Without the control plane built (`tests/controlplane/build.sh`) these
+//! tests are skipped with a note, and fail with `CI` set.
+
+// Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::certificates::v1beta1::{ClusterTrustBundle, PodCertificateRequest};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Node, Pod, Secret, ServiceAccount};
+use kube::api::{Api, PostParams};
+use meshca_certs::bundle::parse_certs_pem;
+use meshca_certs::inspect::CertSummary;
+use meshca_certs::{KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle};
+use meshca_tests::control_plane::{ControlPlane, ISSUER, MESHCA_NAMESPACE};
+use meshca_tests::fake_certificates::{KeyEncoding, PodRequest};
+use meshca_tests::*;
+use tonic::Code;
+
+const AUDIENCE: &str = "istio-ca";
+const SIGNER: &str = "meshca.io/spiffe";
+const HOUR: Duration = Duration::from_secs(3600);
+
+/// meshca's flags for the control plane, as its own ServiceAccount.
+async fn meshca_args(plane: &ControlPlane, extra: &[&str]) -> Vec<String> {
+    let kubeconfig = plane.meshca_kubeconfig().await;
+    let mut args = vec![
+        "--kubeconfig".to_string(),
+        kubeconfig.display().to_string(),
+        "--namespace".into(),
+        MESHCA_NAMESPACE.into(),
+        "--leader-lease-duration".into(),
+        "4s".into(),
+    ];
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+async fn ask(server: &MeshcaServer, token: &str, id: &str) -> Result<Vec<String>, tonic::Status> {
+    let mut client = server.client().await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, id, 0);
+    client
+        .create_certificate(with_token(request, token))
+        .await
+        .map(|r| r.into_inner().cert_chain)
+}
+
+async fn impersonate(
+    server: &MeshcaServer,
+    token: &str,
+    target: &str,
+) -> Result<Vec<String>, tonic::Status> {
+    let mut client = server.client().await;
+    let (_, mut request) = csr_request(KeyAlgorithm::EcdsaP256, target, 0);
+    request.metadata = Some(prost_types::Struct {
+        fields: [(
+            "ImpersonatedIdentity".to_string(),
+            prost_types::Value {
+                kind: Some(prost_types::value::Kind::StringValue(target.to_string())),
+            },
+        )]
+        .into(),
+    });
+    client
+        .create_certificate(with_token(request, token))
+        .await
+        .map(|r| r.into_inner().cert_chain)
+}
+
+/// The SPIFFE ID of the leaf of an answer, after checking the chain
+/// verifies to the server's roots.
+fn identity_of(server: &MeshcaServer, chain: &[String]) -> String {
+    let certs: Vec<Vec<u8>> = chain
+        .iter()
+        .flat_map(|pem| parse_certs_pem(pem).unwrap())
+        .collect();
+    let summary = CertSummary::from_der(&certs[0]).unwrap();
+    assert!(!summary.is_ca);
+    let bundle = TrustBundle::from_pem(&server.root_pem()).unwrap();
+    let id = SpiffeId::parse(&summary.uris[0]).unwrap();
+    meshca_certs::verify::verify_svid(&certs, &bundle, std::time::SystemTime::now(), Some(&id))
+        .unwrap_or_else(|e| panic!("the chain verifies to the roots: {e}"));
+    summary.uris[0].clone()
+}
+
+async fn wait_for<F, Fut>(what: &str, timeout: Duration, mut done: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while !done().await {
+        assert!(
+            started.elapsed() < timeout,
+            "timed out after {timeout:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    started.elapsed()
+}
+
+fn lines_at(log: &str, level: &str) -> Vec<String> {
+    log.lines()
+        .filter(|l| l.contains(&format!(" {level} ")))
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokens_are_reviewed_by_the_api_server_with_only_meshcas_own_rbac() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let web = plane.running_pod("default", "web-1", "web", "node-a").await;
+    let server = start_off_runtime(dir.path().join("data"), meshca_args(&plane, &[]).await).await;
+
+    // A pod-bound token of the pod's service account, audience istio-ca.
+    let token = plane
+        .token("default", "web", Some(&web), &[AUDIENCE], HOUR)
+        .await;
+    let chain = ask(&server, &token, "spiffe://cluster.local/ns/default/sa/web")
+        .await
+        .unwrap();
+    assert_eq!(
+        identity_of(&server, &chain),
+        "spiffe://cluster.local/ns/default/sa/web"
+    );
+    // Another identity than the token's.
+    let refused = ask(&server, &token, "spiffe://cluster.local/ns/default/sa/db")
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    // A token for the API server's audience, not istio-ca.
+    let wrong_audience = plane.token("default", "web", None, &[], HOUR).await;
+    let refused = ask(
+        &server,
+        &wrong_audience,
+        "spiffe://cluster.local/ns/default/sa/web",
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+    // The pod is deleted: its token is no longer valid (TokenReview checks
+    // the bound object).
+    plane.delete_pod("default", "web-1").await;
+    wait_for(
+        "the deleted pod's token refused",
+        Duration::from_secs(40),
+        || {
+            let (server, token) = (&server, &token);
+            async move {
+                match ask(server, token, "spiffe://cluster.local/ns/default/sa/web").await {
+                    Err(status) => status.code() == Code::Unauthenticated,
+                    Ok(_) => false,
+                }
+            }
+        },
+    )
+    .await;
+    let log = server.log();
+    assert!(!log.contains(&token), "a token in the log");
+    assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offline_tokens_are_checked_with_the_api_servers_oidc_keys() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let web = plane.running_pod("default", "web-1", "web", "node-a").await;
+    let args = meshca_args(&plane, &["--jwt-issuer", ISSUER]).await;
+    let server = start_off_runtime(dir.path().join("data"), args).await;
+    let token = plane
+        .token("default", "web", Some(&web), &[AUDIENCE], HOUR)
+        .await;
+    let chain = ask(&server, &token, "spiffe://cluster.local/ns/default/sa/web")
+        .await
+        .unwrap();
+    assert_eq!(
+        identity_of(&server, &chain),
+        "spiffe://cluster.local/ns/default/sa/web"
+    );
+    // Offline validation cannot see deletions (README, "Offline token
+    // validation"): a token of a deleted service account is still accepted
+    // until it expires, as one of a deleted pod is.
+    let api: Api<ServiceAccount> = Api::namespaced(plane.admin().await, "default");
+    api.delete("web", &Default::default()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let chain = ask(&server, &token, "spiffe://cluster.local/ns/default/sa/web").await;
+    assert!(
+        chain.is_ok(),
+        "documented: offline mode accepts it ({chain:?})"
+    );
+    let forged = meshca_certs::token::TokenIssuer::generate()
+        .unwrap()
+        .with_issuer(ISSUER)
+        .mint(
+            &meshca_certs::token::TokenRequest {
+                namespace: "default".into(),
+                service_account: "web".into(),
+                audiences: vec![AUDIENCE.into()],
+                ttl: HOUR,
+                pod: None,
+            },
+            std::time::SystemTime::now(),
+        )
+        .unwrap();
+    let refused = ask(&server, &forged, "spiffe://cluster.local/ns/default/sa/web")
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::Unauthenticated, "{refused:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_agent_gets_the_identities_of_pods_on_its_node_only() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ztunnel = plane
+        .running_pod(MESHCA_NAMESPACE, "ztunnel-a", "ztunnel", "node-a")
+        .await;
+    plane.running_pod("default", "web-1", "web", "node-a").await;
+    plane.running_pod("default", "db-1", "db", "node-b").await;
+    let args = meshca_args(&plane, &["--trusted-node-agent", "istio-system/ztunnel"]).await;
+    let server = start_off_runtime(dir.path().join("data"), args).await;
+    let token = plane
+        .token(
+            MESHCA_NAMESPACE,
+            "ztunnel",
+            Some(&ztunnel),
+            &[AUDIENCE],
+            HOUR,
+        )
+        .await;
+    let web = "spiffe://cluster.local/ns/default/sa/web";
+    let chain = wait_for_impersonation(&server, &token, web, Duration::from_secs(20)).await;
+    assert_eq!(identity_of(&server, &chain), web);
+    let refused = impersonate(&server, &token, "spiffe://cluster.local/ns/default/sa/db")
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    // A pod that moves onto the node (a new pod) is seen by the watch.
+    plane.running_pod("default", "db-2", "db", "node-a").await;
+    wait_for_impersonation(
+        &server,
+        &token,
+        "spiffe://cluster.local/ns/default/sa/db",
+        Duration::from_secs(10),
+    )
+    .await;
+}
+
+/// Impersonates until it works (the pod index catches up), or panics.
+async fn wait_for_impersonation(
+    server: &MeshcaServer,
+    token: &str,
+    target: &str,
+    timeout: Duration,
+) -> Vec<String> {
+    let started = Instant::now();
+    loop {
+        match impersonate(server, token, target).await {
+            Ok(chain) => return chain,
+            Err(status) => assert!(
+                started.elapsed() < timeout,
+                "impersonating {target}: {status:?}\n{}",
+                server.log()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// D1, D2: meshca started before the API server waits (monitoring up,
+/// not ready, saying why), then serves once the API server is up, through
+/// the 403s of its first seconds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn start_up_waits_for_the_api_server_instead_of_exiting() {
+    let Some(mut plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ztunnel = plane
+        .running_pod(MESHCA_NAMESPACE, "ztunnel-a", "ztunnel", "node-a")
+        .await;
+    plane.running_pod("default", "web-1", "web", "node-a").await;
+    let token = plane
+        .token(
+            MESHCA_NAMESPACE,
+            "ztunnel",
+            Some(&ztunnel),
+            &[AUDIENCE],
+            HOUR,
+        )
+        .await;
+    let args = meshca_args(
+        &plane,
+        &[
+            "--trusted-node-agent",
+            "istio-system/ztunnel",
+            "--jwt-issuer",
+            ISSUER,
+        ],
+    )
+    .await;
+    plane.stop_apiserver();
+    let data = dir.path().join("data");
+    let server = {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        MeshcaServer::start_unready(&data, &args, &[]).unwrap()
+    };
+    // Waiting, not exiting: /healthz answers, /ready says why it is not.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(server.pid() != 0, "still running");
+    let (code, body) = http_get(server.monitoring, "/ready").unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("waiting for the Kubernetes API"), "{body}");
+    assert_eq!(http_get(server.monitoring, "/healthz").unwrap().0, 200);
+    assert!(!server.serves_grpc());
+    assert!(
+        !data.join("ca-key.pem").exists(),
+        "no root of its own while the Secret cannot be read"
+    );
+
+    plane.start_apiserver().await;
+    let back = Instant::now();
+    wait_for("meshca ready", Duration::from_secs(30), || async {
+        http_get(server.monitoring, "/ready").is_ok_and(|(code, _)| code == 200)
+    })
+    .await;
+    wait_for_impersonation(
+        &server,
+        &token,
+        "spiffe://cluster.local/ns/default/sa/web",
+        Duration::from_secs(10),
+    )
+    .await;
+    let served_after = back.elapsed();
+    eprintln!("API server ready -> impersonation served: {served_after:?}");
+    assert!(served_after < Duration::from_secs(10), "{served_after:?}");
+    let api: Api<Secret> = Api::namespaced(plane.admin().await, MESHCA_NAMESPACE);
+    assert!(
+        api.get_opt("istio-ca-secret").await.unwrap().is_some(),
+        "the root is in the Secret"
+    );
+    let log = server.log();
+    assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
+}
+
+/// D3, D7: after an API server outage the pod index, the
+/// PodCertificateRequest watch and the bundle publisher are back within
+/// 5 s of the API server; meshca logs no ERROR and few WARN lines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_watch_is_back_within_seconds_of_an_api_server_outage() {
+    let Some(mut plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ztunnel = plane
+        .running_pod(MESHCA_NAMESPACE, "ztunnel-a", "ztunnel", "node-a")
+        .await;
+    let token = plane
+        .token(
+            MESHCA_NAMESPACE,
+            "ztunnel",
+            Some(&ztunnel),
+            &[AUDIENCE],
+            4 * HOUR,
+        )
+        .await;
+    let args = meshca_args(
+        &plane,
+        &[
+            "--trusted-node-agent",
+            "istio-system/ztunnel",
+            "--jwt-issuer",
+            ISSUER,
+            "--pod-certificate-signer",
+            SIGNER,
+        ],
+    )
+    .await;
+    let server = start_off_runtime(dir.path().join("data"), args).await;
+    let mut measured = Vec::new();
+    for outage in 0..3 {
+        let sa = format!("app{outage}");
+        plane.stop_apiserver();
+        // Long enough for a doubling backoff to reach its cap several times.
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        plane.start_apiserver().await;
+        let back = Instant::now();
+        // The pod index: a pod created after the restart.
+        plane
+            .running_pod("default", &format!("{sa}-pod"), &sa, "node-a")
+            .await;
+        let target = format!("spiffe://cluster.local/ns/default/sa/{sa}");
+        wait_for_impersonation(&server, &token, &target, Duration::from_secs(30)).await;
+        let pods = back.elapsed();
+        // The bundle publisher: a namespace created after the restart.
+        let namespace = format!("team-{outage}");
+        plane.ensure_namespace(&namespace).await;
+        let configmaps: Api<ConfigMap> = Api::namespaced(plane.admin().await, &namespace);
+        wait_for("the bundle ConfigMap", Duration::from_secs(30), || {
+            let configmaps = configmaps.clone();
+            async move {
+                configmaps
+                    .get_opt("istio-ca-root-cert")
+                    .await
+                    .ok()
+                    .flatten()
+                    .is_some()
+            }
+        })
+        .await;
+        let bundles = back.elapsed();
+        // The PodCertificateRequest watch: a request created after the restart.
+        let name = format!("pcr-{outage}");
+        create_pod_certificate_request(&plane, &name, &format!("{sa}-pod"), KeyEncoding::StubCsr)
+            .await;
+        let requests: Api<PodCertificateRequest> = Api::namespaced(plane.admin().await, "default");
+        wait_for(
+            "the PodCertificateRequest answered",
+            Duration::from_secs(30),
+            || {
+                let (requests, name) = (requests.clone(), name.clone());
+                async move { condition_of(&requests.get(&name).await.unwrap()).is_some() }
+            },
+        )
+        .await;
+        let requests_at = back.elapsed();
+        eprintln!(
+            "outage {outage}: API server ready -> impersonation {pods:?}, bundle ConfigMap {bundles:?}, pod certificate {requests_at:?} (API server start {:?})",
+            plane.last_start
+        );
+        measured.push((pods, bundles, requests_at));
+    }
+    for (pods, bundles, requests) in &measured {
+        assert!(*pods < Duration::from_secs(5), "{measured:?}");
+        assert!(*bundles < Duration::from_secs(5), "{measured:?}");
+        assert!(*requests < Duration::from_secs(5), "{measured:?}");
+    }
+    let log = server.log();
+    assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
+    let warnings = lines_at(&log, "WARN");
+    assert!(
+        warnings.len() <= 60,
+        "{} WARN lines over three outages:\n{}",
+        warnings.len(),
+        warnings.join("\n")
+    );
+}
+
+/// D5: a namespace that does not exist is an error (waited for, then the
+/// start fails), never a root of this replica's own. With meshca's own
+/// RBAC the API server answers 403 (the Role is in its namespace); with
+/// cluster-wide rights (here the administrator's) it answers 404
+/// `namespaces "…" not found`, which meshca used to take for "Secrets not
+/// served" and fall back to a root in its data directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_namespace_is_an_error_never_a_root_of_its_own() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--kubeconfig".to_string(),
+        plane.admin_kubeconfig.display().to_string(),
+        "--namespace".into(),
+        "no-such-namespace".into(),
+        "--kube-api-startup-timeout".into(),
+        "4s".into(),
+    ];
+    let data = dir.path().join("data");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let failure = MeshcaServer::start(&data, &args).unwrap_err();
+    assert!(failure.status.is_some_and(|s| !s.success()), "{failure:?}");
+    assert!(
+        failure.stderr.contains("no-such-namespace") && failure.stderr.contains("not found"),
+        "{}",
+        failure.stderr
+    );
+    assert!(
+        failure.stderr.contains("--kube-api-startup-timeout"),
+        "{}",
+        failure.stderr
+    );
+    assert!(!data.join("ca-key.pem").exists(), "no root of its own");
+}
+
+/// D6: `--pod-certificate-signer` on an API server that does not serve
+/// PodCertificateRequests is one clear error at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unserved_pod_certificate_api_is_one_clear_error_at_start() {
+    let Some(plane) = ControlPlane::start_with(meshca_tests::control_plane::Options {
+        pod_certificates: false,
+    })
+    .await
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let args = meshca_args(&plane, &["--pod-certificate-signer", SIGNER]).await;
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let started = Instant::now();
+    let failure = MeshcaServer::start(&dir.path().join("data"), &args).unwrap_err();
+    assert!(failure.status.is_some_and(|s| !s.success()), "{failure:?}");
+    assert!(
+        failure.stderr.contains("--pod-certificate-signer")
+            && failure.stderr.contains("podcertificaterequests")
+            && failure.stderr.contains("certificates.k8s.io/v1beta1"),
+        "{}",
+        failure.stderr
+    );
+    assert!(started.elapsed() < Duration::from_secs(20));
+}
+
+/// Two replicas: one Lease holder at a time, one root in the Secret, the
+/// bundle ConfigMap in every namespace; the leader killed, the other takes
+/// over and keeps publishing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_replicas_share_one_root_and_one_leader_at_a_time() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    plane.ensure_namespace("team-a").await;
+    let args = meshca_args(&plane, &[]).await;
+    let (a, b) = tokio::join!(
+        start_off_runtime(dir.path().join("a"), args.clone()),
+        start_off_runtime(dir.path().join("b"), args.clone())
+    );
+    assert_eq!(a.root_pem(), b.root_pem(), "one root for both replicas");
+    let secrets: Api<Secret> = Api::namespaced(plane.admin().await, MESHCA_NAMESPACE);
+    let secret = secrets.get("istio-ca-secret").await.unwrap();
+    let secret_root = String::from_utf8(secret.data.unwrap()["ca-cert.pem"].0.clone()).unwrap();
+    assert_eq!(
+        parse_certs_pem(&secret_root).unwrap(),
+        parse_certs_pem(&a.root_pem()).unwrap()
+    );
+    let leases: Api<Lease> = Api::namespaced(plane.admin().await, MESHCA_NAMESPACE);
+    let holder = || {
+        let leases = leases.clone();
+        async move {
+            leases
+                .get_opt("meshca-leader")
+                .await
+                .ok()
+                .flatten()
+                .and_then(|l| l.spec?.holder_identity)
+        }
+    };
+    wait_for("a leader", Duration::from_secs(20), || async {
+        holder().await.is_some()
+    })
+    .await;
+    let leader = holder().await.unwrap();
+    let leaders: Vec<bool> = [&a, &b]
+        .iter()
+        .map(|s| {
+            metric(
+                &http_get(s.monitoring, "/metrics").unwrap().1,
+                "meshca_leader",
+            ) == 1
+        })
+        .collect();
+    assert_eq!(
+        leaders.iter().filter(|l| **l).count(),
+        1,
+        "one leader: {leaders:?}"
+    );
+    for namespace in ["default", "team-a", MESHCA_NAMESPACE] {
+        let api: Api<ConfigMap> = Api::namespaced(plane.admin().await, namespace);
+        wait_for("the bundle ConfigMap", Duration::from_secs(20), || {
+            let api = api.clone();
+            async move {
+                api.get_opt("istio-ca-root-cert")
+                    .await
+                    .ok()
+                    .flatten()
+                    .is_some()
+            }
+        })
+        .await;
+        let cm = api.get("istio-ca-root-cert").await.unwrap();
+        let pem = cm.data.unwrap()["root-cert.pem"].clone();
+        assert_eq!(
+            parse_certs_pem(&pem).unwrap(),
+            parse_certs_pem(&a.root_pem()).unwrap(),
+            "{namespace}"
+        );
+    }
+    // Kill the leader (no Lease released): the other takes over after the
+    // Lease expires, and publishes to a new namespace.
+    let (mut leader_server, follower) = if leaders[0] { (a, b) } else { (b, a) };
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(leader_server.pid() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let _ = leader_server.terminate();
+    let took = wait_for(
+        "the other replica leads",
+        Duration::from_secs(30),
+        || async {
+            holder().await.is_some_and(|h| h != leader)
+                && metric(
+                    &http_get(follower.monitoring, "/metrics").unwrap().1,
+                    "meshca_leader",
+                ) == 1
+        },
+    )
+    .await;
+    eprintln!("leader killed -> new leader: {took:?}");
+    plane.ensure_namespace("team-b").await;
+    let api: Api<ConfigMap> = Api::namespaced(plane.admin().await, "team-b");
+    wait_for("the new leader publishes", Duration::from_secs(20), || {
+        let api = api.clone();
+        async move {
+            api.get_opt("istio-ca-root-cert")
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+        }
+    })
+    .await;
+}
+
+/// Creates a PodCertificateRequest for `pod` (in `default`, on its node)
+/// as the pod's kubelet does: with the node's own credentials, the real
+/// UIDs, and a fresh P-256 key.
+async fn create_pod_certificate_request(
+    plane: &ControlPlane,
+    name: &str,
+    pod: &str,
+    encoding: KeyEncoding,
+) -> PrivateKey {
+    let admin = plane.admin().await;
+    let pod: Pod = Api::namespaced(admin.clone(), "default")
+        .get(pod)
+        .await
+        .unwrap();
+    let spec = pod.spec.clone().unwrap();
+    let (node, account) = (
+        spec.node_name.clone().unwrap(),
+        spec.service_account_name.clone().unwrap(),
+    );
+    let node_uid = Api::<Node>::all(admin.clone())
+        .get(&node)
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    let account_uid = Api::<ServiceAccount>::namespaced(admin, "default")
+        .get(&account)
+        .await
+        .unwrap()
+        .metadata
+        .uid
+        .unwrap();
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    let pod_name = pod.metadata.name.clone().unwrap();
+    let pod_uid = pod.metadata.uid.clone().unwrap();
+    let mut object = PodRequest {
+        namespace: "default",
+        name,
+        signer: SIGNER,
+        pod: (&pod_name, &pod_uid, &account, &node),
+        max_expiration_seconds: Some(3600),
+    }
+    .to_json(&key, encoding);
+    object["spec"]["serviceAccountUID"] = serde_json::json!(account_uid);
+    object["spec"]["nodeUID"] = serde_json::json!(node_uid);
+    let request: PodCertificateRequest = serde_json::from_value(object).unwrap();
+    let kubelet: Api<PodCertificateRequest> = Api::namespaced(plane.node(&node).await, "default");
+    kubelet
+        .create(&PostParams::default(), &request)
+        .await
+        .unwrap_or_else(|e| panic!("the kubelet of {node} creates {name}: {e}"));
+    key
+}
+
+/// The type and reason of an answered request's condition.
+fn condition_of(request: &PodCertificateRequest) -> Option<(String, String)> {
+    let condition = request
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .first()?
+        .clone();
+    Some((condition.type_, condition.reason))
+}
+
+/// Pod certificates: requests created by the kubelet, in both key
+/// encodings, issued to the pod's identity and verifying to the
+/// ClusterTrustBundle; one for a pod of another node is refused by the
+/// API server itself (NodeRestriction); one for a deleted pod is denied.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_certificate_requests_of_a_kubelet_are_issued_and_verify_to_the_cluster_trust_bundle() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    plane.running_pod("default", "web-1", "web", "node-a").await;
+    plane.running_pod("default", "web-2", "web", "node-a").await;
+    let args = meshca_args(&plane, &["--pod-certificate-signer", SIGNER]).await;
+    let server = start_off_runtime(dir.path().join("data"), args).await;
+    let stub = create_pod_certificate_request(&plane, "stub", "web-1", KeyEncoding::StubCsr).await;
+    let proof =
+        create_pod_certificate_request(&plane, "proof", "web-2", KeyEncoding::ProofOfPossession)
+            .await;
+    let requests: Api<PodCertificateRequest> = Api::namespaced(plane.admin().await, "default");
+    for name in ["stub", "proof"] {
+        wait_for("the request answered", Duration::from_secs(30), || {
+            let requests = requests.clone();
+            async move { condition_of(&requests.get(name).await.unwrap()).is_some() }
+        })
+        .await;
+    }
+    let bundles: Api<ClusterTrustBundle> = Api::all(plane.admin().await);
+    wait_for("the ClusterTrustBundle", Duration::from_secs(20), || {
+        let bundles = bundles.clone();
+        async move {
+            bundles
+                .get_opt("meshca.io:spiffe:trust-bundle")
+                .await
+                .ok()
+                .flatten()
+                .is_some()
+        }
+    })
+    .await;
+    let ctb = bundles.get("meshca.io:spiffe:trust-bundle").await.unwrap();
+    assert_eq!(ctb.spec.signer_name.as_deref(), Some(SIGNER));
+    let bundle = TrustBundle::from_pem(&ctb.spec.trust_bundle).unwrap();
+    assert_eq!(
+        parse_certs_pem(&ctb.spec.trust_bundle).unwrap(),
+        parse_certs_pem(&server.root_pem()).unwrap()
+    );
+    for (name, key) in [("stub", &stub), ("proof", &proof)] {
+        let request = requests.get(name).await.unwrap();
+        assert_eq!(
+            condition_of(&request),
+            Some(("Issued".into(), "Issued".into())),
+            "{name}"
+        );
+        let status = request.status.unwrap();
+        let chain = parse_certs_pem(&status.certificate_chain.unwrap()).unwrap();
+        let (_, leaf) =
+            <x509_parser::certificate::X509Certificate as x509_parser::prelude::FromDer<
+                x509_parser::error::X509Error,
+            >>::from_der(&chain[0])
+            .unwrap();
+        assert_eq!(
+            leaf.public_key().raw,
+            key.public_key_spki_der().as_slice(),
+            "{name}: issued to the pod's key"
+        );
+        let id = SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web").unwrap();
+        meshca_certs::verify::verify_svid(&chain, &bundle, std::time::SystemTime::now(), Some(&id))
+            .unwrap_or_else(|e| panic!("{name}: verifies to the ClusterTrustBundle: {e}"));
+        let summary = CertSummary::from_der(&chain[0]).unwrap();
+        assert_eq!(
+            (summary.not_after - summary.not_before).whole_seconds(),
+            3600
+        );
+    }
+    // The kubelet of node-b cannot ask for a pod of node-a: the API
+    // server's NodeRestriction refuses it before meshca sees it.
+    plane.ensure_node("node-b").await;
+    let pod: Pod = Api::namespaced(plane.admin().await, "default")
+        .get("web-1")
+        .await
+        .unwrap();
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    let object = PodRequest {
+        namespace: "default",
+        name: "foreign",
+        signer: SIGNER,
+        pod: (
+            "web-1",
+            pod.metadata.uid.as_deref().unwrap(),
+            "web",
+            "node-a",
+        ),
+        max_expiration_seconds: None,
+    }
+    .to_json(&key, KeyEncoding::StubCsr);
+    let foreign: PodCertificateRequest = serde_json::from_value(object).unwrap();
+    let node_b: Api<PodCertificateRequest> = Api::namespaced(plane.node("node-b").await, "default");
+    let refused = node_b.create(&PostParams::default(), &foreign).await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(e)) if e.code == 403 || e.code == 422),
+        "{refused:?}"
+    );
+    let log = server.log();
+    assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
+}
+
+/// The deploy/ RBAC is enough and nothing more is used: every start above
+/// runs with it alone. This test checks the converse on the real
+/// authorizer: meshca's account may not read Secrets outside its
+/// namespace, nor write pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn meshcas_account_can_do_what_the_rbac_says_and_nothing_more() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let kubeconfig = plane.meshca_kubeconfig().await;
+    let client = meshca_tests::control_plane::client_for(&kubeconfig).await;
+    let own: Api<Secret> = Api::namespaced(client.clone(), MESHCA_NAMESPACE);
+    own.list(&Default::default()).await.unwrap();
+    let other: Api<Secret> = Api::namespaced(client.clone(), "default");
+    let refused = other.list(&Default::default()).await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(e)) if e.code == 403),
+        "{refused:?}"
+    );
+    let pods: Api<Pod> = Api::namespaced(client.clone(), "default");
+    pods.list(&Default::default()).await.unwrap();
+    let refused = pods.delete("anything", &Default::default()).await;
+    assert!(
+        matches!(&refused, Err(kube::Error::Api(e)) if e.code == 403),
+        "{refused:?}"
+    );
+    // The non-resource URLs meshca reads come from the default bindings
+    // (README, "RBAC"): /version, OIDC discovery and the JWKS.
+    for path in [
+        "/version",
+        "/.well-known/openid-configuration",
+        "/openid/v1/jwks",
+    ] {
+        let request = http::Request::get(path).body(Vec::new()).unwrap();
+        client
+            .request_text(request)
+            .await
+            .unwrap_or_else(|e| panic!("GET {path} as meshca: {e}"));
+    }
+}
