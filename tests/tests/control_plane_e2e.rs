@@ -14,6 +14,7 @@
 // Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
 #![allow(clippy::unwrap_used)]
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::certificates::v1beta1::{ClusterTrustBundle, PodCertificateRequest};
@@ -851,5 +852,329 @@ async fn meshcas_account_can_do_what_the_rbac_says_and_nothing_more() {
             .request_text(request)
             .await
             .unwrap_or_else(|e| panic!("GET {path} as meshca: {e}"));
+    }
+}
+
+/// Runs a Go tool of the control plane (`kubectl`, `helm`) with `stdin`:
+/// its standard output, or a panic with its error output.
+fn run_tool(tool: &str, args: &[&str], stdin: &str) -> String {
+    use std::io::Write;
+    let path = meshca_tests::control_plane::tool(tool)
+        .unwrap_or_else(|| panic!("{tool} is not built: run tests/controlplane/build.sh"));
+    let mut child = std::process::Command::new(&path)
+        .args(args)
+        .env(
+            "HELM_CACHE_HOME",
+            std::env::temp_dir().join("meshca-tests-helm"),
+        )
+        .env(
+            "HELM_CONFIG_HOME",
+            std::env::temp_dir().join("meshca-tests-helm"),
+        )
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(stdin.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{tool} {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// (kind, name) of every object of a rendered YAML stream.
+fn objects_of(yaml: &str) -> Vec<(String, String)> {
+    serde_saphyr::from_multiple::<serde_json::Value>(yaml)
+        .unwrap()
+        .into_iter()
+        .filter(|d| !d.is_null())
+        .map(|d| {
+            (
+                d["kind"].as_str().unwrap().to_string(),
+                d["metadata"]["name"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+/// The Helm chart (every variant) and the kustomize overlays, applied to
+/// the real API server with server-side apply (its validation and
+/// defaulting), and read back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_helm_chart_and_the_kustomize_overlays_are_accepted_by_the_api_server() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let chart = repo.join("deploy/helm/meshca");
+    let kubeconfig = plane.admin_kubeconfig.display().to_string();
+    let mut rendered: Vec<(String, String)> = Vec::new();
+    for variant in [
+        "self-signed",
+        "plugged-in",
+        "pod-certificates",
+        "node-agent",
+        "agent-node",
+    ] {
+        let values = chart.join(format!("ci/{variant}-values.yaml"));
+        let yaml = run_tool(
+            "helm",
+            &[
+                "template",
+                "meshca",
+                chart.to_str().unwrap(),
+                "--namespace",
+                MESHCA_NAMESPACE,
+                "-f",
+                values.to_str().unwrap(),
+            ],
+            "",
+        );
+        rendered.push((format!("helm {variant}"), yaml));
+    }
+    for overlay in [
+        "overlays/self-signed",
+        "overlays/plugged-in",
+        "overlays/pod-certificates",
+        "overlays/node-agent",
+        "agent-node",
+        "agent-pod",
+    ] {
+        let dir = repo.join("deploy/kustomize").join(overlay);
+        let yaml = run_tool("kubectl", &["kustomize", dir.to_str().unwrap()], "");
+        rendered.push((format!("kustomize {overlay}"), yaml));
+    }
+    for (what, yaml) in &rendered {
+        let objects = objects_of(yaml);
+        assert!(
+            objects.len() >= 4 || what.contains("agent-pod"),
+            "{what}: {objects:?}"
+        );
+        let applied = run_tool(
+            "kubectl",
+            &[
+                "--kubeconfig",
+                &kubeconfig,
+                "apply",
+                "--server-side",
+                "--force-conflicts",
+                "--field-manager=meshca-tests",
+                "-f",
+                "-",
+            ],
+            yaml,
+        );
+        assert_eq!(
+            applied.lines().count(),
+            objects.len(),
+            "{what}: one line per object applied:\n{applied}"
+        );
+        // Read back: every object exists as rendered (kind and name), the
+        // Deployment with the container arguments and env rendered.
+        let read = run_tool(
+            "kubectl",
+            &["--kubeconfig", &kubeconfig, "get", "-f", "-", "-o", "json"],
+            yaml,
+        );
+        let read: serde_json::Value = serde_json::from_str(&read).unwrap();
+        let items = read["items"]
+            .as_array()
+            .cloned()
+            .unwrap_or_else(|| vec![read.clone()]);
+        let mut back: Vec<(String, String)> = items
+            .iter()
+            .map(|o| {
+                (
+                    o["kind"].as_str().unwrap().to_string(),
+                    o["metadata"]["name"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        let mut expected = objects.clone();
+        back.sort();
+        expected.sort();
+        assert_eq!(back, expected, "{what}");
+        let docs = serde_saphyr::from_multiple::<serde_json::Value>(yaml).unwrap();
+        for doc in docs.iter().filter(|d| d["kind"] == "Deployment") {
+            let stored = items
+                .iter()
+                .find(|o| {
+                    o["kind"] == "Deployment" && o["metadata"]["name"] == doc["metadata"]["name"]
+                })
+                .unwrap();
+            let container =
+                |o: &serde_json::Value| o["spec"]["template"]["spec"]["containers"][0].clone();
+            assert_eq!(container(stored)["args"], container(doc)["args"], "{what}");
+            // The server defaults `fieldRef.apiVersion`: names, values and
+            // field paths are compared.
+            let env = |o: &serde_json::Value| -> Vec<(String, String)> {
+                container(o)["env"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|e| {
+                        let value = e["value"]
+                            .as_str()
+                            .or(e["valueFrom"]["fieldRef"]["fieldPath"].as_str())
+                            .unwrap_or_default();
+                        (e["name"].as_str().unwrap().to_string(), value.to_string())
+                    })
+                    .collect()
+            };
+            assert_eq!(env(stored), env(doc), "{what}");
+        }
+    }
+}
+
+/// The bundle a workload reads: the ConfigMap `istio-ca-root-cert` of
+/// `default`, if published.
+async fn published_bundle(plane: &ControlPlane) -> Option<String> {
+    let api: Api<ConfigMap> = Api::namespaced(plane.admin().await, "default");
+    api.get_opt("istio-ca-root-cert")
+        .await
+        .ok()
+        .flatten()
+        .and_then(|cm| cm.data?.remove("root-cert.pem"))
+}
+
+/// The rotation phase annotation of the Secret.
+async fn rotation_phase(plane: &ControlPlane) -> String {
+    let api: Api<Secret> = Api::namespaced(plane.admin().await, MESHCA_NAMESPACE);
+    api.get_opt("istio-ca-secret")
+        .await
+        .ok()
+        .flatten()
+        .and_then(|s| {
+            s.metadata
+                .annotations?
+                .remove("meshca.io/root-rotation-phase")
+        })
+        .unwrap_or_default()
+}
+
+/// A whole root rotation through the real Secret with two replicas: every
+/// certificate either replica issues verifies against the bundle the
+/// workloads read at that moment, both roots are published before the
+/// switch, and a new root with a new key signs at the end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_root_rotation_through_the_real_secret_never_fails_a_verification() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let web = plane.running_pod("default", "web-1", "web", "node-a").await;
+    let token = plane
+        .token("default", "web", Some(&web), &[AUDIENCE], HOUR)
+        .await;
+    // Roots live 60 s (backdated 2 min) and rotate at 70 % of that; both
+    // roots are published 3 s before the switch; leaves live 5 s.
+    let args = meshca_args(
+        &plane,
+        &[
+            "--self-signed-root-ttl",
+            "60s",
+            "--root-rotation-at",
+            "0.7",
+            "--root-rotation-grace",
+            "3s",
+            "--workload-cert-ttl",
+            "5s",
+            "--max-workload-cert-ttl",
+            "5s",
+            "--ca-expiry-margin",
+            "1s",
+        ],
+    )
+    .await;
+    let (a, b) = tokio::join!(
+        start_off_runtime(dir.path().join("a"), args.clone()),
+        start_off_runtime(dir.path().join("b"), args.clone())
+    );
+    let first_root = parse_certs_pem(&a.root_pem()).unwrap().remove(0);
+    let web_id = SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web").unwrap();
+    let (mut phases, mut max_roots, mut issued) = (Vec::<String>::new(), 0, 0);
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        let phase = rotation_phase(&plane).await;
+        if phases.last() != Some(&phase) {
+            phases.push(phase.clone());
+        }
+        if let Some(bundle) = published_bundle(&plane).await {
+            max_roots = max_roots.max(parse_certs_pem(&bundle).unwrap().len());
+            for server in [&a, &b] {
+                let mut client = server.client_trusting(&bundle).await;
+                let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, web_id.as_str(), 0);
+                let chain = client
+                    .create_certificate(with_token(request, &token))
+                    .await
+                    .unwrap_or_else(|s| panic!("issuance failed in phase {phase}: {s:?}"))
+                    .into_inner()
+                    .cert_chain;
+                let chain: Vec<Vec<u8>> = chain
+                    .iter()
+                    .map(|c| parse_certs_pem(c).unwrap().remove(0))
+                    .collect();
+                let verifies = |pem: &str| {
+                    meshca_certs::verify::verify_svid(
+                        &chain,
+                        &TrustBundle::from_pem(pem).unwrap(),
+                        std::time::SystemTime::now(),
+                        Some(&web_id),
+                    )
+                    .is_ok()
+                };
+                // The bundle may have moved on between reading it and the
+                // answer: then the answer verifies against the bundle now.
+                if !verifies(&bundle) {
+                    let now = published_bundle(&plane).await.unwrap();
+                    assert!(
+                        verifies(&now),
+                        "phase {phase}: does not verify to the published bundle"
+                    );
+                }
+                issued += 1;
+            }
+        }
+        let seen = phases.join(",");
+        let first_root_gone = published_bundle(&plane)
+            .await
+            .is_some_and(|b| !parse_certs_pem(&b).unwrap().contains(&first_root));
+        if seen.contains("announced,switched") && first_root_gone {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "phases seen: {seen}\n{}",
+            a.log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        max_roots, 2,
+        "both roots were published during the rotation"
+    );
+    assert!(issued > 20, "{issued} certificates");
+    let secrets: Api<Secret> = Api::namespaced(plane.admin().await, MESHCA_NAMESPACE);
+    let secret = secrets.get("istio-ca-secret").await.unwrap();
+    let now_root = String::from_utf8(secret.data.unwrap()["ca-cert.pem"].0.clone()).unwrap();
+    let now_root = parse_certs_pem(&now_root).unwrap().remove(0);
+    assert_ne!(now_root, first_root, "a new root signs now");
+    assert_ne!(
+        CertSummary::from_der(&now_root).unwrap().subject_key_id,
+        CertSummary::from_der(&first_root).unwrap().subject_key_id,
+        "with a new key"
+    );
+    for server in [&a, &b] {
+        let log = server.log();
+        assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
     }
 }
