@@ -86,12 +86,17 @@ pub struct Options {
     /// The PodCertificateRequest and ClusterTrustBundle gates and
     /// `certificates.k8s.io/v1beta1` (on by default).
     pub pod_certificates: bool,
+    /// `--shutdown-delay-duration`: how long a stopping API server keeps
+    /// serving after SIGTERM (0 by default; a real one waits for its load
+    /// balancer to notice).
+    pub shutdown_delay: Duration,
 }
 
 impl Default for Options {
     fn default() -> Self {
         Self {
             pod_certificates: true,
+            shutdown_delay: Duration::ZERO,
         }
     }
 }
@@ -102,6 +107,10 @@ pub struct ControlPlane {
     dir: tempfile::TempDir,
     etcd: Option<Child>,
     apiserver: Option<Child>,
+    /// An API server stopping after a hand-over, while it drains.
+    retiring: Option<Child>,
+    /// API servers started so far (names their log files).
+    starts: usize,
     etcd_url: String,
     /// The API server's address.
     pub addr: SocketAddr,
@@ -184,6 +193,8 @@ impl ControlPlane {
             dir,
             etcd: Some(etcd),
             apiserver: None,
+            retiring: None,
+            starts: 0,
             etcd_url,
             addr,
             ca_pem,
@@ -202,7 +213,12 @@ impl ControlPlane {
 
     /// What kube-apiserver wrote to stderr.
     pub fn apiserver_log(&self) -> String {
-        std::fs::read_to_string(self.dir.path().join("kube-apiserver.log")).unwrap_or_default()
+        (0..self.starts)
+            .map(|n| {
+                std::fs::read_to_string(self.dir.path().join(format!("kube-apiserver-{n}.log")))
+                    .unwrap_or_default()
+            })
+            .collect()
     }
 
     /// The API server's PID, while it runs.
@@ -214,9 +230,60 @@ impl ControlPlane {
     /// `/readyz`.
     pub async fn start_apiserver(&mut self) {
         assert!(self.apiserver.is_none(), "the API server already runs");
-        let d = self.dir.path();
-        let path = |name: &str| d.join(name).display().to_string();
         let started = Instant::now();
+        let child = self.spawn_apiserver();
+        self.apiserver = Some(child);
+        self.wait_ready(Duration::from_secs(120)).await;
+        self.last_start = started.elapsed();
+    }
+
+    /// A rolling restart on one address, as an upgrade of a single API
+    /// server does it (the port is shared, `SO_REUSEPORT`): a new
+    /// kube-apiserver starts beside the running one; once it serves, the
+    /// old one gets SIGTERM and, for its `shutdown_delay`, keeps serving
+    /// what is connected to it (watches included) while new connections
+    /// reach either. Returns once the old one was told to stop; it exits
+    /// in the background ([`ControlPlane::retiring_exited`]).
+    pub async fn hand_over_apiserver(&mut self) {
+        let old = self.apiserver.take().expect("an API server runs");
+        let log = self
+            .dir
+            .path()
+            .join(format!("kube-apiserver-{}.log", self.starts));
+        let started = Instant::now();
+        let new = self.spawn_apiserver();
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !std::fs::read_to_string(&log)
+            .unwrap_or_default()
+            .contains("Serving securely")
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the new kube-apiserver did not serve"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        self.apiserver = Some(new);
+        self.wait_ready(Duration::from_secs(120)).await;
+        self.last_start = started.elapsed();
+        let pid = nix::unistd::Pid::from_raw(old.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        self.retiring = Some(old);
+    }
+
+    /// Whether the API server stopped by the last hand-over has exited.
+    pub fn retiring_exited(&mut self) -> bool {
+        match self.retiring.as_mut() {
+            Some(child) => matches!(child.try_wait(), Ok(Some(_))),
+            None => true,
+        }
+    }
+
+    fn spawn_apiserver(&mut self) -> Child {
+        let d = self.dir.path();
+        let log = format!("kube-apiserver-{}.log", self.starts);
+        self.starts += 1;
+        let path = |name: &str| d.join(name).display().to_string();
         let mut command = Command::new(tool("kube-apiserver").expect("kube-apiserver"));
         if self.options.pod_certificates {
             command.args([
@@ -224,7 +291,7 @@ impl ControlPlane {
                 "--runtime-config=certificates.k8s.io/v1beta1=true",
             ]);
         }
-        let child = command
+        command
             .args([
                 &format!("--etcd-servers={}", self.etcd_url),
                 "--bind-address=127.0.0.1",
@@ -246,16 +313,17 @@ impl ControlPlane {
                 "--service-cluster-ip-range=10.96.0.0/16",
                 "--endpoint-reconciler-type=none",
                 "--profiling=false",
-                "--shutdown-delay-duration=0s",
+                &format!(
+                    "--shutdown-delay-duration={}s",
+                    self.options.shutdown_delay.as_secs()
+                ),
+                "--permit-port-sharing=true",
                 "--v=0",
             ])
             .stdout(Stdio::null())
-            .stderr(log_file(d, "kube-apiserver.log"))
+            .stderr(log_file(d, &log))
             .spawn()
-            .expect("starting kube-apiserver");
-        self.apiserver = Some(child);
-        self.wait_ready(Duration::from_secs(120)).await;
-        self.last_start = started.elapsed();
+            .expect("starting kube-apiserver")
     }
 
     /// Stops kube-apiserver with SIGTERM (a graceful shutdown) and waits
@@ -541,6 +609,10 @@ impl ControlPlane {
 impl Drop for ControlPlane {
     fn drop(&mut self) {
         self.kill_apiserver();
+        if let Some(mut child) = self.retiring.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
         if let Some(mut etcd) = self.etcd.take() {
             let _ = etcd.kill();
             let _ = etcd.wait();

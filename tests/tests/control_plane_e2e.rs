@@ -508,6 +508,7 @@ async fn a_missing_namespace_is_an_error_never_a_root_of_its_own() {
 async fn an_unserved_pod_certificate_api_is_one_clear_error_at_start() {
     let Some(plane) = ControlPlane::start_with(meshca_tests::control_plane::Options {
         pod_certificates: false,
+        ..Default::default()
     })
     .await
     else {
@@ -1177,4 +1178,85 @@ async fn a_root_rotation_through_the_real_secret_never_fails_a_verification() {
         let log = server.log();
         assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
     }
+}
+
+/// D4: an API server's graceful hand-over (a new kube-apiserver on the same
+/// address, the old one serving what is connected to it for its shutdown
+/// delay): the pod watch keeps up through the overlap and after the old
+/// one exits; nothing is lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_api_server_hand_over_loses_no_pod() {
+    let Some(mut plane) = ControlPlane::start_with(meshca_tests::control_plane::Options {
+        shutdown_delay: Duration::from_secs(8),
+        ..Default::default()
+    })
+    .await
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let ztunnel = plane
+        .running_pod(MESHCA_NAMESPACE, "ztunnel-a", "ztunnel", "node-a")
+        .await;
+    let token = plane
+        .token(
+            MESHCA_NAMESPACE,
+            "ztunnel",
+            Some(&ztunnel),
+            &[AUDIENCE],
+            HOUR,
+        )
+        .await;
+    let args = meshca_args(&plane, &["--trusted-node-agent", "istio-system/ztunnel"]).await;
+    let server = start_off_runtime(dir.path().join("data"), args).await;
+    plane
+        .running_pod("default", "before", "before", "node-a")
+        .await;
+    wait_for_impersonation(
+        &server,
+        &token,
+        "spiffe://cluster.local/ns/default/sa/before",
+        Duration::from_secs(20),
+    )
+    .await;
+    plane.hand_over_apiserver().await;
+    // During the overlap: the old server still holds meshca's watch.
+    assert!(
+        !plane.retiring_exited(),
+        "the old API server is still draining"
+    );
+    plane
+        .running_pod("default", "during", "during", "node-a")
+        .await;
+    let during = Instant::now();
+    wait_for_impersonation(
+        &server,
+        &token,
+        "spiffe://cluster.local/ns/default/sa/during",
+        Duration::from_secs(5),
+    )
+    .await;
+    let seen_during = during.elapsed();
+    wait_for("the old API server exits", Duration::from_secs(90), || {
+        let exited = plane.retiring_exited();
+        async move { exited }
+    })
+    .await;
+    plane
+        .running_pod("default", "after", "after", "node-a")
+        .await;
+    let after = Instant::now();
+    wait_for_impersonation(
+        &server,
+        &token,
+        "spiffe://cluster.local/ns/default/sa/after",
+        Duration::from_secs(5),
+    )
+    .await;
+    eprintln!(
+        "hand-over: a pod made during the overlap served after {seen_during:?}, one made after the old server exited after {:?}",
+        after.elapsed()
+    );
+    let log = server.log();
+    assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
 }
