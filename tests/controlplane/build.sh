@@ -5,6 +5,8 @@
 #   etcd, kube-apiserver, kubectl   tests/controlplane/go.mod (k8s.io/kubernetes
 #                                   and each k8s.io/* staging module it replaces)
 #   helm                            tests/helm/go.mod (helm.sh/helm/v4)
+#   meshca-gospiffe                 tests/gospiffe (a go-spiffe Workload API
+#                                   client, github.com/spiffe/go-spiffe/v2)
 #
 # Output: $MESHCA_GO_TOOLS (default: <repo>/target/go-tools)/bin. A stamp of
 # the pins and the Go version sits beside the binaries: when it matches,
@@ -40,10 +42,11 @@ stamp_of() {
         go version
         echo "$kube_version $helm_version"
         cat "$here/go.mod" "$here/go.sum" "$here/etcd/main.go" "$repo/tests/helm/go.mod" "$repo/tests/helm/go.sum"
+        cat "$repo/tests/gospiffe/go.mod" "$repo/tests/gospiffe/go.sum" "$repo/tests/gospiffe/main.go"
     } | sha256sum | cut -d' ' -f1
 }
 stamp="$(stamp_of)"
-tools=(etcd kube-apiserver kubectl helm)
+tools=(etcd kube-apiserver kubectl helm meshca-gospiffe)
 
 up_to_date() {
     [ -f "$out/stamp" ] && [ "$(cat "$out/stamp")" = "$stamp" ] || return 1
@@ -75,6 +78,7 @@ export GOFLAGS="${GOFLAGS:-} -mod=readonly"
 (cd "$repo/tests/helm" && go build -trimpath \
     -ldflags "-X helm.sh/helm/v4/internal/version.version=$helm_version" \
     -o "$staging/helm" helm.sh/helm/v4/cmd/helm)
+(cd "$repo/tests/gospiffe" && go build -trimpath -o "$staging/meshca-gospiffe" .)
 
 mkdir -p "$out/bin"
 for tool in "${tools[@]}"; do

@@ -913,6 +913,23 @@ async fn resource(
             "an error on the server (injected by the test) has prevented the request from succeeding",
         );
     }
+    // As kube-apiserver: a create in a namespace that does not exist is
+    // `404 namespaces "…" not found` (the namespace, not the object).
+    if method == "POST"
+        && target.name.is_none()
+        && !namespace.is_empty()
+        && !objects.items.contains_key(&(
+            "namespaces".to_string(),
+            String::new(),
+            namespace.clone(),
+        ))
+    {
+        return status_error(
+            StatusCode::NOT_FOUND,
+            "NotFound",
+            &format!("namespaces \"{namespace}\" not found"),
+        );
+    }
     let key = |name: &str| (target.plural.clone(), namespace.clone(), name.to_string());
     match (method, target.name.as_deref()) {
         ("GET", None) => {
