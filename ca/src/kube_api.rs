@@ -206,7 +206,15 @@ impl WatchRetry {
         }
     }
 
-    /// An event arrived: the watch works.
+    /// Looks at one item of the watch: an event that shows the API
+    /// server answered (see [`answered`]) ends a run of failures.
+    pub(crate) fn saw<K>(&mut self, event: &Result<watcher::Event<K>, watcher::Error>) {
+        if answered(event) {
+            self.succeeded();
+        }
+    }
+
+    /// The API server answered: the watch works.
     pub(crate) fn succeeded(&mut self) {
         self.delay = FIRST_WATCH_RETRY;
         self.last_was_gone = false;
@@ -263,6 +271,14 @@ impl WatchRetry {
     pub(crate) fn failing(&self) -> bool {
         self.failing_since.is_some()
     }
+}
+
+/// Whether a watch item shows that the API server answered. `Init` does
+/// not: kube-runtime yields it before the listing it starts, also when
+/// that listing then fails (taking it for an answer would reset the
+/// backoff, and the staleness of what the watch feeds, on every retry).
+pub(crate) fn answered<K>(event: &Result<watcher::Event<K>, watcher::Error>) -> bool {
+    matches!(event, Ok(e) if !matches!(e, watcher::Event::Init))
 }
 
 /// Whether the watch failed because its resource version expired.
@@ -333,6 +349,26 @@ mod tests {
         let before = tokio::time::Instant::now();
         retry.failed(&watcher::Error::WatchError(status(500))).await;
         assert!(before.elapsed() <= FIRST_WATCH_RETRY.mul_f64(1.2));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_init_before_a_failing_listing_does_not_reset_the_backoff() {
+        let mut retry = WatchRetry::new("test");
+        let mut waits = Vec::new();
+        for _ in 0..6 {
+            retry.saw::<()>(&Ok(watcher::Event::Init));
+            let before = tokio::time::Instant::now();
+            let failure: Result<watcher::Event<()>, _> =
+                Err(watcher::Error::WatchError(status(503)));
+            retry.saw(&failure);
+            if let Err(e) = &failure {
+                retry.failed(e).await;
+            }
+            waits.push(before.elapsed());
+        }
+        assert!(waits[5] >= MAX_WATCH_RETRY.mul_f64(0.8), "{waits:?}");
+        retry.saw::<()>(&Ok(watcher::Event::InitDone));
+        assert!(!retry.failing());
     }
 
     #[test]

@@ -342,7 +342,7 @@ pub(crate) async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
     // the whole cluster's pods at full size would not fit the memory limit.
     let mut listing = PodListing::default();
     while let Some(event) = stream.next().await {
-        if event.is_ok() {
+        if crate::kube_api::answered(&event) {
             index.watch_succeeded();
             retry.succeeded();
         }

@@ -66,7 +66,7 @@ pub(crate) async fn publish_bundles(
     loop {
         let mut touched: BTreeSet<String> = BTreeSet::new();
         tokio::select! {
-            event = namespace_events.next() => match event.inspect(|e| if e.is_ok() { namespaces_retry.succeeded() }) {
+            event = namespace_events.next() => match event.inspect(|e| namespaces_retry.saw(e)) {
                 Some(Ok(Event::Init)) => listing.clear(),
                 Some(Ok(Event::InitApply(ns))) => {
                     if let Some(name) = active_namespace(&ns) {
@@ -98,7 +98,7 @@ pub(crate) async fn publish_bundles(
                 Some(Err(e)) => namespaces_retry.failed(&e).await,
                 None => return,
             },
-            event = configmap_events.next() => match event.inspect(|e| if e.is_ok() { configmaps_retry.succeeded() }) {
+            event = configmap_events.next() => match event.inspect(|e| configmaps_retry.saw(e)) {
                 Some(Ok(Event::Apply(cm))) | Some(Ok(Event::InitApply(cm))) => {
                     let bundle = authority.bundle().to_pem();
                     if let Some(ns) = cm.metadata.namespace.as_ref() {

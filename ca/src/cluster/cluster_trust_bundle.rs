@@ -68,7 +68,7 @@ pub(crate) async fn publish_cluster_trust_bundle(
     tracing::info!(name = %name, signer = %signer_name, "publishing the trust bundle as a ClusterTrustBundle");
     loop {
         let touched = tokio::select! {
-            event = events.next() => match event.inspect(|e| if e.is_ok() { watch_retry.succeeded() }) {
+            event = events.next() => match event.inspect(|e| watch_retry.saw(e)) {
                 Some(Ok(Event::Apply(ctb))) | Some(Ok(Event::InitApply(ctb))) => {
                     !is_current(&ctb, &authority.bundle().to_pem(), &signer_name, &trust_domain)
                 }

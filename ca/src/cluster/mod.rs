@@ -277,9 +277,7 @@ pub(crate) async fn follow_root_secret(
     futures::pin_mut!(events);
     let mut retry = WatchRetry::new("ca secret");
     while let Some(event) = events.next().await {
-        if event.is_ok() {
-            retry.succeeded();
-        }
+        retry.saw(&event);
         match event {
             Ok(Event::Apply(secret)) | Ok(Event::InitApply(secret)) => {
                 found = true;

@@ -303,9 +303,7 @@ pub(crate) async fn sign_pod_certificates(
             futures::pin_mut!(events);
             let mut retry = WatchRetry::new("podcertificaterequests");
             while let Some(event) = events.next().await {
-                if event.is_ok() {
-                    retry.succeeded();
-                }
+                retry.saw(&event);
                 let request = match event {
                     Ok(Event::Apply(r)) | Ok(Event::InitApply(r)) => r,
                     Ok(_) => continue,
