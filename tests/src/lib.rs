@@ -82,11 +82,15 @@ fn build(bin: &str) -> PathBuf {
         .to_path_buf()
 }
 
-/// Builds (if needed) and returns the binaries.
+/// Builds (if needed) and returns the binaries. `MESHCA_TESTS_MESHCA_BIN`
+/// names another `meshca` to test instead (e.g. an older build, to see a
+/// new test fail on it).
 pub fn binaries() -> &'static Binaries {
     static BINARIES: OnceLock<Binaries> = OnceLock::new();
     BINARIES.get_or_init(|| Binaries {
-        meshca: build("meshca"),
+        meshca: std::env::var_os("MESHCA_TESTS_MESHCA_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| build("meshca")),
         meshca_certs: build("meshca-certs"),
         meshca_agent: build("meshca-agent"),
     })
