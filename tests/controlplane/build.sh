@@ -41,7 +41,7 @@ stamp_of() {
     {
         go version
         echo "$kube_version $helm_version"
-        cat "$here/go.mod" "$here/go.sum" "$here/etcd/main.go" "$repo/tests/helm/go.mod" "$repo/tests/helm/go.sum"
+        cat "$here/build.sh" "$here/go.mod" "$here/go.sum" "$here/etcd/main.go" "$repo/tests/helm/go.mod" "$repo/tests/helm/go.sum"
         cat "$repo/tests/gospiffe/go.mod" "$repo/tests/gospiffe/go.sum" "$repo/tests/gospiffe/main.go"
     } | sha256sum | cut -d' ' -f1
 }
@@ -66,7 +66,8 @@ mkdir -p "$out"
 staging="$(mktemp -d "$out/.build.XXXXXX")"
 trap 'rm -rf "$staging"' EXIT
 
-ldflags=""
+# No symbol tables or DWARF (-s -w): smaller binaries, shorter links.
+ldflags="-s -w"
 for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
     ldflags="$ldflags -X $pkg.gitVersion=$kube_version -X $pkg.gitMajor=1 -X $pkg.gitMinor=$minor"
     ldflags="$ldflags -X $pkg.gitTreeState=clean -X $pkg.buildDate=1970-01-01T00:00:00Z"
@@ -76,9 +77,9 @@ export GOFLAGS="${GOFLAGS:-} -mod=readonly"
 (cd "$here" && go build -trimpath -ldflags "$ldflags" -o "$staging/" \
     k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kubectl ./etcd)
 (cd "$repo/tests/helm" && go build -trimpath \
-    -ldflags "-X helm.sh/helm/v4/internal/version.version=$helm_version" \
+    -ldflags "-s -w -X helm.sh/helm/v4/internal/version.version=$helm_version" \
     -o "$staging/helm" helm.sh/helm/v4/cmd/helm)
-(cd "$repo/tests/gospiffe" && go build -trimpath -o "$staging/meshca-gospiffe" .)
+(cd "$repo/tests/gospiffe" && go build -trimpath -ldflags "-s -w" -o "$staging/meshca-gospiffe" .)
 
 mkdir -p "$out/bin"
 for tool in "${tools[@]}"; do
