@@ -17,6 +17,8 @@
 //! meshca-bench mass-restart --identities 10000 --api-latency 5ms
 //! meshca-bench attack cancelled-junk --requests 200000 --deadline 20ms
 //! meshca-bench pod-certificates --requests 10000 --api-latency 5ms
+//! meshca-bench mass-restart --kube-apiserver --identities 10000
+//! meshca-bench pod-certificates --kube-apiserver --requests 1000
 //! ```
 
 mod attack;
@@ -25,6 +27,7 @@ mod load;
 mod mass_restart;
 mod pod_certificates;
 mod proc_stats;
+mod real_kube;
 mod report;
 mod server_process;
 
@@ -51,15 +54,17 @@ struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Start meshca against a fake Kubernetes API (TokenReview with latency)
-    /// and have N distinct identities ask at once, as after a mass restart.
+    /// or, with --kube-apiserver, a real one, and have N distinct
+    /// identities ask at once, as after a mass restart.
     MassRestart(mass_restart::MassRestartArgs),
     /// Start meshca against a fake Kubernetes API and attack it (junk
     /// tokens, reset floods, connection floods, idle connections); report
     /// the server's memory and what real clients saw meanwhile.
     Attack(attack::AttackArgs),
     /// Start meshca with --pod-certificate-signer against a fake Kubernetes
-    /// API holding N pending PodCertificateRequests; time until all are
-    /// answered and count the API calls per certificate.
+    /// API (or, with --kube-apiserver, a real one) holding N pending
+    /// PodCertificateRequests; time until all are answered and count the
+    /// API calls per certificate.
     PodCertificates(pod_certificates::PodCertificatesArgs),
 }
 

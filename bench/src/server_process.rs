@@ -1,5 +1,6 @@
 //! meshca as a child process against the fake Kubernetes API of the
-//! end-to-end tests (real HTTPS, real JSON): what the scenarios that start
+//! end-to-end tests (real HTTPS, real JSON) or a real kube-apiserver
+//! (`--kube-apiserver`, see `real_kube`): what the scenarios that start
 //! their own server share.
 
 use std::net::SocketAddr;
@@ -34,20 +35,9 @@ pub(crate) fn healthz(addr: SocketAddr, timeout: Duration) -> Result<(), String>
 
 /// `GET path` on the monitoring port answers 200.
 pub(crate) fn probe(addr: SocketAddr, path: &str, timeout: Duration) -> Result<(), String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, timeout).map_err(|e| e.to_string())?;
-    s.set_read_timeout(Some(timeout))
-        .map_err(|e| e.to_string())?;
-    s.set_write_timeout(Some(timeout))
-        .map_err(|e| e.to_string())?;
-    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
-        .map_err(|e| e.to_string())?;
-    let mut buf = Vec::new();
-    s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
-    if buf.starts_with(b"HTTP/1.0 200") || buf.starts_with(b"HTTP/1.1 200") {
-        Ok(())
-    } else {
-        Err("not 200".into())
+    match http_get(addr, path, timeout)? {
+        (200, _) => Ok(()),
+        (code, _) => Err(format!("{code}, not 200")),
     }
 }
 
@@ -62,12 +52,11 @@ pub(crate) fn meshca_path(explicit: Option<&PathBuf>) -> anyhow::Result<PathBuf>
     }
 }
 
-/// A running meshca with its fake API server and scratch directory.
-pub(crate) struct Meshca {
-    /// The scratch directory (data dir, log, kubeconfig).
+/// A running meshca process and its scratch directory, whatever API
+/// server it talks to.
+pub(crate) struct MeshcaProcess {
+    /// The scratch directory (data dir, log).
     pub(crate) dir: tempfile::TempDir,
-    /// The fake Kubernetes API.
-    pub(crate) kube: FakeKube,
     /// gRPC address.
     pub(crate) grpc: SocketAddr,
     /// Monitoring address.
@@ -76,6 +65,24 @@ pub(crate) struct Meshca {
     pub(crate) root_pem: String,
     /// The server process.
     pub(crate) child: KillOnDrop,
+}
+
+/// A running meshca with its fake API server.
+pub(crate) struct Meshca {
+    /// The fake Kubernetes API.
+    pub(crate) kube: FakeKube,
+    /// The server.
+    process: MeshcaProcess,
+    /// The fake's files (its kubeconfig).
+    _kube_dir: tempfile::TempDir,
+}
+
+impl std::ops::Deref for Meshca {
+    type Target = MeshcaProcess;
+
+    fn deref(&self) -> &MeshcaProcess {
+        &self.process
+    }
 }
 
 impl Meshca {
@@ -99,9 +106,29 @@ impl Meshca {
         args: &[String],
         cpus: Option<&str>,
     ) -> anyhow::Result<Self> {
-        let dir = tempfile::tempdir()?;
-        let kube = FakeKube::start(dir.path()).await;
+        let kube_dir = tempfile::tempdir()?;
+        let kube = FakeKube::start(kube_dir.path()).await;
         kube.set_latency(api_latency);
+        let process = MeshcaProcess::start(meshca, &kube.kubeconfig, args, cpus).await?;
+        Ok(Self {
+            kube,
+            process,
+            _kube_dir: kube_dir,
+        })
+    }
+}
+
+impl MeshcaProcess {
+    /// Starts meshca with `--kubeconfig KUBECONFIG` and `args` (plus its
+    /// addresses and data dir), on the CPUs of `cpus` if given, and waits
+    /// until it is ready and has written its bundle.
+    pub(crate) async fn start(
+        meshca: &PathBuf,
+        kubeconfig: &std::path::Path,
+        args: &[String],
+        cpus: Option<&str>,
+    ) -> anyhow::Result<Self> {
+        let dir = tempfile::tempdir()?;
         let grpc = free_addr()?;
         let monitoring = free_addr()?;
         let log = std::fs::File::create(dir.path().join("meshca.log"))?;
@@ -128,7 +155,7 @@ impl Meshca {
             .arg("--data-dir")
             .arg(dir.path().join("data"))
             .arg("--kubeconfig")
-            .arg(&kube.kubeconfig)
+            .arg(kubeconfig)
             .args(args)
             .env("MESHCA_LOG", "warn")
             .stdin(Stdio::null())
@@ -165,7 +192,6 @@ impl Meshca {
         };
         Ok(Self {
             dir,
-            kube,
             grpc,
             monitoring,
             root_pem,
@@ -182,4 +208,30 @@ impl Meshca {
     pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("meshca.log")).unwrap_or_default()
     }
+}
+
+/// `GET path` on `addr` (plain HTTP/1.0, blocking): status and body.
+pub(crate) fn http_get(
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> Result<(u16, String), String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, timeout).map_err(|e| e.to_string())?;
+    s.set_read_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    s.set_write_timeout(Some(timeout))
+        .map_err(|e| e.to_string())?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\n\r\n").as_bytes())
+        .map_err(|e| e.to_string())?;
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&buf);
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let code = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| "no HTTP status".to_string())?;
+    Ok((code, body.to_string()))
 }

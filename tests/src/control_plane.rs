@@ -545,25 +545,7 @@ impl ControlPlane {
             .await;
         self.ensure_node(node).await;
         let api: Api<Pod> = Api::namespaced(self.admin().await, namespace);
-        let pod = Pod {
-            metadata: ObjectMeta {
-                name: Some(name.into()),
-                namespace: Some(namespace.into()),
-                labels: Some(BTreeMap::from([("app".to_string(), name.to_string())])),
-                ..Default::default()
-            },
-            spec: Some(PodSpec {
-                node_name: Some(node.into()),
-                service_account_name: Some(service_account.into()),
-                containers: vec![Container {
-                    name: "app".into(),
-                    image: Some("registry.k8s.io/pause:3.10".into()),
-                    ..Default::default()
-                }],
-                ..Default::default()
-            }),
-            ..Default::default()
-        };
+        let pod = pod_on_node(namespace, name, service_account, node);
         let created = api
             .create(&PostParams::default(), &pod)
             .await
@@ -617,6 +599,30 @@ impl Drop for ControlPlane {
             let _ = etcd.kill();
             let _ = etcd.wait();
         }
+    }
+}
+
+/// A pod as its controller would create it once scheduled: bound to
+/// `node` (no scheduler runs), one `pause` container, label `app=<name>`.
+pub fn pod_on_node(namespace: &str, name: &str, service_account: &str, node: &str) -> Pod {
+    Pod {
+        metadata: ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(namespace.into()),
+            labels: Some(BTreeMap::from([("app".to_string(), name.to_string())])),
+            ..Default::default()
+        },
+        spec: Some(PodSpec {
+            node_name: Some(node.into()),
+            service_account_name: Some(service_account.into()),
+            containers: vec![Container {
+                name: "app".into(),
+                image: Some("registry.k8s.io/pause:3.10".into()),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }),
+        ..Default::default()
     }
 }
 

@@ -157,3 +157,30 @@ fn restarted_sidecars_each_open_their_own_connection() {
     assert_eq!(report["errors"], serde_json::json!({}), "{report}");
     assert_eq!(report["token_reviews"], 40, "{report}");
 }
+
+#[test]
+fn a_storm_against_the_real_api_server_counts_its_token_reviews() {
+    // `--kube-apiserver`: the tests' etcd and kube-apiserver, real
+    // ServiceAccounts and TokenRequest tokens; skipped (with a note) when
+    // the control plane is not built.
+    if !meshca_tests::control_plane::available() {
+        return;
+    }
+    let report = run_bench(|bench| {
+        bench
+            .args(["mass-restart", "--kube-apiserver", "--identities", "40"])
+            .args(["--connections", "4", "--json", "--meshca"])
+            .arg(&binaries().meshca)
+    });
+    assert_eq!(report["api"], "kube-apiserver", "{report}");
+    assert_eq!(report["ok"], 40, "{report}");
+    assert_eq!(report["errors"], serde_json::json!({}), "{report}");
+    // Counted by kube-apiserver itself: one review per distinct token.
+    assert_eq!(report["token_reviews"], 40, "{report}");
+    let api = &report["kube_apiserver"];
+    assert_eq!(api["calls"]["POST tokenreviews 201"], 40, "{report}");
+    assert!(
+        api["version"].as_str().unwrap().starts_with("v1."),
+        "{report}"
+    );
+}
