@@ -326,6 +326,48 @@ impl ControlPlane {
             .expect("starting kube-apiserver")
     }
 
+    /// Rotates the service-account signing key as an operator does: a new
+    /// key signs, the old one still verifies (both in
+    /// `--service-account-key-file`, so both in the JWKS), and the API
+    /// server restarts to read them.
+    pub async fn rotate_service_account_key(&mut self) {
+        let d = self.dir.path();
+        let next = PrivateKey::generate(KeyAlgorithm::EcdsaP256).expect("key");
+        let mut public = std::fs::read_to_string(d.join("sa-public-key.pem")).expect("public keys");
+        public.push_str(&pem::encode(&pem::Pem::new(
+            "PUBLIC KEY",
+            next.public_key_spki_der(),
+        )));
+        write(d, "sa-public-key.pem", &public);
+        write(d, "sa-signing-key.pem", &next.to_pkcs8_pem());
+        self.stop_apiserver();
+        self.start_apiserver().await;
+    }
+
+    /// How many requests of `verb` (`POST`, `GET`, `LIST`, `WATCH`, …) on
+    /// `resource` the API server has answered since it started, from its
+    /// own `apiserver_request_total`.
+    pub async fn api_calls(&self, verb: &str, resource: &str) -> u64 {
+        let request = http::Request::get("/metrics")
+            .body(Vec::new())
+            .expect("request");
+        let text = self
+            .admin()
+            .await
+            .request_text(request)
+            .await
+            .expect("kube-apiserver's /metrics");
+        let (verb, resource) = (
+            format!("verb=\"{verb}\""),
+            format!("resource=\"{resource}\""),
+        );
+        text.lines()
+            .filter(|l| l.starts_with("apiserver_request_total{"))
+            .filter(|l| l.contains(&verb) && l.contains(&resource))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum::<f64>() as u64
+    }
+
     /// Stops kube-apiserver with SIGTERM (a graceful shutdown) and waits
     /// for it to exit; SIGKILL after 30 s.
     pub fn stop_apiserver(&mut self) {

@@ -2,6 +2,7 @@
 //! binaries, talk to them over real TLS and gRPC, make CSRs (good, forged,
 //! weak) and tokens.
 
+pub mod agent_process;
 pub mod control_plane;
 pub mod fake_ca;
 pub mod fake_certificates;
@@ -473,6 +474,45 @@ pub fn csr_request(
             metadata: None,
         },
     )
+}
+
+/// Asks `server` for a P-256 SVID of `id` with `token`; the chain, or the
+/// gRPC status.
+pub async fn ask(
+    server: &MeshcaServer,
+    token: &str,
+    id: &str,
+) -> Result<Vec<String>, tonic::Status> {
+    let mut client = server.client().await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, id, 0);
+    client
+        .create_certificate(with_token(request, token))
+        .await
+        .map(|r| r.into_inner().cert_chain)
+}
+
+/// Asks `server`, as a node agent with `token`, for an SVID of `target`
+/// (the `ImpersonatedIdentity` metadata Istio's node agents send).
+pub async fn impersonate(
+    server: &MeshcaServer,
+    token: &str,
+    target: &str,
+) -> Result<Vec<String>, tonic::Status> {
+    let mut client = server.client().await;
+    let (_, mut request) = csr_request(KeyAlgorithm::EcdsaP256, target, 0);
+    request.metadata = Some(prost_types::Struct {
+        fields: [(
+            "ImpersonatedIdentity".to_string(),
+            prost_types::Value {
+                kind: Some(prost_types::value::Kind::StringValue(target.to_string())),
+            },
+        )]
+        .into(),
+    });
+    client
+        .create_certificate(with_token(request, token))
+        .await
+        .map(|r| r.into_inner().cert_chain)
 }
 
 /// Adds `authorization: Bearer <token>`.

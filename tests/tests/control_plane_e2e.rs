@@ -48,37 +48,6 @@ async fn meshca_args(plane: &ControlPlane, extra: &[&str]) -> Vec<String> {
     args
 }
 
-async fn ask(server: &MeshcaServer, token: &str, id: &str) -> Result<Vec<String>, tonic::Status> {
-    let mut client = server.client().await;
-    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, id, 0);
-    client
-        .create_certificate(with_token(request, token))
-        .await
-        .map(|r| r.into_inner().cert_chain)
-}
-
-async fn impersonate(
-    server: &MeshcaServer,
-    token: &str,
-    target: &str,
-) -> Result<Vec<String>, tonic::Status> {
-    let mut client = server.client().await;
-    let (_, mut request) = csr_request(KeyAlgorithm::EcdsaP256, target, 0);
-    request.metadata = Some(prost_types::Struct {
-        fields: [(
-            "ImpersonatedIdentity".to_string(),
-            prost_types::Value {
-                kind: Some(prost_types::value::Kind::StringValue(target.to_string())),
-            },
-        )]
-        .into(),
-    });
-    client
-        .create_certificate(with_token(request, token))
-        .await
-        .map(|r| r.into_inner().cert_chain)
-}
-
 /// The SPIFFE ID of the leaf of an answer, after checking the chain
 /// verifies to the server's roots.
 fn identity_of(server: &MeshcaServer, chain: &[String]) -> String {
@@ -1258,5 +1227,268 @@ async fn a_graceful_api_server_hand_over_loses_no_pod() {
         after.elapsed()
     );
     let log = server.log();
+    assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
+}
+
+/// TokenReview results are cached and concurrent first requests share one
+/// review, counted by the API server itself (`apiserver_request_total`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn token_reviews_are_cached_and_shared_as_the_api_server_counts_them() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let web = plane.running_pod("default", "web-1", "web", "node-a").await;
+    let server = start_off_runtime(dir.path().join("data"), meshca_args(&plane, &[]).await).await;
+    let id = "spiffe://cluster.local/ns/default/sa/web";
+    let reviews = || plane.api_calls("POST", "tokenreviews");
+    let before = reviews().await;
+    let cached = plane
+        .token("default", "web", Some(&web), &[AUDIENCE], HOUR)
+        .await;
+    for _ in 0..50 {
+        ask(&server, &cached, id).await.unwrap();
+    }
+    assert_eq!(
+        reviews().await - before,
+        1,
+        "50 requests, one token: one review"
+    );
+
+    let shared = plane
+        .token("default", "web", Some(&web), &[AUDIENCE], HOUR)
+        .await;
+    let before = reviews().await;
+    let client = server.client().await;
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            let (mut client, shared) = (client.clone(), shared.clone());
+            tokio::spawn(async move {
+                let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, id, 0);
+                client
+                    .create_certificate(with_token(request, &shared))
+                    .await
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap().unwrap();
+    }
+    assert_eq!(
+        reviews().await - before,
+        1,
+        "20 concurrent first requests with a new token: one review"
+    );
+}
+
+/// The cluster rotates its service-account signing key (a new key signs,
+/// the old one still verifies): offline validation fetches the new key on
+/// the first token that names it, keeps accepting the old key's tokens,
+/// and never calls TokenReview.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn offline_validation_follows_a_rotated_service_account_key() {
+    let Some(mut plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let web = plane.running_pod("default", "web-1", "web", "node-a").await;
+    let args = meshca_args(&plane, &["--jwt-issuer", ISSUER]).await;
+    let server = start_off_runtime(dir.path().join("data"), args).await;
+    let id = "spiffe://cluster.local/ns/default/sa/web";
+    let old = plane
+        .token("default", "web", Some(&web), &[AUDIENCE], HOUR)
+        .await;
+    ask(&server, &old, id).await.unwrap();
+
+    plane.rotate_service_account_key().await;
+    let new = plane
+        .token("default", "web", Some(&web), &[AUDIENCE], HOUR)
+        .await;
+    let kid = |token: &str| {
+        use base64::Engine as _;
+        let header = token.split('.').next().unwrap();
+        let header = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(header)
+            .unwrap();
+        serde_json::from_slice::<serde_json::Value>(&header).unwrap()["kid"].clone()
+    };
+    assert_ne!(kid(&old), kid(&new), "the new key signs");
+    // meshca refreshes keys for an unknown key ID at most every 10 s; a
+    // client retries as Istio's agents do.
+    let took = wait_for(
+        "the new key's token accepted",
+        Duration::from_secs(20),
+        || async { ask(&server, &new, id).await.is_ok() },
+    )
+    .await;
+    eprintln!("new signing key accepted after {took:?}");
+    ask(&server, &old, id)
+        .await
+        .expect("the old key's tokens still verify");
+    assert_eq!(
+        plane.api_calls("POST", "tokenreviews").await,
+        0,
+        "offline: no TokenReview since the restart"
+    );
+    assert!(server
+        .log()
+        .contains("refreshed the issuer's keys for an unknown key ID"));
+}
+
+/// What meshca keeps in the cluster is set back when someone else changes
+/// it: the root Secret deleted is written back with the same root; a bundle
+/// ConfigMap edited or deleted is set back, one in a new namespace
+/// appears, `kube-system` gets none; the ClusterTrustBundle edited or
+/// deleted is set back. All through meshca's own RBAC.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_meshca_keeps_in_the_cluster_is_set_back() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let args = meshca_args(&plane, &["--pod-certificate-signer", SIGNER]).await;
+    let server = start_off_runtime(dir.path().join("data"), args).await;
+    let root = parse_certs_pem(&server.root_pem()).unwrap();
+    let admin = plane.admin().await;
+    let wait = Duration::from_secs(20);
+
+    // The root Secret, deleted once meshca leads.
+    wait_for("leadership", wait, || async {
+        metric(
+            &http_get(server.monitoring, "/metrics").unwrap().1,
+            "meshca_leader",
+        ) == 1
+    })
+    .await;
+    let secrets: Api<Secret> = Api::namespaced(admin.clone(), MESHCA_NAMESPACE);
+    secrets
+        .delete("istio-ca-secret", &Default::default())
+        .await
+        .unwrap();
+    let stored = |secrets: Api<Secret>| async move {
+        let secret = secrets.get_opt("istio-ca-secret").await.ok().flatten()?;
+        let data = secret.data?;
+        Some((
+            parse_certs_pem(std::str::from_utf8(&data.get("ca-cert.pem")?.0).ok()?).ok()?,
+            secret.type_,
+        ))
+    };
+    wait_for("the Secret written back", Duration::from_secs(30), || {
+        let secrets = secrets.clone();
+        async move { stored(secrets).await.is_some() }
+    })
+    .await;
+    let (written, kind) = stored(secrets.clone()).await.unwrap();
+    assert_eq!(written, root, "the same root");
+    assert_eq!(kind.as_deref(), Some("istio.io/ca-root"));
+
+    // Bundle ConfigMaps.
+    let bundle_in = |namespace: &str| {
+        let api: Api<ConfigMap> = Api::namespaced(admin.clone(), namespace);
+        async move {
+            let cm = api.get_opt("istio-ca-root-cert").await.ok().flatten()?;
+            parse_certs_pem(cm.data?.get("root-cert.pem")?).ok()
+        }
+    };
+    wait_for("the bundle in default", wait, || async {
+        bundle_in("default").await.as_ref() == Some(&root)
+    })
+    .await;
+    plane.ensure_namespace("late").await;
+    wait_for("the bundle in a new namespace", wait, || async {
+        bundle_in("late").await.as_ref() == Some(&root)
+    })
+    .await;
+    let configmaps: Api<ConfigMap> = Api::namespaced(admin.clone(), "default");
+    let mut edited = configmaps.get("istio-ca-root-cert").await.unwrap();
+    edited.data = Some([("root-cert.pem".to_string(), "not a certificate".to_string())].into());
+    configmaps
+        .replace("istio-ca-root-cert", &PostParams::default(), &edited)
+        .await
+        .unwrap();
+    wait_for("the hand edit set back", wait, || async {
+        bundle_in("default").await.as_ref() == Some(&root)
+    })
+    .await;
+    Api::<ConfigMap>::namespaced(admin.clone(), "late")
+        .delete("istio-ca-root-cert", &Default::default())
+        .await
+        .unwrap();
+    wait_for("the deleted ConfigMap back", wait, || async {
+        bundle_in("late").await.as_ref() == Some(&root)
+    })
+    .await;
+    assert!(
+        bundle_in("kube-system").await.is_none(),
+        "kube-system is excluded by default"
+    );
+
+    // The ClusterTrustBundle.
+    let bundles: Api<ClusterTrustBundle> = Api::all(admin.clone());
+    let ctb_name = "meshca.io:spiffe:trust-bundle";
+    let ctb_root = |bundles: Api<ClusterTrustBundle>| async move {
+        let ctb = bundles.get_opt(ctb_name).await.ok().flatten()?;
+        let label = ctb.metadata.labels?.get("meshca.io/trust-domain").cloned();
+        (label.as_deref() == Some("cluster.local"))
+            .then(|| parse_certs_pem(&ctb.spec.trust_bundle).ok())
+            .flatten()
+    };
+    wait_for("the ClusterTrustBundle", wait, || {
+        let bundles = bundles.clone();
+        let root = root.clone();
+        async move { ctb_root(bundles).await == Some(root) }
+    })
+    .await;
+    let mut edited = bundles.get(ctb_name).await.unwrap();
+    let other = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    edited.spec.trust_bundle = meshca_certs::profile::self_signed_root(
+        &other,
+        &meshca_certs::SubjectName {
+            common_name: Some("another CA".into()),
+            ..Default::default()
+        },
+        meshca_certs::Validity::backdated(time::OffsetDateTime::now_utc(), time::Duration::days(1)),
+    )
+    .unwrap()
+    .to_pem();
+    edited
+        .metadata
+        .labels
+        .get_or_insert_with(Default::default)
+        .insert("team".into(), "mesh".into());
+    bundles
+        .replace(ctb_name, &PostParams::default(), &edited)
+        .await
+        .unwrap();
+    wait_for("the ClusterTrustBundle set back", wait, || {
+        let bundles = bundles.clone();
+        let root = root.clone();
+        async move { ctb_root(bundles).await == Some(root) }
+    })
+    .await;
+    let labels = bundles
+        .get(ctb_name)
+        .await
+        .unwrap()
+        .metadata
+        .labels
+        .unwrap();
+    assert_eq!(
+        labels.get("team").map(String::as_str),
+        Some("mesh"),
+        "another label is kept"
+    );
+    bundles.delete(ctb_name, &Default::default()).await.unwrap();
+    wait_for("the ClusterTrustBundle recreated", wait, || {
+        let bundles = bundles.clone();
+        let root = root.clone();
+        async move { ctb_root(bundles).await == Some(root) }
+    })
+    .await;
+    let log = server.log();
+    assert!(
+        log.contains("wrote it back from the root in memory"),
+        "{log}"
+    );
     assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
 }

@@ -24,15 +24,6 @@ async fn setup(extra: &[&str]) -> (tempfile::TempDir, FakeKube, MeshcaServer) {
     (dir, kube, server)
 }
 
-async fn ask(server: &MeshcaServer, token: &str, id: &str) -> Result<Vec<String>, tonic::Status> {
-    let mut client = server.client().await;
-    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, id, 0);
-    client
-        .create_certificate(with_token(request, token))
-        .await
-        .map(|r| r.into_inner().cert_chain)
-}
-
 #[tokio::test]
 async fn token_review_rules() {
     let (_dir, kube, server) = setup(&[]).await;
@@ -314,28 +305,6 @@ async fn unknown_cluster_id_is_unauthenticated() {
             (ok, other) => panic!("clusterid {cluster:?}: expected ok={ok}, got {other:?}"),
         }
     }
-}
-
-async fn impersonate(
-    server: &MeshcaServer,
-    token: &str,
-    target: &str,
-) -> Result<Vec<String>, tonic::Status> {
-    let mut client = server.client().await;
-    let (_, mut request) = csr_request(KeyAlgorithm::EcdsaP256, target, 0);
-    request.metadata = Some(prost_types::Struct {
-        fields: [(
-            "ImpersonatedIdentity".to_string(),
-            prost_types::Value {
-                kind: Some(prost_types::value::Kind::StringValue(target.to_string())),
-            },
-        )]
-        .into(),
-    });
-    client
-        .create_certificate(with_token(request, token))
-        .await
-        .map(|r| r.into_inner().cert_chain)
 }
 
 #[tokio::test]
