@@ -3,8 +3,8 @@
 //!
 //! Verification is strict and self-contained: the PEM must hold exactly one
 //! `CERTIFICATE REQUEST`, the DER must parse with no trailing bytes, the key
-//! must pass the workload key policy (ECDSA P-256/P-384, RSA 2048–8192,
-//! Ed25519), and the self-signature must verify with that key (proof of
+//! must pass the workload key policy (ECDSA P-256/P-384, RSA 2048–8192
+//! with a public exponent odd and at least 65537, Ed25519), and the self-signature must verify with that key (proof of
 //! possession; SHA-1 signatures are refused). What the CA takes from a
 //! [`VerifiedCsr`] is the public key and the requested URI SANs, nothing else.
 
@@ -20,7 +20,7 @@ use x509_parser::oid_registry::{
 };
 use x509_parser::prelude::FromDer;
 
-use crate::keys::{KeyKind, PrivateKey};
+use crate::keys::{check_key_policy, KeyKind, KeyPolicyError, PrivateKey};
 use crate::profile::SubjectKey;
 use crate::spiffe::SpiffeId;
 
@@ -50,6 +50,10 @@ pub enum CsrError {
     /// The CSR's key is of a type or size meshca does not issue for.
     #[error("CSR key {0} is not accepted: use ECDSA P-256 or P-384, or RSA 2048 to 8192 bits")]
     UnsupportedKey(KeyKind),
+    /// The CSR's key is of an accepted type and size but breaks another key
+    /// rule (an RSA public exponent below 65537 or even).
+    #[error("CSR key is not accepted: {0}")]
+    WeakKey(#[from] KeyPolicyError),
     /// The CSR is signed with an algorithm meshca does not accept.
     #[error("CSR signature algorithm {0} is not accepted: use ECDSA with SHA-256/384, RSA PKCS#1 or PSS with SHA-256/384/512, or Ed25519")]
     UnsupportedSignatureAlgorithm(String),
@@ -147,6 +151,9 @@ impl VerifiedCsr {
         if !key_kind.is_acceptable_for_workload() {
             return Err(CsrError::UnsupportedKey(key_kind));
         }
+        // Before the signature: cheap, and an even exponent (which cannot
+        // sign) is then refused by the rule rather than as a bad signature.
+        check_key_policy(spki)?;
         let alg = verification_algorithm(&csr, key_kind)?;
         let key = signature::UnparsedPublicKey::new(alg, &spki.subject_public_key.data);
         key.verify(info.raw, &csr.signature_value.data)
@@ -306,6 +313,34 @@ mod tests {
                 "{alg}"
             );
         }
+    }
+
+    #[test]
+    fn rsa_public_exponent_must_be_odd_and_at_least_65537() {
+        use crate::keys::test_rsa::RsaTestKey;
+        let uri = "spiffe://cluster.local/ns/default/sa/web";
+        let e3 = RsaTestKey::generate(2048, 3);
+        let err = VerifiedCsr::from_der(&e3.csr_der(Some(uri))).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "CSR key is not accepted: RSA public exponent must be odd and at least 65537 \
+             (this key's is 3)"
+        );
+        let f4 = RsaTestKey::generate(2048, 65537);
+        let csr = VerifiedCsr::from_der(&f4.csr_der(Some(uri))).unwrap();
+        assert_eq!(csr.key_kind(), KeyKind::Rsa(2048));
+        assert_eq!(csr.subject_key().spki_der(), f4.spki_der().as_slice());
+        // An even exponent: the CSR's key swapped for one with e = 65538
+        // (its signature cannot verify; the rule is what is reported).
+        let mut der = f4.csr_der(Some(uri));
+        let e_f4 = [0x02, 0x03, 0x01, 0x00, 0x01];
+        let at = der.windows(5).rposition(|w| w == e_f4).unwrap();
+        der[at + 4] = 0x02;
+        let err = VerifiedCsr::from_der(&der).unwrap_err();
+        assert!(
+            matches!(&err, CsrError::WeakKey(KeyPolicyError::WeakRsaExponent { exponent }) if exponent == "65538"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -212,6 +212,62 @@ impl fmt::Debug for PrivateKey {
     }
 }
 
+/// The rule on RSA public exponents, as refusals word it.
+pub const RSA_EXPONENT_RULE: &str = "RSA public exponent must be odd and at least 65537";
+
+/// A public key of an accepted type and size that breaks one of meshca's
+/// other key rules. The CA refuses such a key on every path that takes one
+/// (CSRs to `CreateCertificate`, pod certificate requests).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyPolicyError {
+    /// The RSA public exponent is even (no such key can sign) or smaller
+    /// than 65537 (e = 3 keys are open to the small-exponent attacks on
+    /// unpadded or badly padded messages; common policy, FIPS 186-5 and
+    /// the CA/Browser Forum's, asks for at least 65537).
+    #[error("{RSA_EXPONENT_RULE} (this key's is {exponent})")]
+    WeakRsaExponent {
+        /// The exponent as a person reads it (decimal, or its size when
+        /// it does not fit in 64 bits).
+        exponent: String,
+    },
+}
+
+/// Checks the key rules beyond type and size ([`KeyPolicyError`]): an RSA
+/// key's public exponent must be odd and at least 65537. Keys of other
+/// types, and RSA keys whose parameters do not parse (which the type check
+/// refuses), pass.
+pub(crate) fn check_key_policy(spki: &SubjectPublicKeyInfo<'_>) -> Result<(), KeyPolicyError> {
+    match spki.parsed() {
+        Ok(PublicKey::RSA(rsa)) => check_rsa_exponent(rsa.exponent),
+        _ => Ok(()),
+    }
+}
+
+/// The RSA exponent rule on a big-endian unsigned exponent.
+fn check_rsa_exponent(big_endian: &[u8]) -> Result<(), KeyPolicyError> {
+    const F4: [u8; 3] = [0x01, 0x00, 0x01];
+    let digits = match big_endian.iter().position(|&b| b != 0) {
+        Some(first) => &big_endian[first..],
+        None => &[][..],
+    };
+    let odd = digits.last().is_some_and(|b| b & 1 == 1);
+    // Without leading zeros, a longer number is a larger one; of equal
+    // length, big-endian bytes compare as the numbers do.
+    let large_enough = digits.len() > F4.len() || (digits.len() == F4.len() && digits >= &F4[..]);
+    if odd && large_enough {
+        return Ok(());
+    }
+    let exponent = if digits.len() <= 8 {
+        digits
+            .iter()
+            .fold(0u64, |n, &b| (n << 8) | u64::from(b))
+            .to_string()
+    } else {
+        format!("an even {}-byte number", digits.len())
+    };
+    Err(KeyPolicyError::WeakRsaExponent { exponent })
+}
+
 /// What a public key is: algorithm and size.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum KeyKind {
@@ -371,6 +427,69 @@ fn pkcs1_to_pkcs8(pkcs1_der: &[u8]) -> Result<Vec<u8>, KeyError> {
         .to_vec())
 }
 
+/// RSA keys of any public exponent for tests (ring loads no RSA private key
+/// with an exponent below 65537, so [`PrivateKey`] cannot hold them).
+#[cfg(test)]
+pub(crate) mod test_rsa {
+    /// An RSA key from the `rsa` crate, usable as an rcgen signer.
+    pub(crate) struct RsaTestKey {
+        pub(crate) key: rsa::RsaPrivateKey,
+        pkcs1_public: Vec<u8>,
+    }
+
+    impl RsaTestKey {
+        /// A fresh key of `bits` with public exponent `exponent`.
+        pub(crate) fn generate(bits: usize, exponent: u32) -> Self {
+            use rsa::pkcs1::EncodeRsaPublicKey;
+            let key = rsa::RsaPrivateKey::new_with_exp(
+                &mut rand_core::OsRng,
+                bits,
+                &rsa::BigUint::from(exponent),
+            )
+            .unwrap();
+            let pkcs1_public = key.to_public_key().to_pkcs1_der().unwrap().into_vec();
+            Self { key, pkcs1_public }
+        }
+
+        /// The DER SubjectPublicKeyInfo.
+        pub(crate) fn spki_der(&self) -> Vec<u8> {
+            use rsa::pkcs8::EncodePublicKey;
+            self.key
+                .to_public_key()
+                .to_public_key_der()
+                .unwrap()
+                .into_vec()
+        }
+
+        /// A DER CSR signed by this key, with `uri` as URI SAN if given.
+        pub(crate) fn csr_der(&self, uri: Option<&str>) -> Vec<u8> {
+            let mut params = rcgen::CertificateParams::default();
+            params.distinguished_name = rcgen::DistinguishedName::new();
+            if let Some(uri) = uri {
+                params.subject_alt_names = vec![rcgen::SanType::URI(uri.try_into().unwrap())];
+            }
+            params.serialize_request(self).unwrap().der().to_vec()
+        }
+    }
+
+    impl rcgen::PublicKeyData for RsaTestKey {
+        fn der_bytes(&self) -> &[u8] {
+            &self.pkcs1_public
+        }
+        fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
+            &rcgen::PKCS_RSA_SHA256
+        }
+    }
+
+    impl rcgen::SigningKey for RsaTestKey {
+        fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
+            use rsa::signature::{SignatureEncoding, Signer};
+            let signer = rsa::pkcs1v15::SigningKey::<rsa::sha2::Sha256>::new(self.key.clone());
+            Ok(signer.sign(msg).to_vec())
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -439,6 +558,66 @@ mod tests {
             assert_eq!(alg.name().parse::<KeyAlgorithm>().unwrap(), alg);
         }
         assert!("dsa-1024".parse::<KeyAlgorithm>().is_err());
+    }
+
+    fn policy_of(spki_der: &[u8]) -> Result<(), KeyPolicyError> {
+        let (_, spki) = SubjectPublicKeyInfo::from_der(spki_der).unwrap();
+        check_key_policy(&spki)
+    }
+
+    #[test]
+    fn rsa_exponent_rule_on_real_keys() {
+        use test_rsa::RsaTestKey;
+        let f4 = RsaTestKey::generate(2048, 65537);
+        assert_eq!(policy_of(&f4.spki_der()), Ok(()));
+        let e3 = RsaTestKey::generate(2048, 3);
+        let refused = policy_of(&e3.spki_der()).unwrap_err();
+        assert_eq!(
+            refused.to_string(),
+            "RSA public exponent must be odd and at least 65537 (this key's is 3)"
+        );
+        // An even exponent makes no working key, but its public half can be
+        // written down: the modulus of a real key with e = 65538.
+        let even = rsa::RsaPublicKey::new_unchecked(
+            rsa::traits::PublicKeyParts::n(&f4.key).clone(),
+            rsa::BigUint::from(65538u32),
+        );
+        let even_der = {
+            use rsa::pkcs8::EncodePublicKey;
+            even.to_public_key_der().unwrap().as_bytes().to_vec()
+        };
+        let refused = policy_of(&even_der).unwrap_err();
+        assert!(
+            refused.to_string().contains("this key's is 65538"),
+            "{refused}"
+        );
+        // Other key types are not affected.
+        let p256 = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        assert_eq!(policy_of(&p256.public_key_spki_der()), Ok(()));
+    }
+
+    #[test]
+    fn rsa_exponent_rule_on_the_numbers() {
+        let ok = |e: &[u8]| check_rsa_exponent(e).is_ok();
+        assert!(ok(&[0x01, 0x00, 0x01]));
+        assert!(
+            ok(&[0x00, 0x01, 0x00, 0x01]),
+            "a leading zero changes nothing"
+        );
+        assert!(ok(&[0x01, 0x00, 0x03]));
+        assert!(ok(&[0x01, 0x00, 0x00, 0x01]));
+        assert!(ok(&[0xff; 40]), "large odd exponents are allowed");
+        assert!(!ok(&[0x03]));
+        assert!(!ok(&[0x00, 0xff, 0xff]), "65535 is below 65537");
+        assert!(!ok(&[0x01, 0x00, 0x00]), "65536 is even");
+        assert!(!ok(&[0x01, 0x00, 0x00, 0x00]), "large but even");
+        assert!(!ok(&[]), "zero");
+        assert!(!ok(&[0x00, 0x00]), "zero with leading zeros");
+        let big_even = check_rsa_exponent(&[0x02; 12]).unwrap_err();
+        assert!(
+            big_even.to_string().contains("an even 12-byte number"),
+            "{big_even}"
+        );
     }
 
     #[test]

@@ -12,7 +12,9 @@
 //!   either encoding (the 1.36 `stubPKCS10Request`, or the 1.35
 //!   `pkixPublicKey` + `proofOfPossession`), with the proof of possession
 //!   checked as kube-apiserver checks it;
-//! - `signs_key`: the key types meshca issues pod certificates for.
+//! - `signs_key`: the key types meshca issues pod certificates for (and,
+//!   as for every key the CA certifies, an RSA public exponent odd and at
+//!   least 65537: `crate::keys::check_key_policy`).
 //!
 //! The API accepts RSA 3072 and 4096, ECDSA P-256, P-384 and P-521, and
 //! Ed25519. meshca signs every one of them except ECDSA P-521, whose proof
@@ -24,7 +26,7 @@ use x509_parser::prelude::FromDer;
 use x509_parser::x509::SubjectPublicKeyInfo;
 
 use crate::csr::{CsrError, VerifiedCsr};
-use crate::keys::KeyKind;
+use crate::keys::{check_key_policy, KeyKind, KeyPolicyError};
 use crate::profile::SubjectKey;
 
 /// The key types meshca issues pod certificates for, as a person reads them
@@ -59,13 +61,18 @@ pub enum PodKeyError {
         reason: String,
     },
     /// The key is of a type meshca does not sign (`api_allows` tells
-    /// whether kube-apiserver accepts it at all).
-    #[error("{kind} keys are not signed by this signer: use {SUPPORTED_KEY_TYPES}")]
+    /// whether kube-apiserver accepts it at all), or of a type it signs but
+    /// breaking another key rule (`violates`: an RSA public exponent below
+    /// 65537 or even, which kube-apiserver accepts).
+    #[error("{kind} keys are not signed by this signer: {}", what_to_use(.violates.as_ref()))]
     UnsupportedKeyType {
         /// What the key is.
         kind: PodKeyKind,
-        /// Whether kube-apiserver accepts this key type.
+        /// Whether kube-apiserver accepts this key.
         api_allows: bool,
+        /// The key rule beyond type and size the key breaks, when that is
+        /// why it is refused.
+        violates: Option<KeyPolicyError>,
     },
     /// The signature (CSR self-signature or proof of possession) does not
     /// verify with the key.
@@ -74,6 +81,15 @@ pub enum PodKeyError {
         /// The spec field whose signature failed.
         field: &'static str,
     },
+}
+
+/// What a refusal of a pod's key tells the pod to do: the rule it breaks,
+/// or the key types that are signed.
+pub fn what_to_use(violates: Option<&KeyPolicyError>) -> String {
+    match violates {
+        Some(rule) => rule.to_string(),
+        None => format!("use {SUPPORTED_KEY_TYPES}"),
+    }
 }
 
 /// A pod's key type, as the API sees it (P-521 told apart from other
@@ -175,6 +191,12 @@ fn key_from_stub_csr(der: &[u8]) -> Result<SubjectKey, PodKeyError> {
         CsrError::UnsupportedKey(_) => PodKeyError::UnsupportedKeyType {
             kind,
             api_allows: kind.api_allows(),
+            violates: None,
+        },
+        CsrError::WeakKey(rule) => PodKeyError::UnsupportedKeyType {
+            kind,
+            api_allows: kind.api_allows(),
+            violates: Some(rule),
         },
         other => PodKeyError::Malformed {
             field: FIELD,
@@ -186,6 +208,7 @@ fn key_from_stub_csr(der: &[u8]) -> Result<SubjectKey, PodKeyError> {
         return Err(PodKeyError::UnsupportedKeyType {
             kind,
             api_allows: kind.api_allows(),
+            violates: None,
         });
     }
     Ok(key)
@@ -219,12 +242,14 @@ fn key_from_proof(spki_der: &[u8], proof: &[u8], pod_uid: &str) -> Result<Subjec
         return Err(PodKeyError::UnsupportedKeyType {
             kind,
             api_allows: false,
+            violates: None,
         });
     }
     let PodKeyKind::Known(known) = kind else {
         return Err(PodKeyError::UnsupportedKeyType {
             kind,
             api_allows: true,
+            violates: None,
         });
     };
     let key_bits = &spki.subject_public_key.data;
@@ -248,6 +273,16 @@ fn key_from_proof(spki_der: &[u8], proof: &[u8], pod_uid: &str) -> Result<Subjec
     };
     if !verified {
         return Err(PodKeyError::BadProof { field: PROOF_FIELD });
+    }
+    // After the proof, as kube-apiserver sees it: it verifies a proof made
+    // with an e = 3 key (and stores the request), and refuses an even
+    // exponent's, which cannot sign.
+    if let Err(rule) = check_key_policy(&spki) {
+        return Err(PodKeyError::UnsupportedKeyType {
+            kind,
+            api_allows: true,
+            violates: Some(rule),
+        });
     }
     SubjectKey::from_spki_der(spki_der).map_err(|_| malformed())
 }
@@ -401,7 +436,8 @@ mod tests {
             err,
             PodKeyError::UnsupportedKeyType {
                 kind: PodKeyKind::Known(KeyKind::Rsa(2048)),
-                api_allows: false
+                api_allows: false,
+                violates: None,
             }
         );
     }
@@ -504,6 +540,67 @@ mod tests {
             assert!(read_pod_key(&[], &spki, &proof, "uid-7").is_ok(), "{salt}");
             assert!(read_pod_key(&[], &spki, &proof, "uid-8").is_err(), "{salt}");
         }
+    }
+
+    /// RSA-PSS SHA-256 over `uid` with Go's default salt length.
+    fn rsa_pss_proof(key: &rsa::RsaPrivateKey, uid: &str) -> Vec<u8> {
+        use rsa::sha2::{Digest, Sha256};
+        use rsa::traits::PublicKeyParts;
+        let salt = (key.n().bits() - 1).div_ceil(8) - 2 - 32;
+        key.sign_with_rng(
+            &mut rand_core::OsRng,
+            rsa::Pss::new_with_salt::<Sha256>(salt),
+            &Sha256::digest(uid.as_bytes()),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn rsa_keys_with_a_small_exponent_are_refused_naming_the_rule() {
+        use crate::keys::test_rsa::RsaTestKey;
+        let rule = "RSA public exponent must be odd and at least 65537 (this key's is 3)";
+        let e3 = RsaTestKey::generate(3072, 3);
+        let spki = e3.spki_der();
+        let proof = rsa_pss_proof(&e3.key, "uid-1");
+        for (encoding, got) in [
+            (
+                "stub CSR",
+                read_pod_key(&e3.csr_der(None), &[], &[], "uid-1"),
+            ),
+            ("proof", read_pod_key(&[], &spki, &proof, "uid-1")),
+        ] {
+            let err = got.unwrap_err();
+            assert_eq!(
+                err,
+                PodKeyError::UnsupportedKeyType {
+                    kind: PodKeyKind::Known(KeyKind::Rsa(3072)),
+                    api_allows: true,
+                    violates: Some(KeyPolicyError::WeakRsaExponent {
+                        exponent: "3".into()
+                    }),
+                },
+                "{encoding}"
+            );
+            assert_eq!(
+                err.to_string(),
+                format!("RSA 3072 keys are not signed by this signer: {rule}"),
+                "{encoding}"
+            );
+        }
+        // A proof over another UID is still a bad proof first.
+        assert_eq!(
+            read_pod_key(&[], &spki, &proof, "uid-2").unwrap_err(),
+            PodKeyError::BadProof {
+                field: "spec.proofOfPossession"
+            }
+        );
+        // The same size with e = 65537, both encodings: read.
+        let f4 = RsaTestKey::generate(3072, 65537);
+        let read = read_pod_key(&f4.csr_der(None), &[], &[], "uid-1").unwrap();
+        assert_eq!(read.spki_der(), f4.spki_der().as_slice());
+        let proof = rsa_pss_proof(&f4.key, "uid-1");
+        let read = read_pod_key(&[], &f4.spki_der(), &proof, "uid-1").unwrap();
+        assert_eq!(read.kind(), KeyKind::Rsa(3072));
     }
 
     #[test]

@@ -155,6 +155,54 @@ fn b64(bytes: &[u8]) -> String {
     base64::engine::general_purpose::STANDARD.encode(bytes)
 }
 
+fn rsa_spki(key: &rsa::RsaPrivateKey) -> Vec<u8> {
+    use rsa::pkcs8::EncodePublicKey;
+    key.to_public_key().to_public_key_der().unwrap().into_vec()
+}
+
+/// The kubelet's RSA proof of possession: RSA-PSS SHA-256 over the pod UID
+/// with Go's default salt length.
+fn rsa_pss_proof(key: &rsa::RsaPrivateKey, pod_uid: &str) -> Vec<u8> {
+    use rsa::sha2::{Digest, Sha256};
+    use rsa::traits::PublicKeyParts;
+    let salt = (key.n().bits() - 1).div_ceil(8) - 2 - 32;
+    key.sign_with_rng(
+        &mut rand_core::OsRng,
+        rsa::Pss::new_with_salt::<Sha256>(salt),
+        &Sha256::digest(pod_uid.as_bytes()),
+    )
+    .unwrap()
+}
+
+/// An empty PKCS#10 request signed by an RSA key of any exponent, DER.
+fn rsa_stub_csr(key: &rsa::RsaPrivateKey) -> Vec<u8> {
+    struct Signer<'a>(&'a rsa::RsaPrivateKey, Vec<u8>);
+    impl rcgen::PublicKeyData for Signer<'_> {
+        fn der_bytes(&self) -> &[u8] {
+            &self.1
+        }
+        fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
+            &rcgen::PKCS_RSA_SHA256
+        }
+    }
+    impl rcgen::SigningKey for Signer<'_> {
+        fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
+            use rsa::signature::{SignatureEncoding, Signer as _};
+            let signer = rsa::pkcs1v15::SigningKey::<rsa::sha2::Sha256>::new(self.0.clone());
+            Ok(signer.sign(msg).to_vec())
+        }
+    }
+    use rsa::pkcs1::EncodeRsaPublicKey;
+    let pkcs1 = key.to_public_key().to_pkcs1_der().unwrap().into_vec();
+    let mut params = rcgen::CertificateParams::default();
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params
+        .serialize_request(&Signer(key, pkcs1))
+        .unwrap()
+        .der()
+        .to_vec()
+}
+
 fn ed25519() -> PrivateKey {
     PrivateKey::from_pkcs8_der(
         &rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519)
@@ -379,7 +427,44 @@ async fn requests_that_must_not_be_signed_are_denied_with_the_reason() {
         ("annotated", ("Denied", "UnknownUserAnnotation")),
         ("forged", ("Denied", "InvalidProofOfPossession")),
         ("p521", ("Denied", "UnsupportedKeyType")),
+        ("rsa-e3-stub", ("Denied", "UnsupportedKeyType")),
+        ("rsa-e3-proof", ("Denied", "UnsupportedKeyType")),
     ]);
+
+    // An RSA 3072 key with public exponent 3, in either encoding: the API
+    // accepts it (Go verifies its signatures), meshca denies it naming the
+    // rule. ring loads no such private key, so the `rsa` crate signs.
+    let e3 =
+        rsa::RsaPrivateKey::new_with_exp(&mut rand_core::OsRng, 3072, &rsa::BigUint::from(3u32))
+            .unwrap();
+    kube.add_pod("default", "pod-rsa-e3-stub", "uid-rsa-e3-stub", "web", NODE);
+    let mut e3_stub = PodRequest {
+        name: "rsa-e3-stub",
+        pod: ("pod-rsa-e3-stub", "uid-rsa-e3-stub", "web", NODE),
+        ..elsewhere.clone()
+    }
+    .to_json(&key, KeyEncoding::StubCsr);
+    e3_stub["spec"]["stubPKCS10Request"] = serde_json::json!(b64(&rsa_stub_csr(&e3)));
+    kube.create_object("podcertificaterequests", e3_stub)
+        .unwrap();
+    kube.add_pod(
+        "default",
+        "pod-rsa-e3-proof",
+        "uid-rsa-e3-proof",
+        "web",
+        NODE,
+    );
+    let mut e3_proof = PodRequest {
+        name: "rsa-e3-proof",
+        pod: ("pod-rsa-e3-proof", "uid-rsa-e3-proof", "web", NODE),
+        ..elsewhere.clone()
+    }
+    .to_json(&key, KeyEncoding::ProofOfPossession);
+    e3_proof["spec"]["pkixPublicKey"] = serde_json::json!(b64(&rsa_spki(&e3)));
+    e3_proof["spec"]["proofOfPossession"] =
+        serde_json::json!(b64(&rsa_pss_proof(&e3, "uid-rsa-e3-proof")));
+    kube.create_object("podcertificaterequests", e3_proof)
+        .unwrap();
 
     // A P-521 key: the API accepts it, meshca does not sign it. The stub
     // CSR is a fixture (made once with `openssl genpkey -algorithm EC
@@ -428,6 +513,15 @@ async fn requests_that_must_not_be_signed_are_denied_with_the_reason() {
             assert!(
                 message.contains("ECDSA P-521") && message.contains("ECDSA P-256"),
                 "names the key and a supported type: {message}"
+            );
+        }
+        if name.starts_with("rsa-e3") {
+            assert!(
+                message.contains("RSA 3072")
+                    && message.contains(
+                        "RSA public exponent must be odd and at least 65537 (this key's is 3)"
+                    ),
+                "names the key and the rule: {message}"
             );
         }
     }

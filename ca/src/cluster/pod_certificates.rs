@@ -47,7 +47,7 @@ use k8s_openapi::api::core::v1::Pod;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher::{self, Event};
-use meshca_certs::pod_certificate::{self, PodKeyError, SUPPORTED_KEY_TYPES};
+use meshca_certs::pod_certificate::{self, PodKeyError};
 use meshca_certs::profile::CLOCK_SKEW_BACKDATE;
 use meshca_certs::{SpiffeId, TrustDomain};
 use time::OffsetDateTime;
@@ -778,12 +778,13 @@ async fn check(
         &spec.pod_uid,
     ) {
         Ok(key) => key,
-        Err(PodKeyError::UnsupportedKeyType { kind, .. }) => {
+        Err(PodKeyError::UnsupportedKeyType { kind, violates, .. }) => {
             return Ok(Err(denied(
                 "UnsupportedKeyType",
                 format!(
-                    "{kind} keys are not signed by {}: use {SUPPORTED_KEY_TYPES}",
-                    config.signer_name
+                    "{kind} keys are not signed by {}: {}",
+                    config.signer_name,
+                    pod_certificate::what_to_use(violates.as_ref())
                 ),
             )))
         }
