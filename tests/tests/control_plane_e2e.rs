@@ -611,15 +611,16 @@ async fn two_replicas_share_one_root_and_one_leader_at_a_time() {
     .await;
 }
 
-/// Creates a PodCertificateRequest for `pod` (in `default`, on its node)
-/// as the pod's kubelet does: with the node's own credentials, the real
-/// UIDs, and a fresh P-256 key.
-async fn create_pod_certificate_request(
+/// A PodCertificateRequest for `pod` (in `default`) as its kubelet
+/// writes it: the pod's, its service account's and its node's real UIDs,
+/// `key` in `encoding`, an hour asked for.
+async fn pod_certificate_request(
     plane: &ControlPlane,
     name: &str,
     pod: &str,
+    key: &PrivateKey,
     encoding: KeyEncoding,
-) -> PrivateKey {
+) -> serde_json::Value {
     let admin = plane.admin().await;
     let pod: Pod = Api::namespaced(admin.clone(), "default")
         .get(pod)
@@ -644,7 +645,6 @@ async fn create_pod_certificate_request(
         .metadata
         .uid
         .unwrap();
-    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
     let pod_name = pod.metadata.name.clone().unwrap();
     let pod_uid = pod.metadata.uid.clone().unwrap();
     let mut object = PodRequest {
@@ -654,13 +654,36 @@ async fn create_pod_certificate_request(
         pod: (&pod_name, &pod_uid, &account, &node),
         max_expiration_seconds: Some(3600),
     }
-    .to_json(&key, encoding);
+    .to_json(key, encoding);
     object["spec"]["serviceAccountUID"] = serde_json::json!(account_uid);
     object["spec"]["nodeUID"] = serde_json::json!(node_uid);
+    object
+}
+
+/// Creates `object` (a PodCertificateRequest in `default`) with `client`.
+async fn create_request(
+    client: kube::Client,
+    object: serde_json::Value,
+) -> Result<PodCertificateRequest, kube::Error> {
     let request: PodCertificateRequest = serde_json::from_value(object).unwrap();
-    let kubelet: Api<PodCertificateRequest> = Api::namespaced(plane.node(&node).await, "default");
-    kubelet
+    Api::namespaced(client, "default")
         .create(&PostParams::default(), &request)
+        .await
+}
+
+/// Creates a PodCertificateRequest for `pod` (in `default`, on its node)
+/// as the pod's kubelet does: with the node's own credentials, the real
+/// UIDs, and a fresh P-256 key.
+async fn create_pod_certificate_request(
+    plane: &ControlPlane,
+    name: &str,
+    pod: &str,
+    encoding: KeyEncoding,
+) -> PrivateKey {
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    let object = pod_certificate_request(plane, name, pod, &key, encoding).await;
+    let node = object["spec"]["nodeName"].as_str().unwrap().to_string();
+    create_request(plane.node(&node).await, object)
         .await
         .unwrap_or_else(|e| panic!("the kubelet of {node} creates {name}: {e}"));
     key
@@ -1491,4 +1514,219 @@ async fn what_meshca_keeps_in_the_cluster_is_set_back() {
         "{log}"
     );
     assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
+}
+
+/// Every PodCertificateRequest meshca must not sign, against the real API
+/// server: what NodeRestriction and validation refuse before meshca sees
+/// it (a kubelet asking for another node's pod or another service account,
+/// a proof over another pod's UID, an RSA 2048 key), and what meshca denies
+/// with the reason (a pod gone or recreated since the kubelet asked,
+/// unknown user annotations too many to quote, a P-521 key, and, written
+/// past NodeRestriction by an administrator, a request naming the wrong
+/// node or service account). All are created before meshca starts, so
+/// meshca's start-up list finds them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_certificate_requests_that_must_not_be_signed_are_refused_or_denied() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    for (pod, account, node) in [
+        ("pod-gone", "web", "node-a"),
+        ("pod-recreated", "web", "node-a"),
+        ("pod-annotated", "web", "node-a"),
+        ("pod-p521", "web", "node-a"),
+        ("pod-db", "db", "node-a"),
+        ("pod-b", "web", "node-b"),
+    ] {
+        plane.running_pod("default", pod, account, node).await;
+    }
+    let kubelet = plane.node("node-a").await;
+    let admin = plane.admin().await;
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    let request = |name: &'static str, pod: &'static str| {
+        pod_certificate_request(&plane, name, pod, &key, KeyEncoding::StubCsr)
+    };
+
+    // Refused by the API server itself.
+    let refused = |result: Result<PodCertificateRequest, kube::Error>, what: &str| match result {
+        Err(kube::Error::Api(e)) => (e.code, e.message),
+        other => panic!("{what}: the API server refuses it, got {other:?}"),
+    };
+    let mut elsewhere = request("elsewhere", "pod-b").await;
+    let node_a_uid = request("uid-of-node-a", "pod-db").await["spec"]["nodeUID"].clone();
+    elsewhere["spec"]["nodeName"] = serde_json::json!("node-a");
+    elsewhere["spec"]["nodeUID"] = node_a_uid;
+    let (code, message) = refused(
+        create_request(kubelet.clone(), elsewhere.clone()).await,
+        "another node's pod",
+    );
+    assert!(
+        code == 403 && message.contains("not running on node"),
+        "{code} {message}"
+    );
+    let mut other_sa = request("other-sa", "pod-db").await;
+    other_sa["spec"]["serviceAccountName"] = serde_json::json!("web");
+    let (code, message) = refused(
+        create_request(kubelet.clone(), other_sa.clone()).await,
+        "another service account",
+    );
+    assert!(
+        code == 403 && message.contains("serviceAccountName"),
+        "{code} {message}"
+    );
+    let mut forged = pod_certificate_request(
+        &plane,
+        "forged",
+        "pod-gone",
+        &key,
+        KeyEncoding::ProofOfPossession,
+    )
+    .await;
+    let proof = meshca_tests::fake_certificates::proof_of_possession(&key, "uid-other").unwrap();
+    forged["spec"]["proofOfPossession"] = serde_json::json!(b64(&proof));
+    let (code, message) = refused(
+        create_request(kubelet.clone(), forged).await,
+        "a proof over another UID",
+    );
+    assert!(code == 422 && message.contains("proof"), "{code} {message}");
+    let rsa = PrivateKey::generate(KeyAlgorithm::Rsa2048).unwrap();
+    let (code, message) = refused(
+        create_request(
+            kubelet.clone(),
+            pod_certificate_request(&plane, "rsa2048", "pod-gone", &rsa, KeyEncoding::StubCsr)
+                .await,
+        )
+        .await,
+        "an RSA 2048 key",
+    );
+    assert!(
+        code == 422 && message.contains("RSA keys must have modulus size 3072 or 4096"),
+        "{code} {message}"
+    );
+
+    // Accepted by the API server, to be denied by meshca.
+    create_request(kubelet.clone(), request("pod-gone", "pod-gone").await)
+        .await
+        .unwrap();
+    plane.delete_pod("default", "pod-gone").await;
+    create_request(kubelet.clone(), request("recreated", "pod-recreated").await)
+        .await
+        .unwrap();
+    let old_uid = {
+        let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+        pods.get("pod-recreated")
+            .await
+            .unwrap()
+            .metadata
+            .uid
+            .unwrap()
+    };
+    plane.delete_pod("default", "pod-recreated").await;
+    let pods: Api<Pod> = Api::namespaced(admin.clone(), "default");
+    wait_for("pod-recreated gone", Duration::from_secs(20), || {
+        let pods = pods.clone();
+        async move { pods.get_opt("pod-recreated").await.unwrap().is_none() }
+    })
+    .await;
+    let new_uid = plane
+        .running_pod("default", "pod-recreated", "web", "node-a")
+        .await
+        .metadata
+        .uid
+        .unwrap();
+    // Unknown user annotations, more than a condition's message may
+    // quote (150 keys of 267 characters: 40 KB).
+    let mut annotated = request("annotated", "pod-annotated").await;
+    let labels = format!("{}.{}.example.com", "b".repeat(63), "c".repeat(63));
+    let annotations: serde_json::Map<String, serde_json::Value> = (0..150)
+        .map(|i| {
+            let key = format!("{i:03}{}.{labels}/{}", "a".repeat(60), "n".repeat(63));
+            (key, "v".into())
+        })
+        .collect();
+    annotated["spec"]["unverifiedUserAnnotations"] = serde_json::Value::Object(annotations);
+    create_request(kubelet.clone(), annotated).await.unwrap();
+    // A P-521 key (a fixture stub CSR, see pod_certificates_e2e.rs): the
+    // API accepts it, meshca does not sign it.
+    let mut p521 = request("p521", "pod-p521").await;
+    p521["spec"]["stubPKCS10Request"] =
+        serde_json::json!(b64(include_bytes!("../data/p521-stub-csr.der")));
+    create_request(kubelet.clone(), p521).await.unwrap();
+    // Past NodeRestriction (an administrator): the wrong node, the wrong
+    // service account.
+    elsewhere["metadata"]["name"] = serde_json::json!("elsewhere");
+    create_request(admin.clone(), elsewhere).await.unwrap();
+    create_request(admin.clone(), other_sa).await.unwrap();
+
+    let args = meshca_args(&plane, &["--pod-certificate-signer", SIGNER]).await;
+    let server = start_off_runtime(dir.path().join("data"), args).await;
+    let expected = [
+        ("pod-gone", "PodNotFound"),
+        ("recreated", "PodNotFound"),
+        ("annotated", "UnknownUserAnnotation"),
+        ("p521", "UnsupportedKeyType"),
+        ("elsewhere", "PodMismatch"),
+        ("other-sa", "PodMismatch"),
+    ];
+    let requests: Api<PodCertificateRequest> = Api::namespaced(admin.clone(), "default");
+    for (name, _) in expected {
+        wait_for(&format!("{name} answered"), Duration::from_secs(30), || {
+            let requests = requests.clone();
+            async move { condition_of(&requests.get(name).await.unwrap()).is_some() }
+        })
+        .await;
+    }
+    for (name, reason) in expected {
+        let request = requests.get(name).await.unwrap();
+        assert_eq!(
+            condition_of(&request),
+            Some(("Denied".into(), reason.into())),
+            "{name}: {:?}",
+            request.status
+        );
+        let status = request.status.unwrap();
+        assert!(
+            status.certificate_chain.is_none(),
+            "{name}: only the condition"
+        );
+        let message = &status.conditions.unwrap()[0].message;
+        match name {
+            "recreated" => assert!(
+                message.contains(&format!("has UID {new_uid}, not {old_uid}")),
+                "{message}"
+            ),
+            "other-sa" => assert!(
+                message.contains("service account \"db\", not \"web\""),
+                "{message}"
+            ),
+            "p521" => assert!(
+                message.contains("ECDSA P-521") && message.contains("ECDSA P-256"),
+                "{message}"
+            ),
+            _ => {}
+        }
+    }
+    let log = server.log();
+    for (name, _) in expected {
+        assert!(
+            log.lines()
+                .any(|l| l.contains("denied pod certificate")
+                    && l.contains(&format!("request={name} "))),
+            "denial of {name} audited:\n{log}"
+        );
+    }
+    let metrics = http_get(server.monitoring, "/metrics").unwrap().1;
+    assert!(
+        metrics.contains(
+            "meshca_pod_certificate_request_count{result=\"Denied\",reason=\"PodNotFound\"} 2"
+        ),
+        "{metrics}"
+    );
+    assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
+}
+
+fn b64(bytes: &[u8]) -> String {
+    use base64::Engine as _;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
 }
