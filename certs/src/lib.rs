@@ -38,6 +38,8 @@ pub mod answer;
 pub mod bundle;
 pub mod cadir;
 pub mod csr;
+#[cfg(feature = "serving")]
+pub mod heap_trim;
 mod der;
 pub mod inspect;
 pub mod keys;

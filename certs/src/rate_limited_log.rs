@@ -30,6 +30,7 @@ pub struct RateLimitedLog {
     interval: Duration,
     last: Mutex<Option<Instant>>,
     unlogged: AtomicU64,
+    total: AtomicU64,
 }
 
 impl Default for RateLimitedLog {
@@ -45,12 +46,14 @@ impl RateLimitedLog {
             interval,
             last: Mutex::new(None),
             unlogged: AtomicU64::new(0),
+            total: AtomicU64::new(0),
         }
     }
 
     /// Records one event. `Some(n)`: write a line now, standing for this
     /// event and `n` earlier ones that got no line; `None`: stay quiet.
     pub fn record(&self) -> Option<u64> {
+        self.total.fetch_add(1, Ordering::Relaxed);
         let now = Instant::now();
         {
             let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
@@ -61,6 +64,11 @@ impl RateLimitedLog {
         }
         self.unlogged.fetch_add(1, Ordering::Relaxed);
         None
+    }
+
+    /// Every event recorded so far, logged or not: an exact counter.
+    pub fn total(&self) -> u64 {
+        self.total.load(Ordering::Relaxed)
     }
 }
 
@@ -84,5 +92,6 @@ mod tests {
             "the next line counts the quiet ones"
         );
         assert_eq!(log.record(), None);
+        assert_eq!(log.total(), 1_002, "every event is counted");
     }
 }

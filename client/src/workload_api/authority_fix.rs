@@ -28,10 +28,13 @@
 //! gets its connection closed, as `h2` would.
 
 use std::io;
+use std::ops::Range;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+use super::per_pod::{BufferCharge, OverBudget};
 
 /// HTTP/2's client connection preface.
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -66,18 +69,28 @@ enum Mode {
     Forwarding,
 }
 
-/// A header block being put together from its frames.
+/// A header block being put together from its frames. It is held once:
+/// while inspecting, as the client's frames (`AuthorityFix::first_block_raw`,
+/// its fragments at `ranges` in them); while rewriting, as its fragments.
 struct PendingBlock {
     stream_id: u32,
     /// END_STREAM of its HEADERS frame.
     end_stream: bool,
     /// The priority fields of its HEADERS frame, if any.
     priority: Option<[u8; 5]>,
-    /// The header block fragments so far.
+    /// Rewriting: the header block fragments so far.
     fragment: Vec<u8>,
+    /// Inspecting: where the fragments lie in the first block's frames.
+    ranges: Vec<Range<usize>>,
+    /// The fragments' bytes so far.
+    fragment_len: usize,
     /// Frames so far, HEADERS included.
     frames: usize,
 }
+
+/// What [`AuthorityFix`] calls when its buffers would take its pod past
+/// its budget (the connection is then closed).
+pub(crate) type OnOverBudget = Box<dyn Fn(&OverBudget) + Send>;
 
 /// The client side of a Workload API connection, as `h2` should read it
 /// (see the module's documentation). Writes go to `inner` unchanged.
@@ -90,13 +103,19 @@ pub(crate) struct AuthorityFix<S> {
     output: Vec<u8>,
     output_pos: usize,
     /// The frames of the first header block as the client sent them, for
-    /// the case that they need no change.
+    /// the case that they need no change: the one copy of a block being
+    /// inspected.
     first_block_raw: Vec<u8>,
     pending: Option<PendingBlock>,
     preface_seen: bool,
     /// `process` stopped with input left because the output is full.
     backlog: bool,
+    /// Node mode: what the buffers above hold, charged to the caller's pod.
+    charge: Option<(BufferCharge, OnOverBudget)>,
 }
+
+/// How much is read from the client at a time.
+const READ_CHUNK: usize = 8192;
 
 impl<S> AuthorityFix<S> {
     /// Wraps the connection's stream.
@@ -111,14 +130,74 @@ impl<S> AuthorityFix<S> {
             pending: None,
             preface_seen: false,
             backlog: false,
+            charge: None,
         }
+    }
+
+    /// Charges the bytes its buffers hold to `charge` (its caller's pod's
+    /// budget) as they grow and shrink; past the budget the read fails
+    /// (the connection is closed) after `on_over_budget` is told.
+    pub(crate) fn with_budget(
+        mut self,
+        charge: BufferCharge,
+        on_over_budget: OnOverBudget,
+    ) -> Self {
+        self.charge = Some((charge, on_over_budget));
+        self
+    }
+
+    /// The bytes the buffers hold (their capacity), the HPACK table
+    /// counted at its most when rewriting.
+    pub(crate) fn held_bytes(&self) -> usize {
+        let pending = self.pending.as_ref().map_or(0, |p| {
+            p.fragment.capacity() + p.ranges.capacity() * std::mem::size_of::<Range<usize>>()
+        });
+        let table = match self.mode {
+            Mode::Rewriting(_) => HPACK_TABLE_SIZE,
+            _ => 0,
+        };
+        self.input.capacity()
+            + self.output.capacity()
+            + self.first_block_raw.capacity()
+            + pending
+            + table
+    }
+
+    /// Gives back what the buffers no longer need, and charges what they
+    /// hold now.
+    fn settle(&mut self) -> io::Result<()> {
+        if self.input.is_empty() {
+            self.input = Vec::new();
+        } else if self.input.capacity() > 2 * (self.input.len() + READ_CHUNK) {
+            self.input.shrink_to(self.input.len() + READ_CHUNK);
+        }
+        if self.output_pos == self.output.len() {
+            self.output = Vec::new();
+            self.output_pos = 0;
+        }
+        let held = self.held_bytes();
+        if let Some((charge, on_over_budget)) = &mut self.charge {
+            if let Err(over) = charge.set(held) {
+                on_over_budget(&over);
+                return Err(broken(
+                    "its pod holds its most bytes in the agent's buffers",
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Moves everything looked at so far, and everything not yet, to the
     /// output unchanged, and forwards from then on.
     fn forward_everything(&mut self) {
-        self.output.append(&mut self.first_block_raw);
-        self.output.append(&mut self.input);
+        let raw = std::mem::take(&mut self.first_block_raw);
+        let input = std::mem::take(&mut self.input);
+        if self.output.is_empty() {
+            self.output = raw;
+        } else {
+            self.output.extend_from_slice(&raw);
+        }
+        self.output.extend_from_slice(&input);
         self.pending = None;
         self.mode = Mode::Forwarding;
     }
@@ -168,47 +247,60 @@ impl<S> AuthorityFix<S> {
                 self.forward_everything();
                 return Ok(());
             }
-            if self.input.len() < FRAME_HEADER + len {
+            let end = FRAME_HEADER + len;
+            if self.input.len() < end {
                 return Ok(());
             }
-            let frame: Vec<u8> = self.input.drain(..FRAME_HEADER + len).collect();
-            let payload = &frame[FRAME_HEADER..];
-            match (kind, self.pending.is_some()) {
-                (HEADERS, false) => {
+            let inspecting = matches!(self.mode, Mode::Inspecting);
+            let payload = &self.input[FRAME_HEADER..end];
+            // Where the frame's fragment lies in its payload.
+            let fragment = match (kind, self.pending.as_mut()) {
+                (HEADERS, None) => {
                     let (fragment, priority) = headers_fragment(flags, payload)?;
                     self.pending = Some(PendingBlock {
                         stream_id,
                         end_stream: flags & END_STREAM != 0,
                         priority,
-                        fragment: fragment.to_vec(),
-                        frames: 1,
+                        fragment: Vec::new(),
+                        ranges: Vec::new(),
+                        fragment_len: 0,
+                        frames: 0,
                     });
+                    fragment
                 }
-                (CONTINUATION, true) => {
-                    let pending = self.pending.as_mut().ok_or_else(|| broken("no block"))?;
+                (CONTINUATION, Some(pending)) => {
                     if pending.stream_id != stream_id {
                         return Err(broken("a CONTINUATION of another stream"));
                     }
-                    pending.fragment.extend_from_slice(payload);
-                    pending.frames += 1;
+                    0..payload.len()
                 }
-                (_, true) => return Err(broken("a frame inside a header block")),
-                (_, false) => {
+                (_, Some(_)) => return Err(broken("a frame inside a header block")),
+                (_, None) => {
                     // Any other frame is forwarded as it is.
-                    self.output.extend_from_slice(&frame);
+                    self.output.extend_from_slice(&self.input[..end]);
+                    self.input.drain(..end);
                     continue;
                 }
-            }
-            if self
-                .pending
-                .as_ref()
-                .is_some_and(|p| p.fragment.len() > MAX_HEADER_BLOCK || p.frames > MAX_BLOCK_FRAMES)
-            {
+            };
+            let pending = self.pending.as_mut().ok_or_else(|| broken("no block"))?;
+            pending.frames += 1;
+            pending.fragment_len += fragment.len();
+            if pending.fragment_len > MAX_HEADER_BLOCK || pending.frames > MAX_BLOCK_FRAMES {
                 return Err(broken("a header block too large"));
             }
-            if matches!(self.mode, Mode::Inspecting) {
-                self.first_block_raw.extend_from_slice(&frame);
+            if inspecting {
+                let base = self.first_block_raw.len() + FRAME_HEADER;
+                pending
+                    .ranges
+                    .push(base + fragment.start..base + fragment.end);
+                // Exactly: doubling would hold up to twice the block.
+                self.first_block_raw.reserve_exact(end);
+                self.first_block_raw.extend_from_slice(&self.input[..end]);
+            } else {
+                pending.fragment.reserve_exact(fragment.len());
+                pending.fragment.extend_from_slice(&payload[fragment]);
             }
+            self.input.drain(..end);
             if flags & END_HEADERS != 0 {
                 let block = self.pending.take().ok_or_else(|| broken("no block"))?;
                 self.finish_block(block)?;
@@ -217,12 +309,21 @@ impl<S> AuthorityFix<S> {
     }
 
     /// A complete header block: decides the mode on the first, encodes it
-    /// again when rewriting.
+    /// again when rewriting. The block's bytes are let go of here.
     fn finish_block(&mut self, block: PendingBlock) -> io::Result<()> {
         if matches!(self.mode, Mode::Inspecting) {
             let mut decoder = loona_hpack::Decoder::new();
             decoder.set_max_allowed_table_size(HPACK_TABLE_SIZE);
-            let fields = decode(&mut decoder, &block.fragment)?;
+            let fields = match block.ranges.as_slice() {
+                [one] => decode(&mut decoder, &self.first_block_raw[one.clone()])?,
+                ranges => {
+                    let mut joined = Vec::with_capacity(block.fragment_len);
+                    for range in ranges {
+                        joined.extend_from_slice(&self.first_block_raw[range.clone()]);
+                    }
+                    decode(&mut decoder, &joined)?
+                }
+            };
             let acceptable = fields
                 .iter()
                 .find(|(name, _)| name == b":authority")
@@ -231,7 +332,7 @@ impl<S> AuthorityFix<S> {
                 self.forward_everything();
                 return Ok(());
             }
-            self.first_block_raw.clear();
+            self.first_block_raw = Vec::new();
             tracing::debug!(
                 "a workload client sent a socket path as :authority; its header blocks are re-encoded with localhost"
             );
@@ -243,13 +344,24 @@ impl<S> AuthorityFix<S> {
             return Ok(());
         };
         let fields = decode(decoder, &block.fragment)?;
-        self.write_block(&block, &fields);
+        drop(block.fragment);
+        self.write_block_fields(block.stream_id, block.end_stream, block.priority, &fields);
         Ok(())
+    }
+
+    fn write_block(&mut self, block: &PendingBlock, fields: &[(Vec<u8>, Vec<u8>)]) {
+        self.write_block_fields(block.stream_id, block.end_stream, block.priority, fields);
     }
 
     /// Writes `fields` as never-indexed literals in a HEADERS frame and as
     /// many CONTINUATION frames as needed, `:authority` as `localhost`.
-    fn write_block(&mut self, block: &PendingBlock, fields: &[(Vec<u8>, Vec<u8>)]) {
+    fn write_block_fields(
+        &mut self,
+        stream_id: u32,
+        end_stream: bool,
+        priority: Option<[u8; 5]>,
+        fields: &[(Vec<u8>, Vec<u8>)],
+    ) {
         let mut encoded = Vec::new();
         for (name, value) in fields {
             let value = if name == b":authority" {
@@ -264,10 +376,10 @@ impl<S> AuthorityFix<S> {
         }
         let mut first = Vec::new();
         let mut flags = 0;
-        if block.end_stream {
+        if end_stream {
             flags |= END_STREAM;
         }
-        if let Some(priority) = block.priority {
+        if let Some(priority) = priority {
             flags |= PRIORITY;
             first.extend_from_slice(&priority);
         }
@@ -277,39 +389,39 @@ impl<S> AuthorityFix<S> {
         if rest.is_empty() {
             flags |= END_HEADERS;
         }
-        write_frame(&mut self.output, HEADERS, flags, block.stream_id, &first);
+        write_frame(&mut self.output, HEADERS, flags, stream_id, &first);
         while !rest.is_empty() {
             let (part, after) = rest.split_at(rest.len().min(MAX_FRAME_PAYLOAD));
             let flags = if after.is_empty() { END_HEADERS } else { 0 };
-            write_frame(&mut self.output, CONTINUATION, flags, block.stream_id, part);
+            write_frame(&mut self.output, CONTINUATION, flags, stream_id, part);
             rest = after;
         }
     }
 }
 
-/// The header block fragment of a HEADERS frame's payload, without its
-/// padding, and its priority fields.
-fn headers_fragment(flags: u8, payload: &[u8]) -> io::Result<(&[u8], Option<[u8; 5]>)> {
-    let mut rest = payload;
+/// Where the header block fragment of a HEADERS frame's payload lies,
+/// without its padding, and its priority fields.
+fn headers_fragment(flags: u8, payload: &[u8]) -> io::Result<(Range<usize>, Option<[u8; 5]>)> {
+    let mut start = 0usize;
     let mut pad = 0usize;
     if flags & PADDED != 0 {
-        let (&n, after) = rest.split_first().ok_or_else(|| broken("no pad length"))?;
+        let &n = payload.first().ok_or_else(|| broken("no pad length"))?;
         pad = usize::from(n);
-        rest = after;
+        start = 1;
     }
     let mut priority = None;
     if flags & PRIORITY != 0 {
-        if rest.len() < 5 {
-            return Err(broken("short priority fields"));
-        }
-        let (fields, after) = rest.split_at(5);
+        let fields = payload
+            .get(start..start + 5)
+            .ok_or_else(|| broken("short priority fields"))?;
         priority = Some([fields[0], fields[1], fields[2], fields[3], fields[4]]);
-        rest = after;
+        start += 5;
     }
-    if pad > rest.len() {
+    let rest = payload.len() - start;
+    if pad > rest {
         return Err(broken("padding longer than the frame"));
     }
-    Ok((&rest[..rest.len() - pad], priority))
+    Ok((start..payload.len() - pad, priority))
 }
 
 /// Decodes a header block, within [`MAX_HEADER_BLOCK`] decoded bytes.
@@ -386,8 +498,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
                 buf.put_slice(&this.output[this.output_pos..this.output_pos + n]);
                 this.output_pos += n;
                 if this.output_pos == this.output.len() {
-                    this.output = Vec::new();
-                    this.output_pos = 0;
+                    this.settle()?;
                 }
                 return Poll::Ready(Ok(()));
             }
@@ -396,24 +507,25 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
             }
             if this.backlog {
                 this.process()?;
+                this.settle()?;
                 continue;
             }
-            let mut chunk = [0u8; 8192];
+            let mut chunk = [0u8; READ_CHUNK];
             let mut chunk_buf = ReadBuf::new(&mut chunk);
             std::task::ready!(Pin::new(&mut this.inner).poll_read(cx, &mut chunk_buf))?;
             let read = chunk_buf.filled();
             if read.is_empty() {
                 // End of the stream: what is left is passed on for h2 to judge.
-                this.output.append(&mut this.first_block_raw);
-                this.output.append(&mut this.input);
-                this.mode = Mode::Forwarding;
+                this.forward_everything();
                 if this.output.is_empty() {
+                    this.settle()?;
                     return Poll::Ready(Ok(()));
                 }
                 continue;
             }
             this.input.extend_from_slice(read);
             this.process()?;
+            this.settle()?;
         }
     }
 }
@@ -451,6 +563,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+    use std::time::Duration;
     use tokio::io::AsyncReadExt;
 
     /// Decoded header fields, (name, value).
@@ -529,7 +643,7 @@ mod tests {
             match kind {
                 HEADERS => {
                     let (fragment, _) = headers_fragment(flags, payload).unwrap();
-                    pending = Some((id, flags & END_STREAM != 0, fragment.to_vec()));
+                    pending = Some((id, flags & END_STREAM != 0, payload[fragment].to_vec()));
                 }
                 CONTINUATION => pending.as_mut().unwrap().2.extend_from_slice(payload),
                 _ => {}
@@ -670,6 +784,120 @@ mod tests {
             }
             let _ = read_all(input).await;
         }
+    }
+
+    /// Whether `bytes` (after the preface) are whole frames, the last
+    /// with END_HEADERS.
+    fn ends_with_end_headers(bytes: &[u8]) -> bool {
+        let mut rest = &bytes[PREFACE.len()..];
+        let mut last_flags = 0;
+        while rest.len() >= 9 {
+            let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+            if rest.len() < 9 + len {
+                return false;
+            }
+            last_flags = rest[4];
+            rest = &rest[9 + len..];
+        }
+        rest.is_empty() && last_flags & END_HEADERS != 0
+    }
+
+    /// A first block parked without END_HEADERS is held once, and
+    /// nothing is kept once it completes.
+    #[tokio::test]
+    async fn a_parked_block_is_held_once_and_let_go_of_when_complete() {
+        use tokio::io::AsyncWriteExt;
+        for authority in ["a%2Fb.sock", "localhost"] {
+            let mut encoder = loona_hpack::Encoder::new();
+            let mut fields = request(authority, "/x");
+            fields.push((b"x-big".to_vec(), vec![b'y'; 60_000]));
+            let block = encoder.encode(fields.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
+            let parts: Vec<&[u8]> = block.chunks(MAX_FRAME_PAYLOAD).collect();
+            let (client, server) = tokio::io::duplex(1 << 20);
+            let mut fixed = AuthorityFix::new(server);
+            let (mut client_read, mut client_write) = tokio::io::split(client);
+            let mut sent = PREFACE.to_vec();
+            sent.extend(frame(HEADERS, 0, 1, parts[0]));
+            for part in &parts[1..parts.len() - 1] {
+                sent.extend(frame(CONTINUATION, 0, 1, part));
+            }
+            client_write.write_all(&sent).await.unwrap();
+            let mut chunk = [0u8; 4096];
+            // The preface comes through; then the read waits for END_HEADERS.
+            let n = fixed.read(&mut chunk).await.unwrap();
+            assert_eq!(&chunk[..n], PREFACE);
+            assert!(
+                tokio::time::timeout(Duration::from_millis(1), fixed.read(&mut chunk))
+                    .await
+                    .is_err()
+            );
+            let parked = sent.len() - PREFACE.len();
+            assert!(
+                fixed.held_bytes() < parked + 2 * READ_CHUNK,
+                "{authority}: {} held for {parked} parked",
+                fixed.held_bytes()
+            );
+            client_write
+                .write_all(&frame(CONTINUATION, END_HEADERS, 1, parts[parts.len() - 1]))
+                .await
+                .unwrap();
+            let mut out = PREFACE.to_vec();
+            while !ends_with_end_headers(&out) {
+                let n = fixed.read(&mut chunk).await.unwrap();
+                assert!(n > 0);
+                out.extend_from_slice(&chunk[..n]);
+            }
+            assert!(blocks(&out)[0]
+                .2
+                .contains(&(b"x-big".to_vec(), vec![b'y'; 60_000])));
+            let rewriting_table = if authority == "localhost" {
+                0
+            } else {
+                HPACK_TABLE_SIZE
+            };
+            assert_eq!(
+                fixed.held_bytes(),
+                rewriting_table,
+                "{authority}: nothing kept once the block is through"
+            );
+            drop(client_read.read(&mut chunk));
+        }
+    }
+
+    /// A parked block past the pod's budget closes the connection, and
+    /// the connection's charge is given back when it goes.
+    #[tokio::test]
+    async fn a_block_past_the_pods_budget_closes_the_connection() {
+        use super::super::per_pod::{PerPodBytes, PodKey};
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let budget = PerPodBytes::new(40 * 1024);
+        let key = PodKey::Pod("hostile".into());
+        let refused = Arc::new(AtomicUsize::new(0));
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, 0, 1, &[0x82]));
+        for _ in 0..4 {
+            input.extend(frame(CONTINUATION, 0, 1, &[0x40; MAX_FRAME_PAYLOAD]));
+        }
+        let counted = refused.clone();
+        let mut fixed = AuthorityFix::new(input.as_slice()).with_budget(
+            budget.charge(key.clone()),
+            Box::new(move |over| {
+                assert_eq!(over.max, 40 * 1024);
+                counted.fetch_add(1, Ordering::Relaxed);
+            }),
+        );
+        let mut chunk = [0u8; 4096];
+        let err = loop {
+            match fixed.read(&mut chunk).await {
+                Ok(0) => panic!("the parked block went through"),
+                Ok(_) => assert!(budget.held_by(&key) <= 40 * 1024),
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(err.kind(), io::ErrorKind::InvalidData);
+        assert_eq!(refused.load(Ordering::Relaxed), 1);
+        drop(fixed);
+        assert_eq!(budget.held_by(&key), 0);
     }
 
     /// Many one-byte blocks each naming a large table entry: what waits for

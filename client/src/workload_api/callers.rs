@@ -15,7 +15,10 @@ use tonic::{Request, Status};
 use super::attest::PodUidLookup;
 use super::feeds::{Feed, Feeds};
 use super::node_pods::{NodePod, NodePods};
-use super::per_pod::{Admission, PerPodLimit, PerPodLimits, PodKey, PodSlot};
+use super::per_pod::{
+    Admission, BufferCharge, OverBudget, PerPodBytes, PerPodLimit, PerPodLimits, PodKey, PodSlot,
+    MAX_BUFFERED_BYTES_PER_POD,
+};
 use super::socket::CallerInfo;
 
 /// Default of how long node mode waits for a caller's pod, and its
@@ -71,6 +74,14 @@ pub struct Callers {
     /// process can repeat them at will.
     identity_refusals: RateLimitedLog,
     stream_limit_refusals: RateLimitedLog,
+    /// Node mode: the bytes each pod's connections hold in the agent's
+    /// buffers ([`MAX_BUFFERED_BYTES_PER_POD`]).
+    buffers: Option<Arc<PerPodBytes>>,
+    /// Log lines (and exact counts) of connections closed for sending no
+    /// request in time, and of connections and streams cut off at their
+    /// pod's buffer budget.
+    pub(crate) no_request_closures: RateLimitedLog,
+    pub(crate) buffer_refusals: RateLimitedLog,
     /// Turns true when the agent stops: every stream ends.
     closing: watch::Sender<bool>,
 }
@@ -144,6 +155,9 @@ impl Callers {
             CallerPolicy::Node { .. } => Some(PerPodLimits::new(max_streams_per_pod)),
             CallerPolicy::Pod(_) => None,
         };
+        let buffers = per_pod
+            .is_some()
+            .then(|| PerPodBytes::new(MAX_BUFFERED_BYTES_PER_POD));
         Arc::new(Self {
             policy,
             feeds,
@@ -154,6 +168,9 @@ impl Callers {
             pod_waiters_per_pod: PerPodLimit::new(MAX_POD_APPEAR_WAITERS_PER_POD),
             identity_refusals: RateLimitedLog::default(),
             stream_limit_refusals: RateLimitedLog::default(),
+            buffers,
+            no_request_closures: RateLimitedLog::default(),
+            buffer_refusals: RateLimitedLog::default(),
             closing: watch::Sender::new(false),
         })
     }
@@ -276,6 +293,44 @@ impl Callers {
             Some(PodUidLookup::Pod { uid, .. }) if pods.contains(uid) => PodKey::Pod(uid.clone()),
             _ => PodKey::Unattested,
         })
+    }
+
+    /// Node mode: a charge against the buffer budget of `caller`'s pod
+    /// (as the per-pod limits count it), for one connection's or one
+    /// stream's buffers; `None` in pod mode.
+    pub(crate) fn buffer_charge(&self, caller: &CallerInfo) -> Option<BufferCharge> {
+        let budget = self.buffers.as_ref()?;
+        Some(budget.charge(self.pod_key(caller)?))
+    }
+
+    /// Logs (one line per interval) and counts a connection or a stream
+    /// cut off at its pod's buffer budget.
+    pub(crate) fn refused_for_buffers(&self, caller: &CallerInfo, over: &OverBudget) {
+        if let Some(unlogged) = self.buffer_refusals.record() {
+            tracing::warn!(
+                pid = ?caller.pid,
+                caller = %over.key,
+                held = over.held,
+                max_buffered_bytes_per_pod = over.max,
+                unlogged,
+                total = self.buffer_refusals.total(),
+                "cut off a workload connection or stream: its pod holds its most bytes in the agent's buffers (unlogged: of any pod since the last line)"
+            );
+        }
+    }
+
+    /// Logs (one line per interval) and counts a connection closed for
+    /// sending no request within `timeout`.
+    pub(crate) fn closed_for_no_request(&self, caller: &CallerInfo, timeout: Duration) {
+        if let Some(unlogged) = self.no_request_closures.record() {
+            tracing::info!(
+                pid = ?caller.pid,
+                timeout = ?timeout,
+                unlogged,
+                total = self.no_request_closures.total(),
+                "closed a workload connection that sent no request in time (unlogged: such closes since the last line)"
+            );
+        }
     }
 
     /// A new connection from `caller`: in node mode it takes a place of

@@ -61,7 +61,7 @@ use crate::caclient::CaClient;
 pub use callers::{CallerPolicy, Callers, DEFAULT_ATTESTATION_WAIT};
 pub use feeds::{Feed, Feeds};
 pub use node_pods::{watch_node_pods, NodePods};
-pub use per_pod::DEFAULT_MAX_STREAMS_PER_POD;
+pub use per_pod::{DEFAULT_MAX_STREAMS_PER_POD, MAX_BUFFERED_BYTES_PER_POD};
 use server::ConnectionTimers;
 pub use server::{CLOSE_GRACE, CONNECTION_IDLE_TIMEOUT, FIRST_REQUEST_TIMEOUT};
 pub use socket::{bind, connection_cap, raise_open_files_limit, SocketError, FD_RESERVE};
@@ -86,6 +86,36 @@ pub const MAX_SDS_REQUEST_BYTES: usize = 256 * 1024;
 pub const DEFAULT_BUNDLE_REFRESH: &str = "10s";
 /// HTTP/2 streams per connection (a SPIFFE library or Envoy opens a few).
 pub(crate) const MAX_STREAMS_PER_CONNECTION: u32 = 128;
+
+/// How often the open connections' peak is looked at, to give the heap's
+/// free pages back after a burst (as the CA does).
+const HEAP_TRIM_CHECK_INTERVAL: Duration = Duration::from_secs(5);
+/// Connections open at once that make a burst worth trimming the heap
+/// after (once at most a quarter of them are left).
+const HEAP_TRIM_MIN_PEAK_CONNECTIONS: usize = 32;
+
+/// The socket's open connections now, and the most at once since the heap
+/// trimmer last looked.
+#[derive(Debug, Default)]
+struct OpenConnections {
+    open: std::sync::atomic::AtomicUsize,
+    peak: std::sync::atomic::AtomicUsize,
+}
+
+impl OpenConnections {
+    fn set(&self, open: usize) {
+        use std::sync::atomic::Ordering;
+        self.open.store(open, Ordering::Release);
+        self.peak.fetch_max(open, Ordering::AcqRel);
+    }
+
+    /// The most open at once since the last call, and how many are open now.
+    fn take_peak(&self) -> (usize, usize) {
+        use std::sync::atomic::Ordering;
+        let open = self.open.load(Ordering::Acquire);
+        (self.peak.swap(open, Ordering::AcqRel).max(open), open)
+    }
+}
 
 /// How the socket serves.
 #[derive(Debug, Clone)]
@@ -177,6 +207,19 @@ async fn serve_with(
         }
     });
     let mut incoming = Box::pin(socket::accept_callers(listener, max_connections, node));
+    let open_connections = Arc::new(OpenConnections::default());
+    {
+        let open_connections = Arc::downgrade(&open_connections);
+        let policy = meshca_certs::heap_trim::TrimPolicy {
+            check_interval: HEAP_TRIM_CHECK_INTERVAL,
+            min_peak: HEAP_TRIM_MIN_PEAK_CONNECTIONS,
+        };
+        meshca_certs::heap_trim::spawn(policy, "workload connections", move || {
+            open_connections
+                .upgrade()
+                .map_or((0, 0), |open| open.take_peak())
+        });
+    }
     tokio::pin!(shutdown);
     let (stopping_tx, stopping) = watch::channel(false);
     // One task per connection; at most `max_connections` (the accept
@@ -193,10 +236,13 @@ async fn serve_with(
                         timers,
                         stopping.clone(),
                     ));
+                    open_connections.set(connections.len());
                 }
                 None => break,
             },
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            Some(_) = connections.join_next(), if !connections.is_empty() => {
+                open_connections.set(connections.len());
+            }
             () = &mut shutdown => break,
         }
     }

@@ -20,6 +20,16 @@ use meshca_certs::rate_limited_log::RateLimitedLog;
 /// few (Envoy an SDS stream per secret, a SPIFFE library one or two).
 pub const DEFAULT_MAX_STREAMS_PER_POD: usize = 64;
 
+/// The most bytes one pod's connections may hold in buffers the agent
+/// keeps for them (node mode; every caller not attested to a pod of this
+/// node together counting as one pod): header blocks parked until their
+/// END_HEADERS (`authority_fix`) and request messages received in part
+/// (`server`). Envoy's first SDS request on a stream carries its node
+/// description, tens of KiB; a pod that asks for more gets its
+/// connection closed (a parked block) or its stream ended
+/// (`RESOURCE_EXHAUSTED`, a message).
+pub const MAX_BUFFERED_BYTES_PER_POD: usize = 1024 * 1024;
+
 /// Whom a per-pod limit counts a caller as.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub(crate) enum PodKey {
@@ -137,6 +147,110 @@ impl PerPodLimit {
     }
 }
 
+/// Bytes held per [`PodKey`], at most `max` each (node mode's buffer
+/// budget, [`MAX_BUFFERED_BYTES_PER_POD`]). The map has an entry only for
+/// a key holding some.
+#[derive(Debug)]
+pub(crate) struct PerPodBytes {
+    max: usize,
+    held: Mutex<HashMap<PodKey, usize>>,
+}
+
+impl PerPodBytes {
+    /// At most `max` bytes per pod.
+    pub(crate) fn new(max: usize) -> Arc<Self> {
+        Arc::new(Self {
+            max,
+            held: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// A charge of nothing yet for `key`, to be set as its holder's
+    /// buffers grow and shrink.
+    pub(crate) fn charge(self: &Arc<Self>, key: PodKey) -> BufferCharge {
+        BufferCharge {
+            budget: self.clone(),
+            key,
+            charged: 0,
+        }
+    }
+
+    /// Bytes `key` holds now.
+    #[cfg(test)]
+    pub(crate) fn held_by(&self, key: &PodKey) -> usize {
+        let held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        held.get(key).copied().unwrap_or(0)
+    }
+}
+
+/// What one holder (a connection's buffers, a stream's message) has
+/// charged to its pod's [`PerPodBytes`]; dropping it gives the bytes back.
+#[derive(Debug)]
+pub(crate) struct BufferCharge {
+    budget: Arc<PerPodBytes>,
+    key: PodKey,
+    charged: usize,
+}
+
+/// The pod's buffer budget would be exceeded.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{key} holds {held} bytes in buffers of the agent, the most one pod may ({max})")]
+pub(crate) struct OverBudget {
+    /// Whose budget.
+    pub(crate) key: PodKey,
+    /// What the pod holds (this holder's old charge included).
+    pub(crate) held: usize,
+    /// The budget.
+    pub(crate) max: usize,
+}
+
+impl BufferCharge {
+    /// Makes this holder's charge `bytes`; refused (the charge stays as it
+    /// was) if that would take its pod past the budget. Shrinking always
+    /// succeeds.
+    pub(crate) fn set(&mut self, bytes: usize) -> Result<(), OverBudget> {
+        if bytes == self.charged {
+            return Ok(());
+        }
+        let mut held = self
+            .budget
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let total = held.entry(self.key.clone()).or_insert(0);
+        let others = total.saturating_sub(self.charged);
+        if bytes > self.charged && others + bytes > self.budget.max {
+            let held_now = *total;
+            if held_now == 0 {
+                held.remove(&self.key);
+            }
+            return Err(OverBudget {
+                key: self.key.clone(),
+                held: held_now,
+                max: self.budget.max,
+            });
+        }
+        *total = others + bytes;
+        if *total == 0 {
+            held.remove(&self.key);
+        }
+        self.charged = bytes;
+        Ok(())
+    }
+
+    /// What this holder has charged.
+    #[cfg(test)]
+    pub(crate) fn charged(&self) -> usize {
+        self.charged
+    }
+}
+
+impl Drop for BufferCharge {
+    fn drop(&mut self) {
+        let _ = self.set(0);
+    }
+}
+
 impl PodSlot {
     /// Whom the place counts for.
     pub(crate) fn key(&self) -> &PodKey {
@@ -182,5 +296,32 @@ mod tests {
         assert!(limit.try_take(&pod("a")).is_some(), "a place given back");
         drop((b, outside));
         assert_eq!(limit.pods(), 1, "keys with nothing held are forgotten");
+    }
+
+    #[test]
+    fn buffer_charges_stay_within_the_pods_budget_and_are_given_back() {
+        let budget = PerPodBytes::new(1000);
+        let mut one = budget.charge(pod("a"));
+        let mut two = budget.charge(pod("a"));
+        one.set(600).unwrap();
+        let over = two.set(401).unwrap_err();
+        assert_eq!((over.held, over.max), (600, 1000));
+        assert_eq!(two.charged(), 0, "a refused charge leaves it as it was");
+        two.set(400).unwrap();
+        // Another pod and the unattested callers have budgets of their own.
+        let mut other = budget.charge(PodKey::Unattested);
+        other.set(1000).unwrap();
+        // Growing within one's own charge after the others shrank.
+        one.set(100).unwrap();
+        two.set(900).unwrap();
+        assert_eq!(budget.held_by(&pod("a")), 1000);
+        drop(two);
+        assert_eq!(budget.held_by(&pod("a")), 100);
+        drop(one);
+        drop(other);
+        assert!(
+            budget.held.lock().unwrap().is_empty(),
+            "nothing left for gone holders"
+        );
     }
 }

@@ -27,6 +27,7 @@ use tonic::service::Routes;
 use tower::ServiceExt;
 
 use super::callers::Callers;
+use super::per_pod::{BufferCharge, OverBudget};
 use super::socket::CallerConnection;
 use super::MAX_STREAMS_PER_CONNECTION;
 
@@ -44,6 +45,130 @@ pub const CLOSE_GRACE: Duration = Duration::from_secs(2);
 /// (malformed requests) before it gets a GOAWAY; hyper's default, set so
 /// that it does not change unnoticed.
 const MAX_LOCAL_ERROR_RESET_STREAMS: usize = 1024;
+
+/// HTTP/2 flow-control windows the agent gives each stream and each
+/// connection: what a client can make it hold of request bodies it has not
+/// read yet. HTTP/2's default (hyper's would be 1 MiB each); the largest
+/// request message (256 KiB, SDS) still arrives in a few round trips.
+const RECEIVE_WINDOW: u32 = 65_535;
+/// What one stream may have queued for the client before its answer waits
+/// (hyper's default is 400 KiB): an SVID and its bundle are a few KiB.
+const MAX_SEND_BUFFER: usize = 64 * 1024;
+
+/// What a caller that went over its buffer budget is told about it.
+pub(crate) type OverBudgetReport = Arc<dyn Fn(&OverBudget) + Send + Sync>;
+
+/// A request body that charges the bytes of its message being received
+/// (node mode: to the caller's pod's buffer budget): what has arrived of
+/// the gRPC message not yet complete, or the largest complete one, which
+/// the gRPC decoder's buffer keeps room for while the stream lives. Past
+/// the budget the body ends in `RESOURCE_EXHAUSTED`.
+pub(crate) struct ChargedBody<B> {
+    inner: B,
+    charge: Option<BufferCharge>,
+    report: OverBudgetReport,
+    /// The current message's 5-byte gRPC prefix, as far as it came.
+    prefix: [u8; 5],
+    prefix_len: usize,
+    /// Bytes of the current message still to come once its prefix is in.
+    body_left: usize,
+    /// Bytes of the current message so far, prefix included.
+    partial: usize,
+    /// The largest complete message so far, prefix included.
+    largest: usize,
+}
+
+impl<B> ChargedBody<B> {
+    pub(crate) fn new(inner: B, charge: Option<BufferCharge>, report: OverBudgetReport) -> Self {
+        Self {
+            inner,
+            charge,
+            report,
+            prefix: [0; 5],
+            prefix_len: 0,
+            body_left: 0,
+            partial: 0,
+            largest: 0,
+        }
+    }
+
+    /// Follows the gRPC messages through `data`.
+    fn account(&mut self, mut data: &[u8]) {
+        while !data.is_empty() {
+            if self.prefix_len < 5 {
+                let n = (5 - self.prefix_len).min(data.len());
+                self.prefix[self.prefix_len..self.prefix_len + n].copy_from_slice(&data[..n]);
+                self.prefix_len += n;
+                self.partial += n;
+                data = &data[n..];
+                if self.prefix_len == 5 {
+                    let [_, a, b, c, d] = self.prefix;
+                    self.body_left = u32::from_be_bytes([a, b, c, d]) as usize;
+                }
+            } else {
+                let n = self.body_left.min(data.len());
+                self.body_left -= n;
+                self.partial += n;
+                data = &data[n..];
+            }
+            if self.prefix_len == 5 && self.body_left == 0 {
+                self.largest = self.largest.max(self.partial);
+                self.partial = 0;
+                self.prefix_len = 0;
+            }
+        }
+    }
+
+    /// What the body holds now, by [`ChargedBody`]'s reckoning.
+    pub(crate) fn held(&self) -> usize {
+        self.partial.max(self.largest)
+    }
+}
+
+impl<B> hyper::body::Body for ChargedBody<B>
+where
+    B: hyper::body::Body<Data = hyper::body::Bytes> + Unpin,
+    B::Error: Into<tonic::codegen::StdError>,
+{
+    type Data = hyper::body::Bytes;
+    type Error = tonic::codegen::StdError;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        let this = &mut *self;
+        let frame = match std::task::ready!(std::pin::Pin::new(&mut this.inner).poll_frame(cx)) {
+            Some(Ok(frame)) => frame,
+            Some(Err(e)) => return std::task::Poll::Ready(Some(Err(e.into()))),
+            None => return std::task::Poll::Ready(None),
+        };
+        if let Some(data) = frame.data_ref() {
+            let data = data.clone();
+            this.account(&data);
+            let held = this.held();
+            if let Some(charge) = &mut this.charge {
+                if let Err(over) = charge.set(held) {
+                    (this.report)(&over);
+                    let status = tonic::Status::resource_exhausted(format!(
+                        "{} holds {} bytes of request messages and header blocks in this agent, the most one pod may; finish or close some streams",
+                        over.key, over.max
+                    ));
+                    return std::task::Poll::Ready(Some(Err(Box::new(status))));
+                }
+            }
+        }
+        std::task::Poll::Ready(Some(Ok(frame)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.inner.size_hint()
+    }
+}
 
 /// The timers of one connection (tests shorten them).
 #[derive(Debug, Clone, Copy)]
@@ -86,9 +211,20 @@ pub(crate) async fn serve_connection(
     let info = connection.info().clone();
     let pid = info.pid;
     let activity = Arc::new(StreamActivity::default());
+    let report: OverBudgetReport = {
+        let (callers, info) = (callers.clone(), info.clone());
+        Arc::new(move |over: &OverBudget| callers.refused_for_buffers(&info, over))
+    };
+    let connection_charge = callers.buffer_charge(&info);
     let service = {
         let activity = activity.clone();
-        hyper::service::service_fn(move |mut request: Request<Incoming>| {
+        let callers = callers.clone();
+        let info = info.clone();
+        let report = report.clone();
+        hyper::service::service_fn(move |request: Request<Incoming>| {
+            let charge = callers.buffer_charge(&info);
+            let mut request =
+                request.map(|body| Body::new(ChargedBody::new(body, charge, report.clone())));
             // The stream's place, before its message is read: a request
             // beyond the limits is answered at its HEADERS.
             let slot = callers.admit_stream(&info);
@@ -120,11 +256,18 @@ pub(crate) async fn serve_connection(
         .timer(TokioTimer::new())
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .max_local_error_reset_streams(Some(MAX_LOCAL_ERROR_RESET_STREAMS))
+        .initial_stream_window_size(RECEIVE_WINDOW)
+        .initial_connection_window_size(RECEIVE_WINDOW)
+        .max_send_buf_size(MAX_SEND_BUFFER)
         .keep_alive_interval(Some(Duration::from_secs(60)))
         .keep_alive_timeout(Duration::from_secs(20));
     // Python's grpcio sends the socket path as :authority, which h2 refuses
     // (see authority_fix).
-    let connection = super::authority_fix::AuthorityFix::new(connection);
+    let mut connection = super::authority_fix::AuthorityFix::new(connection);
+    if let Some(charge) = connection_charge {
+        let report = report.clone();
+        connection = connection.with_budget(charge, Box::new(move |over| report(over)));
+    }
     let serving = builder.serve_connection(TokioIo::new(connection), service);
     tokio::pin!(serving);
     let go_away = tokio::select! {
@@ -135,11 +278,7 @@ pub(crate) async fn serve_connection(
             return;
         }
         () = activity.no_request_within(timers.first_request) => {
-            tracing::info!(
-                pid = ?pid,
-                timeout = ?timers.first_request,
-                "closed a workload connection that sent no request in time"
-            );
+            callers.closed_for_no_request(&info, timers.first_request);
             return;
         }
         () = activity.idle_for(timers.idle) => GoAway::Idle,
@@ -164,5 +303,83 @@ pub(crate) async fn serve_connection(
         () = cut_off => {
             tracing::debug!(pid = ?pid, grace = ?timers.close_grace, "workload connection cut off after its GOAWAY");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::per_pod::{PerPodBytes, PodKey};
+    use super::*;
+    use hyper::body::Bytes;
+
+    /// A body of `chunks`, as DATA frames.
+    fn body_of(
+        chunks: Vec<Vec<u8>>,
+    ) -> http_body_util::StreamBody<
+        impl futures::Stream<Item = Result<hyper::body::Frame<Bytes>, std::convert::Infallible>> + Unpin,
+    > {
+        http_body_util::StreamBody::new(futures::stream::iter(
+            chunks
+                .into_iter()
+                .map(|c| Ok(hyper::body::Frame::data(Bytes::from(c)))),
+        ))
+    }
+
+    fn message(len: usize) -> Vec<u8> {
+        let mut out = vec![0];
+        out.extend_from_slice(&(len as u32).to_be_bytes());
+        out.resize(5 + len, 7);
+        out
+    }
+
+    #[tokio::test]
+    async fn a_message_split_over_many_frames_is_charged_and_refused_past_the_budget() {
+        let budget = PerPodBytes::new(10_000);
+        let key = PodKey::Pod("p".into());
+        let refused = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let report: OverBudgetReport = {
+            let refused = refused.clone();
+            Arc::new(move |_| {
+                refused.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            })
+        };
+        // Two messages of 3,000 bytes, one byte per frame: charged as they
+        // come, the largest kept.
+        let bytes: Vec<u8> = [message(3000), message(3000)].concat();
+        let mut body = ChargedBody::new(
+            body_of(bytes.iter().map(|b| vec![*b]).collect()),
+            Some(budget.charge(key.clone())),
+            report.clone(),
+        );
+        let mut seen = 0;
+        while let Some(frame) = body.frame().await {
+            seen += frame.unwrap().into_data().unwrap().len();
+            assert!(budget.held_by(&key) <= 3005);
+        }
+        assert_eq!(seen, bytes.len());
+        assert_eq!(body.held(), 3005, "the decoder keeps room for the largest");
+        // Another stream of the pod that goes past the budget is ended.
+        let big = message(20_000);
+        let mut other = ChargedBody::new(
+            body_of(big.chunks(1000).map(<[u8]>::to_vec).collect()),
+            Some(budget.charge(key.clone())),
+            report,
+        );
+        let error = loop {
+            match other.frame().await {
+                Some(Ok(_)) => {}
+                Some(Err(e)) => break e,
+                None => panic!("the whole message was let through"),
+            }
+        };
+        let status = error.downcast_ref::<tonic::Status>().expect("a status");
+        assert_eq!(status.code(), tonic::Code::ResourceExhausted);
+        assert_eq!(refused.load(std::sync::atomic::Ordering::Relaxed), 1);
+        drop((body, other));
+        assert_eq!(
+            budget.held_by(&key),
+            0,
+            "ended streams give their bytes back"
+        );
     }
 }
