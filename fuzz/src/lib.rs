@@ -34,7 +34,16 @@ pub const TARGETS: &[(&str, Body)] = &[
     ("token_plausibility", token_plausibility),
     ("token_review_response", token_review_response),
     ("pod_watch", pod_watch),
+    ("authority_fix", authority_fix),
 ];
+
+/// What a workload client sends `meshca-agent`'s socket, through its
+/// `:authority` rewrite: never a panic, and a rewritten stream decodes to
+/// the same headers but `:authority`
+/// (`meshca_client::workload_api::fuzz_authority_fix`).
+pub fn authority_fix(data: &[u8]) {
+    meshca_client::workload_api::fuzz_authority_fix(data);
+}
 
 /// CSRs arrive from any authenticated caller: parsing and verifying one
 /// must never panic, whatever the bytes.

@@ -560,6 +560,184 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
     }
 }
 
+/// Runs `input` (a client's bytes, preface included) through
+/// [`AuthorityFix`] to its end, as `h2` would read it.
+fn rewrite_all(input: &[u8]) -> io::Result<Vec<u8>> {
+    let mut fixed = AuthorityFix::new(input);
+    let mut out = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    loop {
+        let mut buf = ReadBuf::new(&mut chunk);
+        match Pin::new(&mut fixed).poll_read(&mut cx, &mut buf) {
+            // A byte slice is always ready.
+            Poll::Pending => return Err(broken("a byte slice that is not ready")),
+            Poll::Ready(Err(e)) => return Err(e),
+            Poll::Ready(Ok(())) if buf.filled().is_empty() => return Ok(out),
+            Poll::Ready(Ok(())) => out.extend_from_slice(buf.filled()),
+        }
+        let bound = MAX_HEADER_BLOCK + MAX_HEADER_BLOCK + 2 * MAX_FRAME_PAYLOAD;
+        assert!(
+            fixed.output.len() <= bound.max(input.len() + READ_CHUNK),
+            "waiting output stays bounded"
+        );
+        assert!(
+            fixed.first_block_raw.len() <= MAX_HEADER_BLOCK + MAX_FRAME_PAYLOAD + 1024,
+            "a parked first block stays bounded"
+        );
+    }
+}
+
+/// Decoded header fields, (name, value).
+pub(crate) type HeaderList = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// The property of the rewrite: `requests` encoded by one HPACK encoder
+/// (its dynamic table used), each block split into frames of at most
+/// `frame_size` bytes, read through [`AuthorityFix`], decode (with a
+/// decoder of their own, as `h2`'s) to the same header lists, with
+/// `:authority` as `localhost` if the first request's is not an authority;
+/// and if it is one, the bytes pass unchanged. Panics if not.
+pub(crate) fn check_rewrite(requests: &[HeaderList], frame_size: usize) {
+    let mut encoder = loona_hpack::Encoder::new();
+    let mut input = PREFACE.to_vec();
+    write_frame(&mut input, 0x4, 0, 0, &[]);
+    for (i, fields) in requests.iter().enumerate() {
+        let stream_id = 1 + 2 * u32::try_from(i).unwrap_or(0);
+        let block = encoder.encode(fields.iter().map(|(n, v)| (n.as_slice(), v.as_slice())));
+        let size = frame_size
+            .clamp(1, MAX_FRAME_PAYLOAD)
+            .max(block.len() / (MAX_BLOCK_FRAMES - 1) + 1);
+        let mut parts: Vec<&[u8]> = block.chunks(size).collect();
+        if parts.is_empty() {
+            parts.push(&[]);
+        }
+        for (n, part) in parts.iter().enumerate() {
+            let kind = if n == 0 { HEADERS } else { CONTINUATION };
+            let flags = if n + 1 == parts.len() { END_HEADERS } else { 0 };
+            write_frame(&mut input, kind, flags, stream_id, part);
+        }
+    }
+    let output = rewrite_all(&input).expect("a well-formed stream within the bounds is rewritten");
+    let rewritten = requests.first().is_some_and(|first| {
+        first
+            .iter()
+            .find(|(n, _)| n == b":authority")
+            .is_some_and(|(_, v)| http::uri::Authority::try_from(v.as_slice()).is_err())
+    });
+    if !rewritten {
+        assert_eq!(
+            output, input,
+            "an acceptable authority: every byte unchanged"
+        );
+        return;
+    }
+    let decoded = decode_blocks(&output[PREFACE.len()..]);
+    assert_eq!(decoded.len(), requests.len(), "every block is passed on");
+    for ((stream_id, fields), (i, sent)) in decoded.iter().zip(requests.iter().enumerate()) {
+        assert_eq!(*stream_id, 1 + 2 * u32::try_from(i).unwrap_or(0));
+        let expected: HeaderList = sent
+            .iter()
+            .map(|(n, v)| {
+                let v = if n == b":authority" {
+                    LOCALHOST.to_vec()
+                } else {
+                    v.clone()
+                };
+                (n.clone(), v)
+            })
+            .collect();
+        assert_eq!(fields, &expected, "the same headers but :authority");
+    }
+}
+
+/// The header blocks of frames as `h2` decodes them: (stream, fields).
+/// Panics on frames the rewrite must not write.
+fn decode_blocks(mut rest: &[u8]) -> Vec<(u32, HeaderList)> {
+    let mut decoder = loona_hpack::Decoder::new();
+    let mut out = Vec::new();
+    let mut pending: Option<(u32, Vec<u8>)> = None;
+    while !rest.is_empty() {
+        assert!(rest.len() >= FRAME_HEADER, "a whole frame header");
+        let len = usize::from(rest[0]) << 16 | usize::from(rest[1]) << 8 | usize::from(rest[2]);
+        assert!(len <= MAX_FRAME_PAYLOAD, "a frame h2 accepts");
+        let (kind, flags) = (rest[3], rest[4]);
+        let id = u32::from_be_bytes([rest[5], rest[6], rest[7], rest[8]]);
+        let payload = &rest[FRAME_HEADER..FRAME_HEADER + len];
+        match (kind, pending.as_mut()) {
+            (HEADERS, None) => {
+                let (fragment, _) = headers_fragment(flags, payload).expect("a HEADERS frame");
+                pending = Some((id, payload[fragment].to_vec()));
+            }
+            (CONTINUATION, Some((pending_id, block))) => {
+                assert_eq!(*pending_id, id, "a CONTINUATION of its block's stream");
+                block.extend_from_slice(payload);
+            }
+            (HEADERS | CONTINUATION, _) => panic!("a header block's frames out of order"),
+            _ => {}
+        }
+        if matches!(kind, HEADERS | CONTINUATION) && flags & END_HEADERS != 0 {
+            if let Some((id, block)) = pending.take() {
+                out.push((
+                    id,
+                    decode(&mut decoder, &block).expect("the rewrite's HPACK"),
+                ));
+            }
+        }
+        rest = &rest[FRAME_HEADER + len..];
+    }
+    assert!(pending.is_none(), "no block left unfinished");
+    out
+}
+
+/// The body of the `authority_fix` fuzz target: `data` as a client's bytes
+/// after the preface (an answer or an error, never a panic, buffers
+/// bounded), and `data` read as requests to encode, through
+/// [`check_rewrite`].
+pub fn fuzz_authority_fix(data: &[u8]) {
+    let mut input = PREFACE.to_vec();
+    input.extend_from_slice(data);
+    let _ = rewrite_all(&input);
+    let (frame_size, requests) = requests_from(data);
+    check_rewrite(&requests, frame_size);
+}
+
+/// Requests made of `data`: its first two bytes a frame size, then
+/// records of `[name length, value length, name, value]`; a record with an
+/// empty name starts a new request, and a name byte of 0 reads as
+/// `:authority`. The first request's `:authority` is what `data` says.
+fn requests_from(data: &[u8]) -> (usize, Vec<HeaderList>) {
+    let frame_size = match data {
+        [a, b, ..] => usize::from(u16::from_be_bytes([*a, *b])),
+        _ => MAX_FRAME_PAYLOAD,
+    };
+    let mut rest = data.get(2..).unwrap_or(&[]);
+    let mut requests: Vec<HeaderList> = vec![Vec::new()];
+    let mut size = 0usize;
+    while let [name_len, value_len, after @ ..] = rest {
+        let (name_len, value_len) = (usize::from(*name_len % 32), usize::from(*value_len));
+        if after.len() < name_len + value_len {
+            break;
+        }
+        let (name, after) = after.split_at(name_len);
+        let (value, after) = after.split_at(value_len);
+        rest = after;
+        size += name.len() + value.len() + 32 + 16;
+        if size > MAX_HEADER_BLOCK / 2 || requests.len() > 64 {
+            break;
+        }
+        let name = if name.first() == Some(&0) {
+            b":authority".as_slice()
+        } else {
+            name
+        };
+        match requests.last_mut() {
+            Some(last) if !name.is_empty() => last.push((name.to_vec(), value.to_vec())),
+            _ => requests.push(Vec::new()),
+        }
+    }
+    (frame_size, requests)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -898,6 +1076,45 @@ mod tests {
         assert_eq!(refused.load(Ordering::Relaxed), 1);
         drop(fixed);
         assert_eq!(budget.held_by(&key), 0);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Whatever the headers, their order, the authority and the frame
+        /// size, the rewritten stream decodes to the same headers but
+        /// `:authority`.
+        #[test]
+        fn the_rewritten_stream_decodes_to_the_same_headers_but_authority(
+            authority in proptest::prop_oneof![
+                proptest::string::string_regex("[a-z0-9%./-]{0,40}").expect("a regex"),
+                proptest::string::string_regex("[a-z0-9]{1,20}(:[0-9]{1,5})?").expect("a regex"),
+            ],
+            requests in proptest::collection::vec(
+                proptest::collection::vec(
+                    (
+                        proptest::string::string_regex("[a-z0-9-]{1,24}").expect("a regex"),
+                        proptest::collection::vec(proptest::num::u8::ANY, 0..300),
+                    ),
+                    0..12,
+                ),
+                1..6,
+            ),
+            frame_size in 1usize..20_000,
+        ) {
+            let requests: Vec<HeaderList> = requests
+                .into_iter()
+                .map(|fields| {
+                    let mut list: HeaderList = vec![
+                        (b":method".to_vec(), b"POST".to_vec()),
+                        (b":authority".to_vec(), authority.as_bytes().to_vec()),
+                    ];
+                    list.extend(fields.into_iter().map(|(n, v)| (n.into_bytes(), v)));
+                    list
+                })
+                .collect();
+            check_rewrite(&requests, frame_size);
+        }
     }
 
     /// Many one-byte blocks each naming a large table entry: what waits for

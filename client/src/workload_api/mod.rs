@@ -58,6 +58,8 @@ use tokio::net::UnixListener;
 use tokio::sync::watch;
 
 use crate::caclient::CaClient;
+#[doc(hidden)]
+pub use authority_fix::fuzz_authority_fix;
 pub use callers::{CallerPolicy, Callers, DEFAULT_ATTESTATION_WAIT};
 pub use feeds::{Feed, Feeds};
 pub use node_pods::{watch_node_pods, NodePods};
