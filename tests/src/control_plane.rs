@@ -23,7 +23,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::authentication::v1::{BoundObjectReference, TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{
-    Container, Namespace, Node, Pod, PodCondition, PodSpec, PodStatus, ServiceAccount,
+    Container, ContainerStatus, Namespace, Node, Pod, PodCondition, PodSpec, PodStatus,
+    ServiceAccount,
 };
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
@@ -583,6 +584,21 @@ impl ControlPlane {
         service_account: &str,
         node: &str,
     ) -> Pod {
+        self.running_pod_with_containers(namespace, name, service_account, node, &[])
+            .await
+    }
+
+    /// As [`ControlPlane::running_pod`], its kubelet reporting the
+    /// `app` container running as `containerd://<ID>` for each ID of
+    /// `container_ids` (what a node agent matches a caller's cgroup to).
+    pub async fn running_pod_with_containers(
+        &self,
+        namespace: &str,
+        name: &str,
+        service_account: &str,
+        node: &str,
+        container_ids: &[&str],
+    ) -> Pod {
         self.ensure_service_account(namespace, service_account)
             .await;
         self.ensure_node(node).await;
@@ -603,6 +619,19 @@ impl ControlPlane {
                 status: "True".into(),
                 ..Default::default()
             }]),
+            container_statuses: (!container_ids.is_empty()).then(|| {
+                container_ids
+                    .iter()
+                    .map(|id| ContainerStatus {
+                        name: "app".into(),
+                        container_id: Some(format!("containerd://{id}")),
+                        image: "registry.k8s.io/pause:3.10".into(),
+                        image_id: String::new(),
+                        ready: true,
+                        ..Default::default()
+                    })
+                    .collect()
+            }),
             ..Default::default()
         };
         let kubelet: Api<Pod> = Api::namespaced(self.node(node).await, namespace);

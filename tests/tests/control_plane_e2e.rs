@@ -576,6 +576,9 @@ async fn two_replicas_share_one_root_and_one_leader_at_a_time() {
     }
     // Kill the leader (no Lease released): the other takes over after the
     // Lease expires, and publishes to a new namespace.
+    // From here on, both replicas' `meshca_leader` is sampled every 20 ms:
+    // never two at once.
+    let sampler = LeaderSampler::start(vec![a.monitoring, b.monitoring]);
     let (mut leader_server, follower) = if leaders[0] { (a, b) } else { (b, a) };
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(leader_server.pid() as i32),
@@ -609,6 +612,79 @@ async fn two_replicas_share_one_root_and_one_leader_at_a_time() {
         }
     })
     .await;
+    // The killed replica comes back: it follows, the leader stays.
+    let back = start_off_runtime(dir.path().join("a-again"), args).await;
+    let sampler = sampler.with(back.monitoring);
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    assert_eq!(
+        metric(
+            &http_get(back.monitoring, "/metrics").unwrap().1,
+            "meshca_leader"
+        ),
+        0,
+        "the replica back follows"
+    );
+    let (samples, overlaps) = sampler.finish();
+    assert!(samples > 200, "sampled {samples} times");
+    assert_eq!(
+        overlaps, 0,
+        "two leaders at once in {overlaps} of {samples} samples"
+    );
+}
+
+/// Reads `meshca_leader` of every replica every 20 ms on a thread of its
+/// own, counting the samples where more than one leads.
+struct LeaderSampler {
+    addrs: std::sync::Arc<std::sync::Mutex<Vec<std::net::SocketAddr>>>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<(u64, u64)>,
+}
+
+impl LeaderSampler {
+    fn start(addrs: Vec<std::net::SocketAddr>) -> Self {
+        use std::sync::atomic::Ordering;
+        let addrs = std::sync::Arc::new(std::sync::Mutex::new(addrs));
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let thread = {
+            let (addrs, stop) = (addrs.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let (mut samples, mut overlaps) = (0, 0);
+                while !stop.load(Ordering::SeqCst) {
+                    let now: Vec<_> = addrs.lock().unwrap().clone();
+                    let leading = now
+                        .iter()
+                        .filter(|addr| {
+                            http_get(**addr, "/metrics")
+                                .is_ok_and(|(_, body)| metric(&body, "meshca_leader") == 1)
+                        })
+                        .count();
+                    samples += 1;
+                    if leading > 1 {
+                        overlaps += 1;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                (samples, overlaps)
+            })
+        };
+        Self {
+            addrs,
+            stop,
+            thread,
+        }
+    }
+
+    /// Samples `addr` too from now on.
+    fn with(self, addr: std::net::SocketAddr) -> Self {
+        self.addrs.lock().unwrap().push(addr);
+        self
+    }
+
+    /// Stops sampling: (samples, samples with two leaders or more).
+    fn finish(self) -> (u64, u64) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.thread.join().unwrap()
+    }
 }
 
 /// A PodCertificateRequest for `pod` (in `default`) as its kubelet
@@ -1729,4 +1805,174 @@ async fn pod_certificate_requests_that_must_not_be_signed_are_refused_or_denied(
 fn b64(bytes: &[u8]) -> String {
     use base64::Engine as _;
     base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The first answer of `FetchX509SVID` on a Workload API socket, or its
+/// status.
+async fn first_x509_answer(
+    socket: &Path,
+) -> Result<meshca_proto::spiffe_workload::X509svidResponse, tonic::Status> {
+    use meshca_proto::spiffe_workload::spiffe_workload_api_client::SpiffeWorkloadApiClient;
+    let socket = socket.to_path_buf();
+    let channel = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let socket = socket.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(socket).await?,
+                ))
+            }
+        }))
+        .await
+        .unwrap();
+    let mut request = tonic::Request::new(meshca_proto::spiffe_workload::X509svidRequest {});
+    request
+        .metadata_mut()
+        .insert("workload.spiffe.io", "true".parse().unwrap());
+    let mut stream = SpiffeWorkloadApiClient::new(channel)
+        .fetch_x509svid(request)
+        .await?
+        .into_inner();
+    stream
+        .message()
+        .await?
+        .ok_or_else(|| tonic::Status::unknown("the stream ended without an answer"))
+}
+
+/// A node agent (`meshca-agent --node-agent`) with only its own RBAC
+/// (`deploy/kustomize/agent-node/rbac.yaml`) and a token bound to its own
+/// pod, beside a CA that trusts it (`--trusted-node-agent`): each local
+/// process gets the identity of the pod its cgroup names, learnt from the
+/// real pod watch; a process of another node's pod gets nothing, and a
+/// deleted pod stops being served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_agent_with_its_own_rbac_serves_each_pod_of_its_node() {
+    use meshca_tests::agent_process::{check_source, set_cgroup, x509_source, Agent};
+    const WEB_CONTAINER: &str = "3b1ad5e2c0f4a8b9c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4";
+    const DB_CONTAINER: &str = "7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c";
+    const FAR_CONTAINER: &str = "abababababababababababababababababababababababababababababababab";
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let agent_pod = plane
+        .running_pod(MESHCA_NAMESPACE, "meshca-agent-a", "meshca-agent", "node-a")
+        .await;
+    let mut uids = std::collections::BTreeMap::new();
+    for (pod, account, node, container) in [
+        ("web-1", "web", "node-a", WEB_CONTAINER),
+        ("db-1", "db", "node-a", DB_CONTAINER),
+        ("web-far", "web", "node-b", FAR_CONTAINER),
+    ] {
+        let pod = plane
+            .running_pod_with_containers("default", pod, account, node, &[container])
+            .await;
+        uids.insert(container, pod.metadata.uid.unwrap());
+    }
+    plane
+        .apply_rbac(
+            &std::fs::read_to_string(
+                Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../deploy/kustomize/agent-node/rbac.yaml"),
+            )
+            .unwrap(),
+        )
+        .await;
+    let args = meshca_args(
+        &plane,
+        &["--trusted-node-agent", "istio-system/meshca-agent"],
+    )
+    .await;
+    let server = start_off_runtime(dir.path().join("data"), args).await;
+    std::fs::write(dir.path().join("root-cert.pem"), server.root_pem()).unwrap();
+    let ca_token = plane
+        .token(
+            MESHCA_NAMESPACE,
+            "meshca-agent",
+            Some(&agent_pod),
+            &[AUDIENCE],
+            HOUR,
+        )
+        .await;
+    let api_token = plane
+        .token(
+            MESHCA_NAMESPACE,
+            "meshca-agent",
+            Some(&agent_pod),
+            &[],
+            HOUR,
+        )
+        .await;
+    let kubeconfig = plane.kubeconfig_with_token("meshca-agent", &api_token, MESHCA_NAMESPACE);
+    let proc_root = dir.path().join("proc");
+    // This test process is, in turn, a container of each pod.
+    let be = |container: &str| {
+        set_cgroup(
+            &proc_root,
+            std::process::id(),
+            &format!(
+                "0::/kubepods/burstable/pod{}/{container}\n",
+                uids[container]
+            ),
+        )
+    };
+    be(WEB_CONTAINER);
+    let socket = dir.path().join("node/agent.sock");
+    let mut agent = Agent::start(
+        &server,
+        dir.path(),
+        &ca_token,
+        "agent",
+        &[
+            "--node-agent",
+            "--node-name",
+            "node-a",
+            "--kubeconfig",
+            &kubeconfig.display().to_string(),
+            "--proc-root",
+            &proc_root.display().to_string(),
+            "--workload-api-socket",
+            &socket.display().to_string(),
+            "--attestation-wait",
+            "2s",
+        ],
+    );
+    agent.wait_for_socket(&socket).await;
+    let web = x509_source(&socket).await.expect("the web pod's source");
+    check_source(&web, "spiffe://cluster.local/ns/default/sa/web");
+    web.shutdown().await;
+    be(DB_CONTAINER);
+    let db = x509_source(&socket).await.expect("the db pod's source");
+    check_source(&db, "spiffe://cluster.local/ns/default/sa/db");
+    db.shutdown().await;
+
+    // A pod of node-b: the agent of node-a does not know it.
+    be(FAR_CONTAINER);
+    let refused = first_x509_answer(&socket).await.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert!(
+        refused.message().contains("is not a pod of node node-a"),
+        "{refused:?}"
+    );
+
+    // The web pod deleted: the watch tells the agent, which stops serving it.
+    plane.delete_pod("default", "web-1").await;
+    be(WEB_CONTAINER);
+    wait_for(
+        "the deleted pod refused",
+        Duration::from_secs(20),
+        || async {
+            first_x509_answer(&socket)
+                .await
+                .is_err_and(|s| s.code() == Code::PermissionDenied)
+        },
+    )
+    .await;
+    let log = server.log();
+    assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
+    let agent_log = agent.log();
+    assert!(
+        lines_at(&agent_log, "ERROR").is_empty(),
+        "no ERROR lines:\n{agent_log}"
+    );
 }
