@@ -1272,3 +1272,226 @@ fn agent_manifests_name_real_flags() {
     }
     assert!(checked >= 10, "{checked} variables checked");
 }
+
+/// The resident memory of process `pid`, in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// An HTTP/2 frame.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = (payload.len() as u32).to_be_bytes();
+    let mut out = vec![len[1], len[2], len[3], kind, flags];
+    out.extend_from_slice(&stream.to_be_bytes());
+    out.extend_from_slice(payload);
+    out
+}
+
+/// A hostile pod on a node agent, at its limits: 64 connections each
+/// parking a header block of about 48 KiB (a socket path as `:authority`,
+/// as Python's grpcio sends, and CONTINUATION frames without END_HEADERS),
+/// then 64 connections that send nothing. The pod's buffer budget closes
+/// the connections past it, the agent's memory stays bounded, a
+/// well-behaved pod gets its SVID meanwhile, each kind of refusal is one
+/// log line with an exact total, and the memory is given back after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_pod_at_its_limits_costs_the_node_agent_a_bounded_amount() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let kube = FakeKube::start(dir.path()).await;
+    kube.add_pod(
+        "istio-system",
+        "meshca-agent-pod",
+        "uid-meshca-agent",
+        "meshca-agent",
+        "node-a",
+    );
+    kube.add_pod_with_containers(
+        "default",
+        "web-1",
+        WEB_POD_UID,
+        "web",
+        "node-a",
+        &[CONTAINER],
+    );
+    kube.add_pod_with_containers("default", "db-1", DB_POD_UID, "db", "node-a", &[CONTAINER]);
+    let agent_token = kube.add_review_token(
+        "agent-token",
+        FakeUser::service_account("istio-system", "meshca-agent"),
+    );
+    let server = start_off_runtime(
+        dir.path().join("data"),
+        vec![
+            "--kubeconfig".into(),
+            kube.kubeconfig.display().to_string(),
+            "--trusted-node-agent".into(),
+            "istio-system/meshca-agent".into(),
+        ],
+    )
+    .await;
+    std::fs::write(dir.path().join("root-cert.pem"), server.root_pem()).unwrap();
+    let proc_root = dir.path().join("proc");
+    // This test process is the hostile web pod.
+    set_cgroup(
+        &proc_root,
+        std::process::id(),
+        &format!("0::/kubepods/pod{WEB_POD_UID}/{CONTAINER}\n"),
+    );
+    let socket = dir.path().join("node/agent.sock");
+    let mut agent = agent(
+        &server,
+        dir.path(),
+        &agent_token,
+        "agent",
+        &[
+            "--node-agent",
+            "--node-name",
+            "node-a",
+            "--kubeconfig",
+            &kube.kubeconfig.display().to_string(),
+            "--proc-root",
+            &proc_root.display().to_string(),
+            "--workload-api-socket",
+            &socket.display().to_string(),
+        ],
+    );
+    wait_for_socket(&socket, &mut agent).await;
+    let db_cgroup = format!("0::/kubepods/pod{DB_POD_UID}/{CONTAINER}\n");
+    let probe = |socket: PathBuf, proc_root: PathBuf, cgroup: String| {
+        tokio::task::spawn_blocking(move || {
+            let started = Instant::now();
+            let said = CallerProcess::start(&socket, "probe", &proc_root, &cgroup).finish();
+            (said, started.elapsed())
+        })
+    };
+    let (said, _) = probe(socket.clone(), proc_root.clone(), db_cgroup.clone())
+        .await
+        .unwrap();
+    assert_eq!(said, format!("SVID {DB}"));
+    let pid = agent.child.id();
+    let start_kib = rss_kib(pid);
+
+    // A parked block: HEADERS and two CONTINUATIONs of 16 KiB, no END_HEADERS.
+    let mut block = vec![0x00, 10];
+    block.extend_from_slice(b":authority");
+    block.extend_from_slice(&[16]);
+    block.extend_from_slice(b"tmp%2Fagent.sock");
+    let mut parked = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    parked.extend(h2_frame(0x4, 0, 0, &[]));
+    parked.extend(h2_frame(0x1, 0, 1, &block));
+    for _ in 0..3 {
+        // Literal values that never end: what follows is the value.
+        parked.extend(h2_frame(0x9, 0, 1, &[0x40; 16 * 1024]));
+    }
+    let mut hostile = Vec::new();
+    for _ in 0..64 {
+        let mut c = UnixStream::connect(&socket).await.unwrap();
+        // A connection closed at once may refuse the write: that is a refusal too.
+        let _ = c.write_all(&parked).await;
+        hostile.push(c);
+    }
+    // Each connection either is closed (its pod's budget is full) or holds
+    // its block: wait until every one answered or parked (read the
+    // server's SETTINGS first; a closed one reads to its end).
+    let mut closed = 0;
+    for c in &mut hostile {
+        let mut buf = vec![0u8; 64 * 1024];
+        // The agent's SETTINGS (and WINDOW_UPDATE) come first in any case.
+        let _ = tokio::time::timeout(Duration::from_secs(5), c.read(&mut buf)).await;
+    }
+    // Ask the agent for the cut-off lines once the burst is through.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !agent
+        .log()
+        .contains("holds its most bytes in the agent's buffers")
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no budget refusal:\n{}",
+            agent.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for c in &mut hostile {
+        let mut buf = [0u8; 4096];
+        if let Ok(Ok(0) | Err(_)) =
+            tokio::time::timeout(Duration::from_millis(200), c.read(&mut buf)).await
+        {
+            closed += 1;
+        }
+    }
+    let attacked_kib = rss_kib(pid);
+    eprintln!("agent RSS: {start_kib} KiB before, {attacked_kib} KiB with 64 parked blocks; {closed} of 64 closed");
+    // The budget (1 MiB) parks about 21 blocks of 48 KiB; the rest are closed.
+    assert!(closed >= 30, "{closed} of 64 parked connections closed");
+    assert!(
+        attacked_kib < start_kib + 8 * 1024,
+        "RSS {start_kib} KiB before, {attacked_kib} KiB with the pod at its limits"
+    );
+    // The well-behaved pod is served meanwhile, promptly.
+    let (said, took) = probe(socket.clone(), proc_root.clone(), db_cgroup.clone())
+        .await
+        .unwrap();
+    assert_eq!(said, format!("SVID {DB}"), "{}", agent.log());
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    eprintln!("the well-behaved pod's SVID during the attack: {took:?} (a process started and its request)");
+
+    // Silent connections: closed after the first-request timeout, one
+    // line for all of them, with the exact total.
+    drop(hostile);
+    let mut silent = Vec::new();
+    for _ in 0..64 {
+        silent.push(UnixStream::connect(&socket).await.unwrap());
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let mut open = 0;
+        for c in &mut silent {
+            let mut buf = [0u8; 1024];
+            match tokio::time::timeout(Duration::from_millis(10), c.read(&mut buf)).await {
+                Ok(Ok(0) | Err(_)) => {}
+                _ => open += 1,
+            }
+        }
+        if open == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{open} silent connections still open"
+        );
+    }
+    drop(silent);
+    let log = agent.log();
+    let no_request_lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("sent no request in time"))
+        .collect();
+    assert_eq!(no_request_lines.len(), 1, "{log}");
+    let budget_lines = log
+        .lines()
+        .filter(|l| l.contains("holds its most bytes in the agent's buffers"))
+        .count();
+    assert_eq!(budget_lines, 1, "one line per 10 s:\n{log}");
+
+    // The memory of the burst is given back (the heap is trimmed within
+    // 5 s of the burst's end).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let now_kib = rss_kib(pid);
+        if now_kib <= start_kib + 8 * 1024 {
+            eprintln!("agent RSS after the attack: {now_kib} KiB");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "RSS {start_kib} KiB before, {now_kib} KiB after the attack"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
