@@ -6,7 +6,7 @@
 //! - [`issuer`]: the CA boundary: [`CertificateIssuer`], [`Svid`], [`ClientError`];
 //! - [`caclient`]: [`CaClient`], the gRPC client that verifies every answer;
 //! - [`manager`]: [`CertManager`], rotation for one identity or thousands;
-//! - [`output`]: Istio's `cert-chain.pem`, `key.pem`, `root-cert.pem`, written atomically;
+//! - [`output`]: Istio's `cert-chain.pem`, `key.pem`, `root-cert.pem`, replaced together as one (a `..data` symlink to a generation directory);
 //! - [`workload_api`]: the SPIFFE Workload API and Envoy SDS on a Unix socket,
 //!   in pod mode (one configured identity) or node mode (each caller attested).
 //!
