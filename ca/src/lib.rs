@@ -53,7 +53,6 @@ pub(crate) mod caller_gate;
 pub mod cluster;
 pub mod config;
 pub(crate) mod heap_trim;
-pub mod kube_api;
 pub(crate) mod metrics;
 pub(crate) mod monitoring;
 pub(crate) mod rate_limit;

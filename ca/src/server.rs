@@ -33,7 +33,6 @@ use crate::cluster::leader::{self, candidate_identity, LeaderElector, LeaderTimi
 use crate::cluster::root_secret::{RotationPhase, RotationPolicy};
 use crate::cluster::{self, bundle_publisher, ClusterError};
 use crate::config::Config;
-use crate::kube_api::{self, StepError};
 use crate::metrics::{encode_text, IstioCounter, Metrics};
 use crate::reload;
 use crate::server_identity;
@@ -41,6 +40,7 @@ pub use crate::server_identity::TlsError;
 use crate::service::CaService;
 use crate::store::{self, CaMaterial, StoreError};
 use crate::transport::{self, AcceptLimits, Accepted, Http2Settings};
+use meshca_kube::{self as kube_api, StepError};
 use tokio_stream::wrappers::ReceiverStream;
 
 /// Why the server could not start or stopped with an error.

@@ -38,9 +38,9 @@ pub mod answer;
 pub mod bundle;
 pub mod cadir;
 pub mod csr;
+mod der;
 #[cfg(feature = "serving")]
 pub mod heap_trim;
-mod der;
 pub mod inspect;
 pub mod keys;
 pub mod pod_certificate;

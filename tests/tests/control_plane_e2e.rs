@@ -1851,7 +1851,7 @@ async fn a_node_agent_with_its_own_rbac_serves_each_pod_of_its_node() {
     const WEB_CONTAINER: &str = "3b1ad5e2c0f4a8b9c7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f2a1b0c9d8e7f6a5b4";
     const DB_CONTAINER: &str = "7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c7c";
     const FAR_CONTAINER: &str = "abababababababababababababababababababababababababababababababab";
-    let Some(plane) = ControlPlane::start().await else {
+    let Some(mut plane) = ControlPlane::start().await else {
         return;
     };
     let dir = tempfile::tempdir().unwrap();
@@ -1906,7 +1906,7 @@ async fn a_node_agent_with_its_own_rbac_serves_each_pod_of_its_node() {
     let kubeconfig = plane.kubeconfig_with_token("meshca-agent", &api_token, MESHCA_NAMESPACE);
     let proc_root = dir.path().join("proc");
     // This test process is, in turn, a container of each pod.
-    let be = |container: &str| {
+    let be = |uids: &std::collections::BTreeMap<&str, String>, container: &str| {
         set_cgroup(
             &proc_root,
             std::process::id(),
@@ -1916,7 +1916,7 @@ async fn a_node_agent_with_its_own_rbac_serves_each_pod_of_its_node() {
             ),
         )
     };
-    be(WEB_CONTAINER);
+    be(&uids, WEB_CONTAINER);
     let socket = dir.path().join("node/agent.sock");
     let mut agent = Agent::start(
         &server,
@@ -1941,13 +1941,13 @@ async fn a_node_agent_with_its_own_rbac_serves_each_pod_of_its_node() {
     let web = x509_source(&socket).await.expect("the web pod's source");
     check_source(&web, "spiffe://cluster.local/ns/default/sa/web");
     web.shutdown().await;
-    be(DB_CONTAINER);
+    be(&uids, DB_CONTAINER);
     let db = x509_source(&socket).await.expect("the db pod's source");
     check_source(&db, "spiffe://cluster.local/ns/default/sa/db");
     db.shutdown().await;
 
     // A pod of node-b: the agent of node-a does not know it.
-    be(FAR_CONTAINER);
+    be(&uids, FAR_CONTAINER);
     let refused = first_x509_answer(&socket).await.unwrap_err();
     assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
     assert!(
@@ -1957,7 +1957,7 @@ async fn a_node_agent_with_its_own_rbac_serves_each_pod_of_its_node() {
 
     // The web pod deleted: the watch tells the agent, which stops serving it.
     plane.delete_pod("default", "web-1").await;
-    be(WEB_CONTAINER);
+    be(&uids, WEB_CONTAINER);
     wait_for(
         "the deleted pod refused",
         Duration::from_secs(20),
@@ -1968,6 +1968,28 @@ async fn a_node_agent_with_its_own_rbac_serves_each_pod_of_its_node() {
         },
     )
     .await;
+
+    // An API server restart: the agent's pod watch is back within
+    // seconds (a 410 re-lists at once), so a pod started after it is
+    // served.
+    const LATE_CONTAINER: &str = "5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d5d";
+    plane.stop_apiserver();
+    plane.start_apiserver().await;
+    let back = Instant::now();
+    let late = plane
+        .running_pod_with_containers("default", "db-2", "db", "node-a", &[LATE_CONTAINER])
+        .await;
+    uids.insert(LATE_CONTAINER, late.metadata.uid.unwrap());
+    be(&uids, LATE_CONTAINER);
+    wait_for(
+        "the pod started after the restart served",
+        Duration::from_secs(30),
+        || async { first_x509_answer(&socket).await.is_ok() },
+    )
+    .await;
+    let took = back.elapsed();
+    eprintln!("API server ready -> a new pod served by the node agent: {took:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}:\n{}", agent.log());
     let log = server.log();
     assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
     let agent_log = agent.log();

@@ -21,13 +21,13 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::kube_api::WatchRetry;
 use async_trait::async_trait;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, Event};
 use kube::Api;
 use meshca_certs::SpiffeId;
+use meshca_kube::WatchRetry;
 
 use super::{AuthzError, ImpersonationPolicy};
 use crate::authn::Caller;
@@ -342,7 +342,7 @@ pub(crate) async fn watch_pods(client: kube::Client, index: Arc<PodIndex>) {
     // the whole cluster's pods at full size would not fit the memory limit.
     let mut listing = PodListing::default();
     while let Some(event) = stream.next().await {
-        if crate::kube_api::answered(&event) {
+        if meshca_kube::answered(&event) {
             index.watch_succeeded();
             retry.succeeded();
         }

@@ -46,24 +46,12 @@ fn main() -> ExitCode {
 }
 
 fn init_logging(format: &str) {
-    let directives = std::env::var("MESHCA_LOG").unwrap_or_else(|_| "info".into());
     // kube-client logs an ERROR of its own for every failed HTTP request;
     // meshca logs each failure itself, at WARN and aggregated
-    // (meshca_ca::kube_api). Kept only when MESHCA_LOG names kube_client.
-    let directives = if directives.contains("kube_client") {
-        directives
-    } else {
-        format!(
-            "{directives},{}",
-            meshca_ca::kube_api::QUIET_CLIENT_DIRECTIVE
-        )
-    };
-    let filter = EnvFilter::try_new(&directives).unwrap_or_else(|_| {
-        EnvFilter::new(format!(
-            "info,{}",
-            meshca_ca::kube_api::QUIET_CLIENT_DIRECTIVE
-        ))
-    });
+    // (meshca_kube). Kept only when MESHCA_LOG names kube_client.
+    let directives = meshca_kube::log_directives(std::env::var("MESHCA_LOG").ok().as_deref());
+    let filter = EnvFilter::try_new(&directives)
+        .unwrap_or_else(|_| EnvFilter::new(meshca_kube::log_directives(None)));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         // Colours only on a terminal: log files and collectors get plain text.

@@ -12,12 +12,12 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::kube_api::WatchRetry;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher::{self, Event};
+use meshca_kube::WatchRetry;
 
 use crate::authority::Authority;
 use crate::metrics::Metrics;

@@ -17,13 +17,13 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::kube_api::WatchRetry;
 use futures::StreamExt;
 use k8s_openapi::api::certificates::v1beta1::{ClusterTrustBundle, ClusterTrustBundleSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher::{self, Event};
 use meshca_certs::pod_certificate::trust_bundle_name_prefix;
+use meshca_kube::WatchRetry;
 
 use crate::authority::Authority;
 use crate::metrics::Metrics;

@@ -101,7 +101,7 @@ impl LeaderElector {
             observed: None,
             observed_at: Instant::now(),
             last_renew: None,
-            failure_log: RateLimitedLog::new(crate::kube_api::FAILURE_LOG_INTERVAL),
+            failure_log: RateLimitedLog::new(meshca_kube::FAILURE_LOG_INTERVAL),
         }
     }
 
@@ -146,7 +146,7 @@ impl LeaderElector {
                     }
                     if let Some(not_logged) = self.failure_log.record() {
                         tracing::warn!(
-                            error = %crate::kube_api::describe(&e),
+                            error = %meshca_kube::describe(&e),
                             lease = LEASE_NAME,
                             not_logged,
                             "leader election: Kubernetes API call failed; retrying"

@@ -25,12 +25,12 @@ pub use root_secret::RootSecretError;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::kube_api::WatchRetry;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher::{self, Event};
 use meshca_certs::TrustDomain;
+use meshca_kube::WatchRetry;
 use time::OffsetDateTime;
 use tokio::sync::watch;
 

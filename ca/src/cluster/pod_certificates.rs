@@ -40,7 +40,6 @@ use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::kube_api::WatchRetry;
 use futures::StreamExt;
 use k8s_openapi::api::certificates::v1beta1::{PodCertificateRequest, PodCertificateRequestStatus};
 use k8s_openapi::api::core::v1::Pod;
@@ -50,6 +49,7 @@ use kube::runtime::watcher::{self, Event};
 use meshca_certs::pod_certificate::{self, PodKeyError};
 use meshca_certs::profile::CLOCK_SKEW_BACKDATE;
 use meshca_certs::{SpiffeId, TrustDomain};
+use meshca_kube::WatchRetry;
 use time::OffsetDateTime;
 
 use crate::authority::{Authority, SignError};

@@ -206,7 +206,11 @@ where
 
 fn main() -> ExitCode {
     let args = parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit());
-    let filter = EnvFilter::try_from_env("MESHCA_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    // kube-client's own ERROR line per failed request is dropped: the pod
+    // watch logs its failures itself, aggregated (meshca_kube).
+    let directives = meshca_kube::log_directives(std::env::var("MESHCA_LOG").ok().as_deref());
+    let filter = EnvFilter::try_new(&directives)
+        .unwrap_or_else(|_| EnvFilter::new(meshca_kube::log_directives(None)));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

@@ -8,8 +8,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::runtime::watcher::{self, Event};
-use kube::runtime::WatchStreamExt;
 use kube::Api;
+use meshca_kube::WatchRetry;
 use tokio::sync::watch;
 
 /// What the agent needs of a pod.
@@ -237,14 +237,19 @@ fn entry(pod: &Pod) -> Option<(String, NodePod)> {
 }
 
 /// Keeps `pods` current from a watch of its node's pods until dropped.
-/// Errors (API down, watch expired) are retried with backoff.
+/// Failures (API down, watch expired) are retried as the CA retries its
+/// watches ([`WatchRetry`]: 100 ms doubling to 2 s, a `410` re-listed at
+/// once, one WARN line per 30 s), so the index is back within seconds of
+/// the API server.
 pub async fn watch_node_pods(client: kube::Client, pods: Arc<NodePods>) {
     let api: Api<Pod> = Api::all(client);
     let config = watcher::Config::default().fields(&format!("spec.nodeName={}", pods.node()));
-    let stream = watcher::watcher(api, config).default_backoff();
+    let stream = watcher::watcher(api, config);
     futures::pin_mut!(stream);
     let mut buffer: Vec<Pod> = Vec::new();
+    let mut retry = WatchRetry::new("node pods");
     while let Some(event) = stream.next().await {
+        retry.saw(&event);
         match event {
             Ok(Event::Init) => buffer.clear(),
             Ok(Event::InitApply(pod)) => buffer.push(pod),
@@ -255,9 +260,7 @@ pub async fn watch_node_pods(client: kube::Client, pods: Arc<NodePods>) {
             }
             Ok(Event::Apply(pod)) => pods.apply(&pod),
             Ok(Event::Delete(pod)) => pods.delete(&pod),
-            Err(e) => {
-                tracing::warn!(error = %e, node = %pods.node(), "watching this node's pods failed; retrying");
-            }
+            Err(e) => retry.failed(&e).await,
         }
     }
 }

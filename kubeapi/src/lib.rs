@@ -27,22 +27,42 @@ use std::time::{Duration, Instant};
 use kube::runtime::watcher;
 
 /// The longest wait between two attempts of a failing watch.
-pub(crate) const MAX_WATCH_RETRY: Duration = Duration::from_secs(2);
+pub const MAX_WATCH_RETRY: Duration = Duration::from_secs(2);
 /// The first wait after a watch failed.
-pub(crate) const FIRST_WATCH_RETRY: Duration = Duration::from_millis(100);
+pub const FIRST_WATCH_RETRY: Duration = Duration::from_millis(100);
 /// A failing watch or start-up step logs at most one line per interval.
-pub(crate) const FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(30);
+pub const FAILURE_LOG_INTERVAL: Duration = Duration::from_secs(30);
 /// The longest wait between two attempts of a start-up step.
-pub(crate) const MAX_STARTUP_RETRY: Duration = Duration::from_secs(2);
+pub const MAX_STARTUP_RETRY: Duration = Duration::from_secs(2);
 
 /// The `tracing` directive that drops kube-client's own ERROR line per
 /// failed HTTP request (meshca logs each failure itself, aggregated).
 pub const QUIET_CLIENT_DIRECTIVE: &str = "kube_client::client::builder=off";
 
+/// The `tracing` filter directives for `directives` (what `MESHCA_LOG`
+/// says, `info` when unset): kube-client's own per-request ERROR lines
+/// dropped ([`QUIET_CLIENT_DIRECTIVE`]) unless the directives name
+/// `kube_client`.
+///
+/// ```
+/// assert_eq!(
+///     meshca_kube::log_directives(Some("debug")),
+///     "debug,kube_client::client::builder=off"
+/// );
+/// assert_eq!(meshca_kube::log_directives(Some("kube_client=trace")), "kube_client=trace");
+/// ```
+pub fn log_directives(directives: Option<&str>) -> String {
+    match directives {
+        Some(d) if d.contains("kube_client") => d.to_string(),
+        Some(d) => format!("{d},{QUIET_CLIENT_DIRECTIVE}"),
+        None => format!("info,{QUIET_CLIENT_DIRECTIVE}"),
+    }
+}
+
 /// Whether a failed API call is worth retrying during start-up: the API
 /// server is unreachable, starting or overloaded, its RBAC caches are not
 /// filled yet (`403`), or the namespace does not exist yet (`404`).
-pub(crate) fn is_transient(error: &kube::Error) -> bool {
+pub fn is_transient(error: &kube::Error) -> bool {
     match error {
         kube::Error::Api(status) => matches!(status.code, 403 | 404 | 408 | 429 | 500..=599),
         kube::Error::HyperError(_)
@@ -55,7 +75,7 @@ pub(crate) fn is_transient(error: &kube::Error) -> bool {
 
 /// A short, actionable reading of an API failure for logs and `/ready`
 /// (never a token: kube errors carry none).
-pub(crate) fn describe(error: &kube::Error) -> String {
+pub fn describe(error: &kube::Error) -> String {
     match error {
         kube::Error::Api(status) if status.code == 403 => format!(
             "403 Forbidden: {} (meshca's RBAC: deploy/kustomize/base/rbac.yaml; a starting API server answers 403 for a few seconds)",
@@ -68,7 +88,7 @@ pub(crate) fn describe(error: &kube::Error) -> String {
 
 /// A start-up step's failure: retry it, or give up at once.
 #[derive(Debug)]
-pub(crate) enum StepError<E> {
+pub enum StepError<E> {
     /// Retry (the API server may come back or finish starting).
     Transient(String),
     /// Do not retry: this error ends the start.
@@ -80,7 +100,7 @@ pub(crate) enum StepError<E> {
 /// failure is returned through `give_up`). Each failure is published on
 /// `waiting` (what `/ready` shows) and logged, at most once per
 /// [`FAILURE_LOG_INTERVAL`].
-pub(crate) async fn wait_for_api<T, E, F, Fut>(
+pub async fn wait_for_api<T, E, F, Fut>(
     what: &'static str,
     timeout: Duration,
     waiting: &tokio::sync::watch::Sender<Option<String>>,
@@ -139,7 +159,7 @@ where
 /// `group_version` (`needed_by` names the flag that needs them). Not
 /// served: [`StepError::Fatal`] naming what is missing and what the API
 /// server does serve of that group.
-pub(crate) async fn check_served(
+pub async fn check_served(
     client: &kube::Client,
     group_version: &str,
     resources: &[&str],
@@ -182,7 +202,7 @@ pub(crate) async fn check_served(
 
 /// Pacing and logging of one watch's retries (see the module doc).
 #[derive(Debug)]
-pub(crate) struct WatchRetry {
+pub struct WatchRetry {
     watch: &'static str,
     delay: Duration,
     failing_since: Option<Instant>,
@@ -194,7 +214,7 @@ pub(crate) struct WatchRetry {
 
 impl WatchRetry {
     /// The retries of the watch named `watch` (for logs).
-    pub(crate) fn new(watch: &'static str) -> Self {
+    pub fn new(watch: &'static str) -> Self {
         Self {
             watch,
             delay: FIRST_WATCH_RETRY,
@@ -208,14 +228,14 @@ impl WatchRetry {
 
     /// Looks at one item of the watch: an event that shows the API
     /// server answered (see [`answered`]) ends a run of failures.
-    pub(crate) fn saw<K>(&mut self, event: &Result<watcher::Event<K>, watcher::Error>) {
+    pub fn saw<K>(&mut self, event: &Result<watcher::Event<K>, watcher::Error>) {
         if answered(event) {
             self.succeeded();
         }
     }
 
     /// The API server answered: the watch works.
-    pub(crate) fn succeeded(&mut self) {
+    pub fn succeeded(&mut self) {
         self.delay = FIRST_WATCH_RETRY;
         self.last_was_gone = false;
         if let Some(since) = self.failing_since.take() {
@@ -233,7 +253,7 @@ impl WatchRetry {
 
     /// The watch failed with `error`: logs (aggregated) and waits before
     /// the watcher's next attempt. A first `410 Gone` is re-listed at once.
-    pub(crate) async fn failed(&mut self, error: &watcher::Error) {
+    pub async fn failed(&mut self, error: &watcher::Error) {
         let gone = is_gone(error);
         if gone && !self.last_was_gone {
             self.last_was_gone = true;
@@ -268,7 +288,7 @@ impl WatchRetry {
 
     /// Whether the watch is failing now.
     #[cfg(test)]
-    pub(crate) fn failing(&self) -> bool {
+    pub fn failing(&self) -> bool {
         self.failing_since.is_some()
     }
 }
@@ -277,7 +297,7 @@ impl WatchRetry {
 /// not: kube-runtime yields it before the listing it starts, also when
 /// that listing then fails (taking it for an answer would reset the
 /// backoff, and the staleness of what the watch feeds, on every retry).
-pub(crate) fn answered<K>(event: &Result<watcher::Event<K>, watcher::Error>) -> bool {
+pub fn answered<K>(event: &Result<watcher::Event<K>, watcher::Error>) -> bool {
     matches!(event, Ok(e) if !matches!(e, watcher::Event::Init))
 }
 
