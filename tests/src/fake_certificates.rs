@@ -13,9 +13,9 @@
 //! meshca's start-time check and the API then shows in a test.
 
 use meshca_certs::pod_certificate::{
-    self, is_kubernetes_signer, read_pod_key, trust_bundle_name_prefix, PodKeyError,
+    self, is_kubernetes_signer, read_pod_key, trust_bundle_name_prefix, PodKeyError, PodKeyKind,
 };
-use meshca_certs::PrivateKey;
+use meshca_certs::{KeyKind, PrivateKey};
 use serde_json::Value;
 use time::format_description::well_known::Rfc3339;
 use time::OffsetDateTime;
@@ -173,9 +173,25 @@ pub(crate) fn create_pod_certificate_request(object: &mut Value) -> Result<(), S
         Err(PodKeyError::UnsupportedKeyType {
             api_allows: true, ..
         }) => Ok(()),
-        Err(PodKeyError::UnsupportedKeyType { kind, .. }) => Err(format!(
-            "spec.pkixPublicKey: Invalid value: {kind}: unsupported key type"
-        )),
+        // kube-apiserver's own words (pkg/apis/certificates/validation).
+        Err(PodKeyError::UnsupportedKeyType { kind, .. }) => {
+            let field = if stub.is_empty() {
+                "spec.pkixPublicKey"
+            } else {
+                "spec.stubPKCS10Request"
+            };
+            Err(match kind {
+                PodKeyKind::Known(KeyKind::Rsa(bits)) => format!(
+                    "{field}: Invalid value: \"{bits}-bit modulus\": RSA keys must have modulus size 3072 or 4096"
+                ),
+                PodKeyKind::Known(KeyKind::EcdsaOther) => format!(
+                    "{field}: Invalid value: {kind}: elliptic public keys must use curve P256, P384, or P521"
+                ),
+                _ => format!(
+                    "{field}: Invalid value: {kind}: unknown public key type; supported types are Ed25519, ECDSA, and RSA"
+                ),
+            })
+        }
         Err(e) => Err(e.to_string()),
     }
 }
@@ -885,7 +901,7 @@ mod tests {
                 o["spec"]["stubPKCS10Request"] =
                     serde_json::json!(base64_of(&stub_csr_der(&rsa2048)))
             }),
-            "unsupported key type",
+            "RSA keys must have modulus size 3072 or 4096",
         );
     }
 
@@ -1002,4 +1018,60 @@ mod tests {
             );
         }
     }
+}
+
+/// The DER SubjectPublicKeyInfo of an RSA key of any exponent.
+pub fn rsa_spki(key: &rsa::RsaPrivateKey) -> Vec<u8> {
+    use rsa::pkcs8::EncodePublicKey;
+    key.to_public_key()
+        .to_public_key_der()
+        .expect("SPKI")
+        .into_vec()
+}
+
+/// The kubelet's RSA proof of possession: RSA-PSS SHA-256 over the pod UID
+/// with Go's default salt length.
+pub fn rsa_pss_proof(key: &rsa::RsaPrivateKey, pod_uid: &str) -> Vec<u8> {
+    use rsa::sha2::{Digest, Sha256};
+    use rsa::traits::PublicKeyParts;
+    let salt = (key.n().bits() - 1).div_ceil(8) - 2 - 32;
+    key.sign_with_rng(
+        &mut rand_core::OsRng,
+        rsa::Pss::new_with_salt::<Sha256>(salt),
+        &Sha256::digest(pod_uid.as_bytes()),
+    )
+    .expect("RSA-PSS signature")
+}
+
+/// An empty PKCS#10 request signed by an RSA key of any exponent, DER.
+pub fn rsa_stub_csr(key: &rsa::RsaPrivateKey) -> Vec<u8> {
+    struct Signer<'a>(&'a rsa::RsaPrivateKey, Vec<u8>);
+    impl rcgen::PublicKeyData for Signer<'_> {
+        fn der_bytes(&self) -> &[u8] {
+            &self.1
+        }
+        fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
+            &rcgen::PKCS_RSA_SHA256
+        }
+    }
+    impl rcgen::SigningKey for Signer<'_> {
+        fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
+            use rsa::signature::{SignatureEncoding, Signer as _};
+            let signer = rsa::pkcs1v15::SigningKey::<rsa::sha2::Sha256>::new(self.0.clone());
+            Ok(signer.sign(msg).to_vec())
+        }
+    }
+    use rsa::pkcs1::EncodeRsaPublicKey;
+    let pkcs1 = key
+        .to_public_key()
+        .to_pkcs1_der()
+        .expect("PKCS#1")
+        .into_vec();
+    let mut params = rcgen::CertificateParams::default();
+    params.distinguished_name = rcgen::DistinguishedName::new();
+    params
+        .serialize_request(&Signer(key, pkcs1))
+        .expect("stub CSR")
+        .der()
+        .to_vec()
 }

@@ -1729,6 +1729,18 @@ async fn pod_certificate_requests_that_must_not_be_signed_are_refused_or_denied(
     p521["spec"]["stubPKCS10Request"] =
         serde_json::json!(b64(include_bytes!("../data/p521-stub-csr.der")));
     create_request(kubelet.clone(), p521).await.unwrap();
+    // An RSA 3072 key with public exponent 3: kube-apiserver accepts it,
+    // meshca denies it naming the rule.
+    plane
+        .running_pod("default", "pod-rsa-e3", "web", "node-a")
+        .await;
+    let e3 =
+        rsa::RsaPrivateKey::new_with_exp(&mut rand_core::OsRng, 3072, &rsa::BigUint::from(3u32))
+            .unwrap();
+    let mut rsa_e3 = request("rsa-e3", "pod-rsa-e3").await;
+    rsa_e3["spec"]["stubPKCS10Request"] =
+        serde_json::json!(b64(&meshca_tests::fake_certificates::rsa_stub_csr(&e3)));
+    create_request(kubelet.clone(), rsa_e3).await.unwrap();
     // Past NodeRestriction (an administrator): the wrong node, the wrong
     // service account.
     elsewhere["metadata"]["name"] = serde_json::json!("elsewhere");
@@ -1742,6 +1754,7 @@ async fn pod_certificate_requests_that_must_not_be_signed_are_refused_or_denied(
         ("recreated", "PodNotFound"),
         ("annotated", "UnknownUserAnnotation"),
         ("p521", "UnsupportedKeyType"),
+        ("rsa-e3", "UnsupportedKeyType"),
         ("elsewhere", "PodMismatch"),
         ("other-sa", "PodMismatch"),
     ];
@@ -1778,6 +1791,10 @@ async fn pod_certificate_requests_that_must_not_be_signed_are_refused_or_denied(
             ),
             "p521" => assert!(
                 message.contains("ECDSA P-521") && message.contains("ECDSA P-256"),
+                "{message}"
+            ),
+            "rsa-e3" => assert!(
+                message.contains("RSA public exponent must be odd and at least 65537"),
                 "{message}"
             ),
             _ => {}

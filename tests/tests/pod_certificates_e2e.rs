@@ -13,7 +13,9 @@ use std::time::{Duration, Instant};
 use meshca_certs::bundle::parse_certs_pem;
 use meshca_certs::inspect::CertSummary;
 use meshca_certs::{KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle};
-use meshca_tests::fake_certificates::{KeyEncoding, PodRequest};
+use meshca_tests::fake_certificates::{
+    rsa_pss_proof, rsa_spki, rsa_stub_csr, KeyEncoding, PodRequest,
+};
 use meshca_tests::fake_kube::FakeKube;
 use meshca_tests::*;
 use time::format_description::well_known::Rfc3339;
@@ -153,54 +155,6 @@ const P521_STUB_CSR: &[u8] = include_bytes!("../data/p521-stub-csr.der");
 fn b64(bytes: &[u8]) -> String {
     use base64::Engine;
     base64::engine::general_purpose::STANDARD.encode(bytes)
-}
-
-fn rsa_spki(key: &rsa::RsaPrivateKey) -> Vec<u8> {
-    use rsa::pkcs8::EncodePublicKey;
-    key.to_public_key().to_public_key_der().unwrap().into_vec()
-}
-
-/// The kubelet's RSA proof of possession: RSA-PSS SHA-256 over the pod UID
-/// with Go's default salt length.
-fn rsa_pss_proof(key: &rsa::RsaPrivateKey, pod_uid: &str) -> Vec<u8> {
-    use rsa::sha2::{Digest, Sha256};
-    use rsa::traits::PublicKeyParts;
-    let salt = (key.n().bits() - 1).div_ceil(8) - 2 - 32;
-    key.sign_with_rng(
-        &mut rand_core::OsRng,
-        rsa::Pss::new_with_salt::<Sha256>(salt),
-        &Sha256::digest(pod_uid.as_bytes()),
-    )
-    .unwrap()
-}
-
-/// An empty PKCS#10 request signed by an RSA key of any exponent, DER.
-fn rsa_stub_csr(key: &rsa::RsaPrivateKey) -> Vec<u8> {
-    struct Signer<'a>(&'a rsa::RsaPrivateKey, Vec<u8>);
-    impl rcgen::PublicKeyData for Signer<'_> {
-        fn der_bytes(&self) -> &[u8] {
-            &self.1
-        }
-        fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
-            &rcgen::PKCS_RSA_SHA256
-        }
-    }
-    impl rcgen::SigningKey for Signer<'_> {
-        fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
-            use rsa::signature::{SignatureEncoding, Signer as _};
-            let signer = rsa::pkcs1v15::SigningKey::<rsa::sha2::Sha256>::new(self.0.clone());
-            Ok(signer.sign(msg).to_vec())
-        }
-    }
-    use rsa::pkcs1::EncodeRsaPublicKey;
-    let pkcs1 = key.to_public_key().to_pkcs1_der().unwrap().into_vec();
-    let mut params = rcgen::CertificateParams::default();
-    params.distinguished_name = rcgen::DistinguishedName::new();
-    params
-        .serialize_request(&Signer(key, pkcs1))
-        .unwrap()
-        .der()
-        .to_vec()
 }
 
 fn ed25519() -> PrivateKey {
@@ -491,7 +445,10 @@ async fn requests_that_must_not_be_signed_are_denied_with_the_reason() {
             .to_json(&rsa2048, KeyEncoding::StubCsr),
         )
         .unwrap_err();
-    assert!(refused.contains("unsupported key type"), "{refused}");
+    assert!(
+        refused.contains("RSA keys must have modulus size 3072 or 4096"),
+        "{refused}"
+    );
 
     wait_until("every request answered", Duration::from_secs(30), || {
         expected.keys().all(|n| answer(&kube, n).is_some())
