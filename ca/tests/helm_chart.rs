@@ -20,9 +20,12 @@ use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::core::v1::{Container, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
-use meshca_ca::cluster::{EXAMPLE_POD_CERTIFICATE_SIGNER, RBAC_RULES};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use meshca_ca::cluster::EXAMPLE_POD_CERTIFICATE_SIGNER;
 use serde_json::Value;
+
+mod common;
+use common::{expected_grants, grants};
 
 /// How to build the helm binary the tests use.
 const HELM_BUILD: &str = "cd tests/helm && go build -trimpath -o ../../target/go-tools/bin/helm helm.sh/helm/v4/cmd/helm";
@@ -245,57 +248,6 @@ fn of_kind<T: serde::de::DeserializeOwned>(docs: &[Value], kind: &str) -> Vec<T>
     docs.iter()
         .filter(|d| d["kind"] == kind)
         .map(|d| serde_json::from_value(d.clone()).unwrap())
-        .collect()
-}
-
-/// One grant: (group, resource, verbs, resource names).
-type Grant = (String, String, Vec<String>, Vec<String>);
-
-/// The grants of a set of rules (as in ca/tests/manifests.rs).
-fn grants(rules: &[PolicyRule]) -> BTreeSet<Grant> {
-    let mut out = BTreeSet::new();
-    for rule in rules {
-        for group in rule.api_groups.clone().unwrap_or_default() {
-            for resource in rule.resources.clone().unwrap_or_default() {
-                let mut verbs = rule.verbs.clone();
-                verbs.sort();
-                let mut names = rule.resource_names.clone().unwrap_or_default();
-                names.sort();
-                out.insert((group.clone(), resource, verbs, names));
-            }
-        }
-    }
-    out
-}
-
-/// The grants of `RBAC_RULES`, cluster-wide or in the own namespace, with
-/// `signer` for the example signer name.
-fn expected_grants(own_namespace: bool, signer: &str) -> BTreeSet<Grant> {
-    RBAC_RULES
-        .iter()
-        .filter(|r| r.own_namespace_only == own_namespace)
-        .map(|r| {
-            let mut verbs: Vec<String> = r.verbs.iter().map(|v| v.to_string()).collect();
-            verbs.sort();
-            let mut names: Vec<String> = r
-                .resource_names
-                .iter()
-                .map(|n| {
-                    if *n == EXAMPLE_POD_CERTIFICATE_SIGNER {
-                        signer.to_string()
-                    } else {
-                        n.to_string()
-                    }
-                })
-                .collect();
-            names.sort();
-            (
-                r.api_group.to_string(),
-                r.resource.to_string(),
-                verbs,
-                names,
-            )
-        })
         .collect()
 }
 

@@ -14,9 +14,12 @@ use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
-use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use meshca_ca::cluster::RBAC_RULES;
+use meshca_ca::cluster::EXAMPLE_POD_CERTIFICATE_SIGNER;
+
+mod common;
+use common::{expected_grants, grants};
 
 fn deploy_dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/kustomize")
@@ -63,51 +66,13 @@ fn pod_spec(deployment: &Deployment) -> &k8s_openapi::api::core::v1::PodSpec {
         .expect("a pod template spec")
 }
 
-/// One grant: (group, resource, verbs, resource names).
-type Grant = (String, String, Vec<String>, Vec<String>);
-
-/// The grants of a set of rules.
-fn grants(rules: &[PolicyRule]) -> BTreeSet<Grant> {
-    let mut out = BTreeSet::new();
-    for rule in rules {
-        for group in rule.api_groups.clone().unwrap_or_default() {
-            for resource in rule.resources.clone().unwrap_or_default() {
-                let mut verbs = rule.verbs.clone();
-                verbs.sort();
-                let mut names = rule.resource_names.clone().unwrap_or_default();
-                names.sort();
-                out.insert((group.clone(), resource, verbs, names));
-            }
-        }
-    }
-    out
-}
-
 fn check(docs: &[serde_json::Value]) {
     // RBAC: exactly RBAC_RULES, cluster-wide or in the own namespace.
     let cluster_roles: Vec<ClusterRole> = of_kind(docs, "ClusterRole");
     let roles: Vec<Role> = of_kind(docs, "Role");
     assert_eq!(cluster_roles.len(), 1);
     assert_eq!(roles.len(), 1);
-    let expected = |own: bool| -> BTreeSet<Grant> {
-        RBAC_RULES
-            .iter()
-            .filter(|r| r.own_namespace_only == own)
-            .map(|r| {
-                let mut verbs: Vec<String> = r.verbs.iter().map(|v| v.to_string()).collect();
-                verbs.sort();
-                let mut names: Vec<String> =
-                    r.resource_names.iter().map(|v| v.to_string()).collect();
-                names.sort();
-                (
-                    r.api_group.to_string(),
-                    r.resource.to_string(),
-                    verbs,
-                    names,
-                )
-            })
-            .collect()
-    };
+    let expected = |own: bool| expected_grants(own, EXAMPLE_POD_CERTIFICATE_SIGNER);
     assert_eq!(
         grants(cluster_roles[0].rules.as_deref().unwrap()),
         expected(false),
