@@ -32,7 +32,7 @@ const PACE_WINDOW: Duration = Duration::from_millis(20);
 /// [`QUEUE_PER_SLOT_MAX`]. A CA that answers fast thus takes a mass
 /// restart's burst at once instead of refusing most of it to come back
 /// later, while one whose API answers slowly keeps a short queue and
-/// refuses the rest at once, with nothing left to time out (BENCHMARKS.md,
+/// refuses the rest at once, with nothing left to time out (docs/benchmarks-history.md,
 /// "All goals, on the machine of 2026-11-30", has the mass restart before
 /// and after).
 #[derive(Debug)]

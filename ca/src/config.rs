@@ -23,30 +23,30 @@ pub(crate) const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
 
 /// gRPC connections open at once unless `--max-connections` says
 /// otherwise. With [`DEFAULT_MAX_OPEN_REQUESTS`], what [`memory_bound`]
-/// keeps well inside the Deployment's memory limit of 256 MiB (README,
+/// keeps well inside the Deployment's memory limit of 256 MiB (docs/flags.md,
 /// "Memory", has the formula; a test of the manifests checks it). A
 /// mass restart with a connection per sidecar drains faster with fewer
 /// seats, not slower: each connection lasts a handshake and a request, a
 /// newcomer waits a moment in the listen queue for a seat, and at the cap
-/// an idle connection makes room (BENCHMARKS.md, "A connection per
+/// an idle connection makes room (docs/benchmarks-history.md, "A connection per
 /// sidecar, with eviction and a seat wait").
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
 
 /// The server's resident memory at rest (release build: the CA material,
 /// the caches, the runtime), measured before every hostile-load scenario
-/// (BENCHMARKS.md, "Hostile load, after the limits") and rounded up.
+/// (docs/benchmarks-history.md, "Hostile load, after the limits") and rounded up.
 pub const MEMORY_AT_REST: u64 = 16 << 20;
 /// Resident memory of one open gRPC connection, TLS and HTTP/2 included,
 /// at its worst: in a storm of new connections, each with its handshake
-/// just done and its first request (BENCHMARKS.md, "A connection per
+/// just done and its first request (docs/benchmarks-history.md, "A connection per
 /// sidecar, with eviction and a seat wait"), rounded up.
 pub(crate) const MEMORY_PER_CONNECTION: u64 = 96 << 10;
 /// Resident memory of one open request at its worst: 8 KiB measured for
 /// its HTTP/2 stream, its task and its place in a queue in a mass restart
-/// over 64 shared connections (BENCHMARKS.md, "A connection per sidecar,
+/// over 64 shared connections (docs/benchmarks-history.md, "A connection per sidecar,
 /// final code"), plus, for a caller that authenticated and then sends a
 /// largest message slowly, one message in tonic's decoder and one stream
-/// window unread in h2 (8 KiB each), rounded up (README, "Memory").
+/// window unread in h2 (8 KiB each), rounded up (docs/flags.md, "Memory").
 pub(crate) const MEMORY_PER_OPEN_REQUEST: u64 = 25 << 10;
 
 /// The most gRPC health requests (`Check`, `Watch`) open at once across
@@ -60,7 +60,7 @@ pub const MAX_HEALTH_REQUESTS: usize = 64;
 /// The most resident memory `max_connections` connections and
 /// `max_open_requests` open requests can make the server use: the sum of
 /// [`MEMORY_AT_REST`] and the measured cost of each, the health requests'
-/// places ([`MAX_HEALTH_REQUESTS`]) included (README, "Memory").
+/// places ([`MAX_HEALTH_REQUESTS`]) included (docs/flags.md, "Memory").
 pub const fn memory_bound(max_connections: u64, max_open_requests: u64) -> u64 {
     MEMORY_AT_REST
         + max_connections * MEMORY_PER_CONNECTION
@@ -71,7 +71,7 @@ pub const fn memory_bound(max_connections: u64, max_open_requests: u64) -> u64 {
 /// unless `--max-open-requests` says otherwise: 32 node agents' or shared
 /// connections' worth of `--max-concurrent-streams`, and what
 /// [`memory_bound`] keeps inside the Deployment's limit at the worst cost
-/// of a request (README, "Memory"). A request beyond it is refused at its
+/// of a request (docs/flags.md, "Memory"). A request beyond it is refused at its
 /// HEADERS, before anything is read, and its client comes back.
 pub const DEFAULT_MAX_OPEN_REQUESTS: u32 = 4096;
 
@@ -80,7 +80,7 @@ pub const DEFAULT_MAX_OPEN_REQUESTS: u32 = 4096;
 /// asks for every pod of its node over one connection; beyond this many
 /// its HTTP/2 client holds further requests until an answer frees a
 /// stream, so a burst waits in the clients, not in the CA's memory
-/// (BENCHMARKS.md has the peak memory and drain time for 64 to 256). 128
+/// (docs/benchmarks-history.md has the peak memory and drain time for 64 to 256). 128
 /// is nginx's default and above the 100 RFC 9113 recommends as the least;
 /// a node (110 pods by Kubernetes' default) fits in it.
 pub(crate) const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 128;
@@ -223,7 +223,7 @@ pub struct ServeArgs {
     /// seat of the one idle longest (see `--evict-idle-connections-after`),
     /// or waits a moment in the listen queue for a seat; failing both it
     /// is closed as soon as it is accepted. Sized from the memory limit
-    /// (README, "Memory").
+    /// (docs/flags.md, "Memory").
     #[arg(
         long,
         env = "MESHCA_MAX_CONNECTIONS",
@@ -234,7 +234,7 @@ pub struct ServeArgs {
 
     /// gRPC requests (HTTP/2 streams) open at once across all connections;
     /// one beyond it is answered RESOURCE_EXHAUSTED before its message is
-    /// read. Sized from the memory limit (README, "Memory").
+    /// read. Sized from the memory limit (docs/flags.md, "Memory").
     #[arg(
         long,
         env = "MESHCA_MAX_OPEN_REQUESTS",
@@ -467,7 +467,7 @@ pub struct Config {
     pub(crate) pod_watch_failure_limit: Duration,
 }
 
-/// How meshca keeps its state in a cluster (README, "Running in a cluster").
+/// How meshca keeps its state in a cluster (docs/cluster.md).
 #[derive(Debug, Clone)]
 pub(crate) struct ClusterConfig {
     /// meshca's namespace, if given (else $POD_NAMESPACE or the kubeconfig's).

@@ -1,4 +1,4 @@
-//! Prometheus metrics with Istio's exact names (README, "Metrics"), so existing
+//! Prometheus metrics with Istio's exact names (docs/metrics.md), so existing
 //! Istio dashboards and alerts work against meshca.
 //!
 //! Istio's counters have no `_total` suffix. OpenMetrics requires one on

@@ -1,4 +1,4 @@
-//! Live reload of a plugged-in CA directory (README: "Using your own CA").
+//! Live reload of a plugged-in CA directory (docs/ca-material.md, "Using your own CA").
 //!
 //! The directory is checked every `--ca-dir-check-interval`. A change is
 //! taken only once the files have stopped changing (two identical readings,

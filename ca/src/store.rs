@@ -1,6 +1,6 @@
 //! CA key material: where the signing certificate, its key, the chain and
-//! the trust bundle come from (README: "Using your own CA", "Running in a
-//! cluster").
+//! the trust bundle come from (docs/ca-material.md, "Using your own CA";
+//! docs/cluster.md).
 //!
 //! - `load_ca_dir`: a plugged-in CA in Istio's `cacerts` layout
 //!   (`ca-cert.pem`, `ca-key.pem`, `cert-chain.pem`, `root-cert.pem`) or the

@@ -3,7 +3,7 @@
 //! (`fuzz/src/lib.rs`, included below: the very functions the targets
 //! call), which panics on a defect or a broken property. The corpus holds
 //! the inputs that once made a target fail (`crash-*`), so those stay
-//! fixed, and a minimized set of what fuzzing found (BENCHMARKS.md,
+//! fixed, and a minimized set of what fuzzing found (docs/benchmarks-history.md,
 //! "Fuzzing").
 
 use std::path::{Path, PathBuf};

@@ -1,5 +1,6 @@
-//! The README's flag table of `meshca serve` (README, "`meshca serve`
-//! flags") against what the binary prints: every long flag of
+//! The flag table of `meshca serve` (docs/flags.md, "`meshca serve`
+//! flags", linked from the README) against what the binary prints:
+//! every long flag of
 //! `meshca serve --help` is a row of one contiguous markdown table, and
 //! every row of that table is a flag the binary has. A blank line inside
 //! the table ends it, and the rows after it render as a paragraph of
@@ -79,8 +80,8 @@ fn row_flag(row: &str) -> Option<String> {
 #[test]
 fn every_serve_flag_is_a_row_of_one_contiguous_readme_table() {
     let readme =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md"))
-            .expect("README.md");
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/flags.md"))
+            .expect("docs/flags.md");
     let help = flags_in_help();
 
     let tables = tables(&readme);
@@ -91,17 +92,17 @@ fn every_serve_flag_is_a_row_of_one_contiguous_readme_table() {
             rows.iter()
                 .any(|r| row_flag(r).as_deref() == Some("--listen"))
         })
-        .expect("a README table with a `--listen` row");
+        .expect("a docs/flags.md table with a `--listen` row");
     assert!(
         rows.len() >= 2
             && rows[0].contains("flag")
             && rows[1].replace(['|', '-', ' ', ':'], "").is_empty(),
-        "the flag table at README.md:{start} starts with a header and a separator row"
+        "the flag table at docs/flags.md:{start} starts with a header and a separator row"
     );
     for (i, row) in rows.iter().enumerate() {
         assert!(
             row.trim_end().ends_with('|'),
-            "README.md:{}: a row of the flag table ends with `|`",
+            "docs/flags.md:{}: a row of the flag table ends with `|`",
             start + i
         );
     }
@@ -116,18 +117,18 @@ fn every_serve_flag_is_a_row_of_one_contiguous_readme_table() {
             rows.iter()
                 .filter_map(|r| row_flag(r))
                 .filter(|f| help.contains(f) && !in_table.contains(f))
-                .map(move |f| format!("{f} (README.md:{at})"))
+                .map(move |f| format!("{f} (docs/flags.md:{at})"))
         })
         .collect();
     let missing: Vec<&String> = help.difference(&in_table).collect();
     assert!(
         missing.is_empty(),
-        "flags of `meshca serve --help` not in the README's flag table \
-         (README.md:{start}): {missing:?}; rows of another table: {elsewhere:?}"
+        "flags of `meshca serve --help` not in the flag table \
+         (docs/flags.md:{start}): {missing:?}; rows of another table: {elsewhere:?}"
     );
     let unknown: Vec<&String> = in_table.difference(&help).collect();
     assert!(
         unknown.is_empty(),
-        "rows of the README's flag table that `meshca serve --help` does not list: {unknown:?}"
+        "rows of the flag table that `meshca serve --help` does not list: {unknown:?}"
     );
 }

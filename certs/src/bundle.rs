@@ -223,7 +223,7 @@ pub(crate) fn read_text(path: &Path) -> Result<String, BundleError> {
 /// Written here rather than with `pem::encode_config` because the CA does
 /// this once per certificate it issues: one allocation of the exact size
 /// and base64 straight into it, where the `pem` crate copies the DER,
-/// encodes to a second string and formats each line (BENCHMARKS.md has
+/// encodes to a second string and formats each line (docs/benchmarks-history.md has
 /// the instruction counts of both).
 pub fn encode_cert_pem(der: &[u8]) -> String {
     use base64::Engine;

@@ -76,7 +76,7 @@ pub enum CsrError {
 /// slower readers then decide. The body is decoded with the `base64`
 /// crate's engine rather than rustls' PEM reader: a CSR is public, so the
 /// constant-time decoder rustls uses for private keys buys nothing here and
-/// costs instructions on every certificate (BENCHMARKS.md, "Fewer
+/// costs instructions on every certificate (docs/benchmarks-history.md, "Fewer
 /// instructions around the crypto, message-sized buffers").
 fn single_block_der(pem_text: &str) -> Option<Vec<u8>> {
     use base64::Engine;

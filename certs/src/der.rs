@@ -85,7 +85,7 @@ pub(crate) fn write_unsigned_integer(out: &mut Vec<u8>, magnitude: &[u8]) {
 pub(crate) fn write_time(out: &mut Vec<u8>, t: OffsetDateTime) {
     let t = t.to_offset(time::UtcOffset::UTC);
     // Digits written straight into a fixed buffer: two times per
-    // certificate, and `format!` costs more instructions (BENCHMARKS.md,
+    // certificate, and `format!` costs more instructions (docs/benchmarks-history.md,
     // "Evenly loaded loops keep their requests (a helper must have idled
     // 1 ms)", has the counts).
     let year = u32::try_from(t.year()).unwrap_or(0).min(9999);

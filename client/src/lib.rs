@@ -13,7 +13,7 @@
 //! Public is only what other crates use (the `meshca-agent` binary, the
 //! examples, the end-to-end tests) and the types their signatures name.
 //! One exception: `CertManager::{subscribe, remove, len, is_empty,
-//! in_flight}` and `CertState::svid` are public library API (README, "The
+//! in_flight}` and `CertState::svid` are public library API (docs/agent.md, "The
 //! agent library (`meshca-client`)") although no crate here calls them.
 //!
 //! ```no_run

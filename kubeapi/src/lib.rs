@@ -1,4 +1,4 @@
-//! How meshca lives with the Kubernetes API server's failures (README,
+//! How meshca lives with the Kubernetes API server's failures (docs/cluster.md,
 //! "When the Kubernetes API fails"): the same rules for every component.
 //!
 //! - **Start-up waits** ([`wait_for_api`]): a step that needs the API

@@ -5,7 +5,7 @@
 //! message shares that allocation until HTTP/2 has written it to the
 //! socket. A certificate chain is 2–4 KiB, so during a mass restart — when
 //! thousands of finished answers wait for their connection's turn to write
-//! — most of the CA's memory was empty buffer space (BENCHMARKS.md).
+//! — most of the CA's memory was empty buffer space (docs/benchmarks-history.md).
 //! [`CaCodec`] encodes each
 //! message into an allocation of exactly its size and decodes requests with
 //! a 2 KiB buffer, which grows if a request is larger.

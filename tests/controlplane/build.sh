@@ -11,7 +11,7 @@
 # Output: $MESHCA_GO_TOOLS (default: <repo>/target/go-tools)/bin. A stamp of
 # the pins and the Go version sits beside the binaries: when it matches,
 # nothing is built. The first build downloads about 400 MB of modules and
-# takes about 10 minutes on 2 cores (README, "The tests' control plane").
+# takes about 10 minutes on 2 cores (docs/testing.md).
 #
 # Usage: tests/controlplane/build.sh [--print-dir]
 set -euo pipefail

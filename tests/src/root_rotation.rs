@@ -1,7 +1,7 @@
 //! Driving and observing meshca's root rotation through the fake
 //! Kubernetes API: the Secret `istio-system/istio-ca-secret` holds the
 //! phase and the signing root, the ConfigMap `istio-ca-root-cert` the
-//! published trust bundle (README: "Running in a cluster").
+//! published trust bundle (docs/cluster.md, "The root, the bundle, the leader").
 
 use meshca_certs::bundle::parse_certs_pem;
 

@@ -163,8 +163,8 @@ async fn offline_tokens_are_checked_with_the_api_servers_oidc_keys() {
         identity_of(&server, &chain),
         "spiffe://cluster.local/ns/default/sa/web"
     );
-    // Offline validation cannot see deletions (README, "Offline token
-    // validation"): a token of a deleted service account is still accepted
+    // Offline validation cannot see deletions (docs/authentication.md, "Offline
+    // with the cluster's keys"): a token of a deleted service account is still accepted
     // until it expires, as one of a deleted pod is.
     let api: Api<ServiceAccount> = Api::namespaced(plane.admin().await, "default");
     api.delete("web", &Default::default()).await.unwrap();
@@ -910,7 +910,7 @@ async fn meshcas_account_can_do_what_the_rbac_says_and_nothing_more() {
         "{refused:?}"
     );
     // The non-resource URLs meshca reads come from the default bindings
-    // (README, "RBAC"): /version, OIDC discovery and the JWKS.
+    // (docs/cluster.md, "RBAC"): /version, OIDC discovery and the JWKS.
     for path in [
         "/version",
         "/.well-known/openid-configuration",

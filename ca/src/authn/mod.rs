@@ -1,4 +1,4 @@
-//! Authentication (README, "Authentication"): who is calling.
+//! Authentication (docs/authentication.md): who is calling.
 //!
 //! An `AuthenticatorChain` asks each [`Authenticator`] in order; the first
 //! that recognises the credential decides (accepts or refuses). Authenticators:

@@ -1,4 +1,4 @@
-//! Authorization (README, "Node agents (ztunnel)"): which identity an authenticated caller may
+//! Authorization (docs/authentication.md, "Node agents (ztunnel)"): which identity an authenticated caller may
 //! get a certificate for.
 //!
 //! A caller may hold its own identity. Another identity only by

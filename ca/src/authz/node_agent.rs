@@ -1,4 +1,4 @@
-//! Node-agent impersonation (README, "Node agents (ztunnel)"): a trusted node agent (such as
+//! Node-agent impersonation (docs/authentication.md, "Node agents (ztunnel)"): a trusted node agent (such as
 //! ztunnel) may get certificates for the workloads that run on its node.
 //!
 //! [`PodIndex`] is fed by a Kubernetes watch on pods (not a GET per request)

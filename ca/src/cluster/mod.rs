@@ -1,4 +1,4 @@
-//! meshca in a cluster (README: "Running in a cluster"): state in
+//! meshca in a cluster (docs/cluster.md): state in
 //! Kubernetes objects, coordination through the Kubernetes API only.
 //!
 //! - `root_secret`: the self-signed root in the Secret `istio-ca-secret`,

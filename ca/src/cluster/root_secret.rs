@@ -1,5 +1,5 @@
-//! The self-signed root kept in the Secret `istio-ca-secret` (README:
-//! "Running in a cluster"), and its rotation as a state machine over that
+//! The self-signed root kept in the Secret `istio-ca-secret` (docs/cluster.md,
+//! "The root, the bundle, the leader"), and its rotation as a state machine over that
 //! Secret.
 //!
 //! The Secret is the single source of truth: every replica signs with what

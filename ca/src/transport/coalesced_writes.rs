@@ -6,7 +6,7 @@
 //! then the trailers) is flushed twice, and tokio-rustls turns every write
 //! into a TLS record and a `writev` of its own. On loopback each `writev`
 //! also runs the receiver's TCP stack on the server's account
-//! (BENCHMARKS.md, "Answers written together", has the measurements).
+//! (docs/benchmarks-history.md, "Answers written together", has the measurements).
 //!
 //! [`CoalescedWrites`] sits between h2 and the TLS stream. It keeps what
 //! h2 writes in a buffer of its own and, when h2 flushes, wakes its task

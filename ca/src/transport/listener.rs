@@ -63,7 +63,7 @@ pub(crate) const MAX_EVICTIONS_IN_FLIGHT: usize = 16;
 /// are taken in the order they came as seats free. Long enough that in a
 /// storm of restarting sidecars (each connection a handshake and a
 /// request) a seat frees before it runs out, so nobody is sent away to
-/// back off (BENCHMARKS.md, "A connection per sidecar"); short enough
+/// back off (docs/benchmarks-history.md, "A connection per sidecar"); short enough
 /// that a client beyond a cap held by others learns it well within a
 /// client's connect timeout, and the ones after it at once.
 pub(crate) const SEAT_WAIT: Duration = Duration::from_secs(2);
@@ -217,7 +217,7 @@ pub(crate) struct Accepted {
     pub(crate) closed: oneshot::Receiver<()>,
 }
 
-/// The accept loop's limits (README, "`meshca serve` flags").
+/// The accept loop's limits (docs/flags.md, "`meshca serve` flags").
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AcceptLimits {
     /// Connections open at once (in their handshake or established).

@@ -13,14 +13,14 @@
 //!   with the HTTP/2 limits, a GOAWAY when it has been idle too long, and
 //!   the limit on requests open across all connections.
 //! - [`serve_grpc`]: every established connection, served with the HTTP/2
-//!   settings and limits (README, "`meshca serve` flags").
+//!   settings and limits (docs/flags.md, "`meshca serve` flags").
 //!
 //! The server's own certificate is not here: `server_identity` issues and
 //! renews it, and the listener only asks its resolver.
 //!
 //! An audit line (`meshca::audit`) is written by the handler before it
 //! returns the answer, so a client holding a certificate finds its line in
-//! the log. (BENCHMARKS.md, "Event loops against tonic's own serving", has
+//! the log. (docs/benchmarks-history.md, "Event loops against tonic's own serving", has
 //! why there are no event loops or gathered log lines; "Answers written
 //! together" why answers leave through [`coalesced_writes`].)
 
@@ -54,7 +54,7 @@ pub(crate) use tls_policy::server_config;
 /// longest allowed (2,048 bytes) plus the same ID as the impersonated
 /// identity, is under 7 KiB. An authenticated request holds at most this
 /// in tonic's decoder and [`STREAM_WINDOW`] more in h2 (the memory formula
-/// in README, "Memory", counts both).
+/// in docs/flags.md, "Memory", counts both).
 pub(crate) const MAX_REQUEST_BYTES: usize = 8 * 1024;
 
 /// HTTP/2 flow-control window of each request (stream): one largest
@@ -84,7 +84,7 @@ const MAX_PENDING_ACCEPT_RESET_STREAMS: usize = 20;
 /// closed by then.
 const GOAWAY_GRACE: Duration = Duration::from_secs(1);
 
-/// The HTTP/2 settings of every gRPC connection (README, "`meshca serve`
+/// The HTTP/2 settings of every gRPC connection (docs/flags.md, "`meshca serve`
 /// flags").
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Http2Settings {
@@ -113,7 +113,7 @@ pub(crate) struct SharedByConnections {
 }
 
 /// Rewrites tonic's `OUT_OF_RANGE` for an oversized request message into
-/// `INVALID_ARGUMENT` (the status codes in README, "Authentication
+/// `INVALID_ARGUMENT` (the status codes in docs/authentication.md, "Authentication
 /// limits"); the service itself never answers `OUT_OF_RANGE`.
 fn oversized_is_invalid_argument<B>(mut response: http::Response<B>) -> http::Response<B> {
     let headers = response.headers_mut();

@@ -82,7 +82,7 @@ impl ClientCertVerifier for DeferredClientCertVerifier {
 /// clients, tonic's among them, list AES-256-GCM-SHA384 first): the key
 /// schedule of a handshake is a few dozen HMACs, and SHA-256 runs on x86's
 /// SHA extensions (SHA-NI), which have no SHA-384, so a handshake costs
-/// noticeably less (BENCHMARKS.md, "A connection per sidecar"). Go's TLS server
+/// noticeably less (docs/benchmarks-history.md, "A connection per sidecar"). Go's TLS server
 /// (istiod's) prefers AES-128-GCM as well. Every suite of the provider
 /// stays on offer.
 const SERVER_SUITE_ORDER: [rustls::CipherSuite; 6] = [
@@ -128,7 +128,7 @@ pub(crate) fn server_config(
     // session cache, ztunnel holds one long-lived connection per node, a
     // restarted sidecar is a new process, and replicas do not share the
     // ticket store. Each full handshake saves issuing and storing two
-    // tickets (BENCHMARKS.md, "No session tickets"), and the clients skip
+    // tickets (docs/benchmarks-history.md, "No session tickets"), and the clients skip
     // them too.
     config.send_tls13_tickets = 0;
     Ok(config)
