@@ -1020,15 +1020,6 @@ mod tests {
     }
 }
 
-/// The DER SubjectPublicKeyInfo of an RSA key of any exponent.
-pub fn rsa_spki(key: &rsa::RsaPrivateKey) -> Vec<u8> {
-    use rsa::pkcs8::EncodePublicKey;
-    key.to_public_key()
-        .to_public_key_der()
-        .expect("SPKI")
-        .into_vec()
-}
-
 /// The kubelet's RSA proof of possession: RSA-PSS SHA-256 over the pod UID
 /// with Go's default salt length.
 pub fn rsa_pss_proof(key: &rsa::RsaPrivateKey, pod_uid: &str) -> Vec<u8> {
@@ -1041,37 +1032,4 @@ pub fn rsa_pss_proof(key: &rsa::RsaPrivateKey, pod_uid: &str) -> Vec<u8> {
         &Sha256::digest(pod_uid.as_bytes()),
     )
     .expect("RSA-PSS signature")
-}
-
-/// An empty PKCS#10 request signed by an RSA key of any exponent, DER.
-pub fn rsa_stub_csr(key: &rsa::RsaPrivateKey) -> Vec<u8> {
-    struct Signer<'a>(&'a rsa::RsaPrivateKey, Vec<u8>);
-    impl rcgen::PublicKeyData for Signer<'_> {
-        fn der_bytes(&self) -> &[u8] {
-            &self.1
-        }
-        fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
-            &rcgen::PKCS_RSA_SHA256
-        }
-    }
-    impl rcgen::SigningKey for Signer<'_> {
-        fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
-            use rsa::signature::{SignatureEncoding, Signer as _};
-            let signer = rsa::pkcs1v15::SigningKey::<rsa::sha2::Sha256>::new(self.0.clone());
-            Ok(signer.sign(msg).to_vec())
-        }
-    }
-    use rsa::pkcs1::EncodeRsaPublicKey;
-    let pkcs1 = key
-        .to_public_key()
-        .to_pkcs1_der()
-        .expect("PKCS#1")
-        .into_vec();
-    let mut params = rcgen::CertificateParams::default();
-    params.distinguished_name = rcgen::DistinguishedName::new();
-    params
-        .serialize_request(&Signer(key, pkcs1))
-        .expect("stub CSR")
-        .der()
-        .to_vec()
 }

@@ -525,18 +525,29 @@ pub fn with_token<T>(message: T, token: &str) -> tonic::Request<T> {
     request
 }
 
-/// An RSA key of any size (1024 included) that can sign CSRs, for testing
-/// the CA's refusal of weak keys (ring will not sign with one).
-pub struct WeakRsaKey {
+/// An RSA key of any size (1024 included) or public exponent (3
+/// included) that signs CSRs with PKCS#1 v1.5 SHA-256, for testing the
+/// CA's refusal of weak keys (ring loads no such key).
+pub struct RsaTestKey {
     key: rsa::RsaPrivateKey,
     public_der: Vec<u8>,
 }
 
-impl WeakRsaKey {
-    /// Generates a key of `bits`.
+impl RsaTestKey {
+    /// Generates a key of `bits` with public exponent 65537.
     pub fn generate(bits: usize) -> Self {
+        Self::with_exponent(bits, 65537)
+    }
+
+    /// Generates a key of `bits` with public exponent `exponent`.
+    pub fn with_exponent(bits: usize, exponent: u32) -> Self {
         use rsa::pkcs1::EncodeRsaPublicKey;
-        let key = rsa::RsaPrivateKey::new(&mut rand_core::OsRng, bits).expect("rsa key");
+        let key = rsa::RsaPrivateKey::new_with_exp(
+            &mut rand_core::OsRng,
+            bits,
+            &rsa::BigUint::from(exponent),
+        )
+        .expect("rsa key");
         let public_der = key
             .to_public_key()
             .to_pkcs1_der()
@@ -544,6 +555,21 @@ impl WeakRsaKey {
             .as_bytes()
             .to_vec();
         Self { key, public_der }
+    }
+
+    /// The private key.
+    pub fn private(&self) -> &rsa::RsaPrivateKey {
+        &self.key
+    }
+
+    /// The DER SubjectPublicKeyInfo.
+    pub fn spki_der(&self) -> Vec<u8> {
+        use rsa::pkcs8::EncodePublicKey;
+        self.key
+            .to_public_key()
+            .to_public_key_der()
+            .expect("SPKI")
+            .into_vec()
     }
 
     /// A PEM CSR for `id` signed with this key.
@@ -557,9 +583,21 @@ impl WeakRsaKey {
             .pem()
             .expect("pem")
     }
+
+    /// An empty PKCS#10 request signed with this key (a kubelet's
+    /// `stubPKCS10Request`), DER.
+    pub fn stub_csr_der(&self) -> Vec<u8> {
+        let mut params = rcgen::CertificateParams::default();
+        params.distinguished_name = rcgen::DistinguishedName::new();
+        params
+            .serialize_request(self)
+            .expect("stub csr")
+            .der()
+            .to_vec()
+    }
 }
 
-impl rcgen::PublicKeyData for WeakRsaKey {
+impl rcgen::PublicKeyData for RsaTestKey {
     fn der_bytes(&self) -> &[u8] {
         &self.public_der
     }
@@ -568,7 +606,7 @@ impl rcgen::PublicKeyData for WeakRsaKey {
     }
 }
 
-impl rcgen::SigningKey for WeakRsaKey {
+impl rcgen::SigningKey for RsaTestKey {
     fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
         use rsa::signature::{SignatureEncoding, Signer};
         let signer = rsa::pkcs1v15::SigningKey::<rsa::sha2::Sha256>::new(self.key.clone());

@@ -105,7 +105,7 @@ async fn bad_csrs_are_invalid_argument_and_the_server_keeps_serving() {
     let last = der.len() - 3;
     der[last] ^= 0x01;
     let forged = pem_block("CERTIFICATE REQUEST", &der);
-    let weak = WeakRsaKey::generate(1024).csr(WEB);
+    let weak = RsaTestKey::generate(1024).csr(WEB);
     let cases: Vec<(&str, String)> = vec![
         ("forged signature", forged),
         ("garbage", "this is not a CSR".into()),
@@ -143,7 +143,7 @@ async fn bad_csrs_are_invalid_argument_and_the_server_keeps_serving() {
         );
         async move { client.create_certificate(request).await }
     };
-    let e3 = ExponentRsaKey::generate(2048, 3);
+    let e3 = RsaTestKey::with_exponent(2048, 3);
     let status = ask(e3.csr(WEB)).await.expect_err("an e = 3 key");
     assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
     assert!(
@@ -152,7 +152,7 @@ async fn bad_csrs_are_invalid_argument_and_the_server_keeps_serving() {
             .contains("RSA public exponent must be odd and at least 65537 (this key's is 3)"),
         "{status:?}"
     );
-    let f4 = ExponentRsaKey::generate(2048, 65537);
+    let f4 = RsaTestKey::generate(2048);
     let chain = ask(f4.csr(WEB))
         .await
         .expect("an e = 65537 key")
@@ -167,60 +167,6 @@ async fn bad_csrs_are_invalid_argument_and_the_server_keeps_serving() {
         .create_certificate(with_token(request, &token))
         .await
         .expect("still serving");
-}
-
-/// An RSA key with a chosen public exponent (ring, under `PrivateKey`,
-/// loads none below 65537), signing CSRs with PKCS#1 v1.5 SHA-256.
-struct ExponentRsaKey {
-    key: rsa::RsaPrivateKey,
-    pkcs1_public: Vec<u8>,
-}
-
-impl ExponentRsaKey {
-    fn generate(bits: usize, exponent: u32) -> Self {
-        use rsa::pkcs1::EncodeRsaPublicKey;
-        let key = rsa::RsaPrivateKey::new_with_exp(
-            &mut rand_core::OsRng,
-            bits,
-            &rsa::BigUint::from(exponent),
-        )
-        .unwrap();
-        let pkcs1_public = key.to_public_key().to_pkcs1_der().unwrap().into_vec();
-        Self { key, pkcs1_public }
-    }
-
-    fn spki_der(&self) -> Vec<u8> {
-        use rsa::pkcs8::EncodePublicKey;
-        self.key
-            .to_public_key()
-            .to_public_key_der()
-            .unwrap()
-            .into_vec()
-    }
-
-    fn csr(&self, id: &str) -> String {
-        let mut params = rcgen::CertificateParams::default();
-        params.distinguished_name = rcgen::DistinguishedName::new();
-        params.subject_alt_names = vec![rcgen::SanType::URI(id.try_into().unwrap())];
-        params.serialize_request(self).unwrap().pem().unwrap()
-    }
-}
-
-impl rcgen::PublicKeyData for ExponentRsaKey {
-    fn der_bytes(&self) -> &[u8] {
-        &self.pkcs1_public
-    }
-    fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
-        &rcgen::PKCS_RSA_SHA256
-    }
-}
-
-impl rcgen::SigningKey for ExponentRsaKey {
-    fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
-        use rsa::signature::{SignatureEncoding, Signer};
-        let signer = rsa::pkcs1v15::SigningKey::<rsa::sha2::Sha256>::new(self.key.clone());
-        Ok(signer.sign(msg).to_vec())
-    }
 }
 
 fn parse_pem_block(text: &str) -> Vec<u8> {

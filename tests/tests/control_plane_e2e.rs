@@ -1734,12 +1734,9 @@ async fn pod_certificate_requests_that_must_not_be_signed_are_refused_or_denied(
     plane
         .running_pod("default", "pod-rsa-e3", "web", "node-a")
         .await;
-    let e3 =
-        rsa::RsaPrivateKey::new_with_exp(&mut rand_core::OsRng, 3072, &rsa::BigUint::from(3u32))
-            .unwrap();
+    let e3 = RsaTestKey::with_exponent(3072, 3);
     let mut rsa_e3 = request("rsa-e3", "pod-rsa-e3").await;
-    rsa_e3["spec"]["stubPKCS10Request"] =
-        serde_json::json!(b64(&meshca_tests::fake_certificates::rsa_stub_csr(&e3)));
+    rsa_e3["spec"]["stubPKCS10Request"] = serde_json::json!(b64(&e3.stub_csr_der()));
     create_request(kubelet.clone(), rsa_e3).await.unwrap();
     // Past NodeRestriction (an administrator): the wrong node, the wrong
     // service account.

@@ -13,9 +13,7 @@ use std::time::{Duration, Instant};
 use meshca_certs::bundle::parse_certs_pem;
 use meshca_certs::inspect::CertSummary;
 use meshca_certs::{KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle};
-use meshca_tests::fake_certificates::{
-    rsa_pss_proof, rsa_spki, rsa_stub_csr, KeyEncoding, PodRequest,
-};
+use meshca_tests::fake_certificates::{rsa_pss_proof, KeyEncoding, PodRequest};
 use meshca_tests::fake_kube::FakeKube;
 use meshca_tests::*;
 use time::format_description::well_known::Rfc3339;
@@ -388,9 +386,7 @@ async fn requests_that_must_not_be_signed_are_denied_with_the_reason() {
     // An RSA 3072 key with public exponent 3, in either encoding: the API
     // accepts it (Go verifies its signatures), meshca denies it naming the
     // rule. ring loads no such private key, so the `rsa` crate signs.
-    let e3 =
-        rsa::RsaPrivateKey::new_with_exp(&mut rand_core::OsRng, 3072, &rsa::BigUint::from(3u32))
-            .unwrap();
+    let e3 = RsaTestKey::with_exponent(3072, 3);
     kube.add_pod("default", "pod-rsa-e3-stub", "uid-rsa-e3-stub", "web", NODE);
     let mut e3_stub = PodRequest {
         name: "rsa-e3-stub",
@@ -398,7 +394,7 @@ async fn requests_that_must_not_be_signed_are_denied_with_the_reason() {
         ..elsewhere.clone()
     }
     .to_json(&key, KeyEncoding::StubCsr);
-    e3_stub["spec"]["stubPKCS10Request"] = serde_json::json!(b64(&rsa_stub_csr(&e3)));
+    e3_stub["spec"]["stubPKCS10Request"] = serde_json::json!(b64(&e3.stub_csr_der()));
     kube.create_object("podcertificaterequests", e3_stub)
         .unwrap();
     kube.add_pod(
@@ -414,9 +410,9 @@ async fn requests_that_must_not_be_signed_are_denied_with_the_reason() {
         ..elsewhere.clone()
     }
     .to_json(&key, KeyEncoding::ProofOfPossession);
-    e3_proof["spec"]["pkixPublicKey"] = serde_json::json!(b64(&rsa_spki(&e3)));
+    e3_proof["spec"]["pkixPublicKey"] = serde_json::json!(b64(&e3.spki_der()));
     e3_proof["spec"]["proofOfPossession"] =
-        serde_json::json!(b64(&rsa_pss_proof(&e3, "uid-rsa-e3-proof")));
+        serde_json::json!(b64(&rsa_pss_proof(e3.private(), "uid-rsa-e3-proof")));
     kube.create_object("podcertificaterequests", e3_proof)
         .unwrap();
 
