@@ -81,6 +81,22 @@ impl Drop for Agent {
     }
 }
 
+/// A tonic channel over the agent's Unix socket.
+pub async fn unix_channel(socket: &Path) -> tonic::transport::Channel {
+    let socket = socket.to_path_buf();
+    tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let socket = socket.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    UnixStream::connect(socket).await?,
+                ))
+            }
+        }))
+        .await
+        .expect("a channel over the socket")
+}
+
 /// An `X509Source` on the agent's socket (30 s for its first answer).
 pub async fn x509_source(socket: &Path) -> Result<X509Source, spiffe::X509SourceError> {
     X509Source::builder()

@@ -1827,18 +1827,7 @@ async fn first_x509_answer(
     socket: &Path,
 ) -> Result<meshca_proto::spiffe_workload::X509svidResponse, tonic::Status> {
     use meshca_proto::spiffe_workload::spiffe_workload_api_client::SpiffeWorkloadApiClient;
-    let socket = socket.to_path_buf();
-    let channel = tonic::transport::Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_| {
-            let socket = socket.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(socket).await?,
-                ))
-            }
-        }))
-        .await
-        .unwrap();
+    let channel = meshca_tests::agent_process::unix_channel(socket).await;
     let mut request = tonic::Request::new(meshca_proto::spiffe_workload::X509svidRequest {});
     request
         .metadata_mut()

@@ -22,126 +22,18 @@ use meshca_certs::profile::{self_signed_root, SubjectName, Validity};
 use meshca_certs::{KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle};
 use meshca_proto::spiffe_workload::spiffe_workload_api_client::SpiffeWorkloadApiClient;
 use meshca_proto::spiffe_workload::{JwtsvidRequest, X509BundlesRequest, X509svidRequest};
+use meshca_tests::agent_process::{check_source, set_cgroup, unix_channel, x509_source, Agent};
 use meshca_tests::fake_kube::{FakeKube, FakeUser};
 use meshca_tests::*;
 use prost::Message;
 use spiffe::X509Source;
 use tokio::net::UnixStream;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use tonic::Code;
 
 const WEB: &str = "spiffe://cluster.local/ns/default/sa/web";
 const DB: &str = "spiffe://cluster.local/ns/default/sa/db";
 const SECRET_TYPE: &str = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret";
-
-struct Agent {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Agent {
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts `meshca-agent` against `server` with `args` after the CA flags.
-fn agent(server: &MeshcaServer, dir: &Path, token: &str, name: &str, args: &[&str]) -> Agent {
-    let token_file = dir.join(format!("{name}.token"));
-    std::fs::write(&token_file, token).unwrap();
-    let log = dir.join(format!("{name}.log"));
-    let child = Command::new(&binaries().meshca_agent)
-        .args([
-            "--ca-addr",
-            &format!("https://{}", server.grpc),
-            "--root-cert",
-            &dir.join("root-cert.pem").display().to_string(),
-            "--token-file",
-            &token_file.display().to_string(),
-        ])
-        .args(args)
-        .env("MESHCA_LOG", "info,meshca_client=debug")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    Agent { child, log }
-}
-
-/// Waits until `socket` accepts connections.
-async fn wait_for_socket(socket: &Path, agent: &mut Agent) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while UnixStream::connect(socket).await.is_err() {
-        if let Ok(Some(status)) = agent.child.try_wait() {
-            panic!("the agent exited ({status}):\n{}", agent.log());
-        }
-        assert!(Instant::now() < deadline, "no socket:\n{}", agent.log());
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// A tonic channel over the Unix socket.
-async fn channel(socket: &Path) -> Channel {
-    let socket = socket.to_path_buf();
-    Endpoint::from_static("http://localhost")
-        .connect_with_connector(tower::service_fn(move |_| {
-            let socket = socket.clone();
-            async move { Ok::<_, std::io::Error>(TokioIo::new(UnixStream::connect(socket).await?)) }
-        }))
-        .await
-        .unwrap()
-}
-
-async fn x509_source(socket: &Path) -> Result<X509Source, spiffe::X509SourceError> {
-    X509Source::builder()
-        .endpoint(format!("unix://{}", socket.display()))
-        .initial_sync_timeout(Duration::from_secs(30))
-        .build()
-        .await
-}
-
-/// Checks what an `X509Source` holds: the SVID is `expected`, its key is
-/// the leaf's, the bundle of its trust domain verifies the chain. Returns
-/// the leaf's serial and the number of roots.
-fn check_source(source: &X509Source, expected: &str) -> (String, usize) {
-    let svid = source.svid().unwrap();
-    assert_eq!(svid.spiffe_id().to_string(), expected);
-    let chain: Vec<Vec<u8>> = svid
-        .cert_chain()
-        .iter()
-        .map(|c| c.as_bytes().to_vec())
-        .collect();
-    let key = PrivateKey::from_pkcs8_der(svid.private_key().as_bytes()).unwrap();
-    assert_eq!(
-        spki_der(&chain[0]).unwrap(),
-        key.public_key_spki_der(),
-        "the key is the leaf's"
-    );
-    let bundle = source
-        .try_bundle_for_trust_domain(svid.spiffe_id().trust_domain())
-        .expect("a bundle for the SVID's trust domain");
-    let roots: Vec<Vec<u8>> = bundle
-        .authorities()
-        .iter()
-        .map(|c| c.as_bytes().to_vec())
-        .collect();
-    let verified = meshca_certs::verify::verify_svid(
-        &chain,
-        &TrustBundle::new(roots.clone()),
-        SystemTime::now(),
-        Some(&SpiffeId::parse(expected).unwrap()),
-    )
-    .expect("the bundle verifies the chain");
-    (verified.serial_hex, roots.len())
-}
 
 /// A root that is not meshca's, PEM.
 fn foreign_root_pem() -> String {
@@ -166,7 +58,7 @@ async fn pod_mode_serves_x509_source_with_rotation_and_bundle_updates() {
     // The socket's directory does not exist yet: the agent makes it.
     let socket = dir.path().join("uds/agent.sock");
     let socket_arg = socket.display().to_string();
-    let mut agent = agent(
+    let mut agent = Agent::start(
         &server,
         dir.path(),
         &server.token("default", "web"),
@@ -182,7 +74,7 @@ async fn pod_mode_serves_x509_source_with_rotation_and_bundle_updates() {
             "200ms",
         ],
     );
-    wait_for_socket(&socket, &mut agent).await;
+    agent.wait_for_socket(&socket).await;
     let mode = std::fs::metadata(&socket).unwrap().permissions().mode() & 0o777;
     assert_eq!(mode, 0o777, "any workload may connect");
 
@@ -234,7 +126,7 @@ async fn pod_mode_serves_x509_source_with_rotation_and_bundle_updates() {
     check_source(&source, WEB);
 
     // Without the security header: INVALID_ARGUMENT; JWT: UNIMPLEMENTED.
-    let mut raw = SpiffeWorkloadApiClient::new(channel(&socket).await);
+    let mut raw = SpiffeWorkloadApiClient::new(unix_channel(&socket).await);
     let status = raw
         .fetch_x509svid(X509svidRequest {})
         .await
@@ -264,14 +156,14 @@ async fn pod_mode_serves_x509_source_with_rotation_and_bundle_updates() {
     drop(agent);
     assert!(socket.exists(), "a killed agent leaves its socket file");
     let mut third = agent_on_socket(&server, dir.path(), "third", &socket_arg);
-    wait_for_socket(&socket, &mut third).await;
+    third.wait_for_socket(&socket).await;
     let source = x509_source(&socket).await.expect("served again");
     check_source(&source, WEB);
     source.shutdown().await;
 }
 
 fn agent_on_socket(server: &MeshcaServer, dir: &Path, name: &str, socket: &str) -> Agent {
-    agent(
+    Agent::start(
         server,
         dir,
         &server.token("default", "web"),
@@ -382,7 +274,7 @@ async fn pod_mode_serves_envoy_sds_with_ack_nack_and_pushes() {
     std::fs::write(dir.path().join("root-cert.pem"), server.root_pem()).unwrap();
     let socket = dir.path().join("agent.sock");
     let socket_arg = socket.display().to_string();
-    let mut agent = agent(
+    let mut agent = Agent::start(
         &server,
         dir.path(),
         &server.token("default", "web"),
@@ -396,8 +288,8 @@ async fn pod_mode_serves_envoy_sds_with_ack_nack_and_pushes() {
             &socket_arg,
         ],
     );
-    wait_for_socket(&socket, &mut agent).await;
-    let mut client = SecretDiscoveryServiceClient::new(channel(&socket).await);
+    agent.wait_for_socket(&socket).await;
+    let mut client = SecretDiscoveryServiceClient::new(unix_channel(&socket).await);
 
     // Unary fetch.
     let fetched = client
@@ -539,10 +431,10 @@ async fn a_signal_stops_the_agent_promptly_with_streams_open() {
         let socket = dir.path().join(format!("{signal}.sock"));
         let name = format!("agent-{signal}");
         let mut agent = agent_on_socket(&server, dir.path(), &name, &socket.display().to_string());
-        wait_for_socket(&socket, &mut agent).await;
+        agent.wait_for_socket(&socket).await;
         // The streams every real client keeps open: a Workload API one and
         // an SDS one, each with its first answer read.
-        let channel = channel(&socket).await;
+        let channel = unix_channel(&socket).await;
         let mut request = tonic::Request::new(X509svidRequest {});
         request
             .metadata_mut()
@@ -691,7 +583,7 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
     let root_file = dir.path().join("root-cert.pem");
     std::fs::write(&root_file, &first_bundle).unwrap();
     let socket = dir.path().join("agent.sock");
-    let mut agent = agent(
+    let mut agent = Agent::start(
         &server,
         dir.path(),
         &token,
@@ -707,13 +599,13 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
             "200ms",
         ],
     );
-    wait_for_socket(&socket, &mut agent).await;
+    agent.wait_for_socket(&socket).await;
     let source = x509_source(&socket).await.expect("an X509Source syncs");
     let start = source_held(&source, WEB);
     assert_eq!(start.roots, std::slice::from_ref(&old_root));
 
     // Envoy's view: an SDS stream that ACKs every answer.
-    let mut sds = SecretDiscoveryServiceClient::new(channel(&socket).await);
+    let mut sds = SecretDiscoveryServiceClient::new(unix_channel(&socket).await);
     let (requests, request_rx) = tokio::sync::mpsc::channel(4);
     requests
         .send(sds_request(&["default", "ROOTCA"], "", "", false))
@@ -744,7 +636,7 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
     bundle_request
         .metadata_mut()
         .insert("workload.spiffe.io", "true".parse().unwrap());
-    let mut bundle_stream = SpiffeWorkloadApiClient::new(channel(&socket).await)
+    let mut bundle_stream = SpiffeWorkloadApiClient::new(unix_channel(&socket).await)
         .fetch_x509_bundles(bundle_request)
         .await
         .unwrap()
@@ -857,13 +749,6 @@ async fn a_root_rotation_reaches_open_streams_as_bundle_updates() {
     source.shutdown().await;
 }
 
-/// Writes the fake cgroup file of `pid` under `proc_root`.
-fn set_cgroup(proc_root: &Path, pid: u32, contents: &str) {
-    let dir = proc_root.join(pid.to_string());
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("cgroup"), contents).unwrap();
-}
-
 /// `--max-streams-per-pod` of the node-mode test.
 const MAX_PER_POD: usize = 3;
 const WEB_POD_UID: &str = "0f0e0d0c-1111-4222-8333-444455556666";
@@ -967,7 +852,7 @@ async fn caller_process() {
         println!("CALLER SVID {id}");
         return;
     }
-    let mut raw = SpiffeWorkloadApiClient::new(channel(&socket).await);
+    let mut raw = SpiffeWorkloadApiClient::new(unix_channel(&socket).await);
     let mut request = tonic::Request::new(X509svidRequest {});
     request
         .metadata_mut()
@@ -1027,7 +912,7 @@ async fn node_mode_serves_each_pod_its_identity() {
         &format!("0::/kubepods/burstable/pod{WEB_POD_UID}/{CONTAINER}\n"),
     );
     let socket = dir.path().join("node/agent.sock");
-    let mut agent = agent(
+    let mut agent = Agent::start(
         &server,
         dir.path(),
         &agent_token,
@@ -1048,7 +933,7 @@ async fn node_mode_serves_each_pod_its_identity() {
             &format!("{ATTESTATION_WAIT_SECONDS}s"),
         ],
     );
-    wait_for_socket(&socket, &mut agent).await;
+    agent.wait_for_socket(&socket).await;
     let web = x509_source(&socket).await.expect("the web pod's source");
     check_source(&web, WEB);
 
@@ -1135,7 +1020,7 @@ async fn node_mode_serves_each_pod_its_identity() {
     check_source(&web, WEB);
 
     // The web pod opens streams until its per-pod limit refuses one.
-    let raw = channel(&socket).await;
+    let raw = unix_channel(&socket).await;
     let mut held = Vec::new();
     let refused = loop {
         // The source holds one or two streams of the pod's, or none for
@@ -1343,7 +1228,7 @@ async fn a_hostile_pod_at_its_limits_costs_the_node_agent_a_bounded_amount() {
         &format!("0::/kubepods/pod{WEB_POD_UID}/{CONTAINER}\n"),
     );
     let socket = dir.path().join("node/agent.sock");
-    let mut agent = agent(
+    let mut agent = Agent::start(
         &server,
         dir.path(),
         &agent_token,
@@ -1360,7 +1245,7 @@ async fn a_hostile_pod_at_its_limits_costs_the_node_agent_a_bounded_amount() {
             &socket.display().to_string(),
         ],
     );
-    wait_for_socket(&socket, &mut agent).await;
+    agent.wait_for_socket(&socket).await;
     let db_cgroup = format!("0::/kubepods/pod{DB_POD_UID}/{CONTAINER}\n");
     let probe = |socket: PathBuf, proc_root: PathBuf, cgroup: String| {
         tokio::task::spawn_blocking(move || {
