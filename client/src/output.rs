@@ -237,9 +237,19 @@ fn migrate(
     let mut old: Vec<(&'static str, Vec<u8>, u32)> = Vec::new();
     for file in files {
         let path = dir.join(file.name);
+        // Only a regular file an older agent wrote is kept. A symlink that
+        // is not ours is never followed: whoever can write the directory
+        // could point it at a file only the agent may read, whose bytes
+        // would then be copied out readable.
+        match fs::symlink_metadata(&path) {
+            Ok(meta) if meta.file_type().is_file() => {}
+            Ok(_) => continue,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(io_err("inspect", &path)(e)),
+        }
         match fs::read(&path) {
             Ok(contents) => old.push((file.name, contents, file.mode)),
-            // A dangling link or a missing file: nothing to keep.
+            // Gone meanwhile: nothing to keep.
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(io_err("read", &path)(e)),
         }
@@ -300,7 +310,16 @@ fn write_generation(
             PathBuf::from(format!("{base}_{attempt}"))
         };
         match fs::create_dir(dir.join(&name)) {
-            Ok(()) => break name,
+            Ok(()) => {
+                use std::os::unix::fs::PermissionsExt;
+                // 0755 whatever the umask (as Kubernetes' AtomicWriter):
+                // the chain and root stay readable to other users, the key
+                // is protected by its own 0600.
+                let path = dir.join(&name);
+                fs::set_permissions(&path, fs::Permissions::from_mode(0o755))
+                    .map_err(io_err("set the mode of", &path))?;
+                break name;
+            }
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists && attempt < 100 => attempt += 1,
             Err(e) => return Err(io_err("create", &dir.join(&name))(e)),
         }
@@ -667,6 +686,35 @@ mod tests {
         assert_eq!(generation.len(), 2, "{generation:?}");
         let previous = dir.path().join(&generation[0]).join(KEY_FILE);
         assert_eq!(fs::read_to_string(previous).unwrap(), "key.pem:old");
+    }
+
+    #[test]
+    fn a_foreign_symlink_is_replaced_never_followed_and_generations_are_0755() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("only-the-agent-reads-this");
+        fs::write(&secret, "the agent's own token").unwrap();
+        plain_files(dir.path());
+        fs::remove_file(dir.path().join(ROOT_CERT_FILE)).unwrap();
+        std::os::unix::fs::symlink(&secret, dir.path().join(ROOT_CERT_FILE)).unwrap();
+        write(dir.path(), "new", &mut |_| Ok(())).unwrap();
+        for generation in generations(dir.path()) {
+            let path = dir.path().join(&generation);
+            let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o755, "{generation}");
+            for name in NAMES {
+                let copied = fs::read_to_string(path.join(name)).unwrap_or_default();
+                assert!(!copied.contains("token"), "{generation}/{name}: {copied}");
+            }
+        }
+        assert_eq!(
+            fs::read_to_string(dir.path().join(ROOT_CERT_FILE)).unwrap(),
+            "root-cert.pem:new"
+        );
+        assert_eq!(
+            fs::read_to_string(&secret).unwrap(),
+            "the agent's own token"
+        );
     }
 
     #[test]

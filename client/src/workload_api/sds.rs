@@ -304,6 +304,12 @@ impl SdsStream {
                 request = self.requests.next() => {
                     let request = match request {
                         Some(Ok(request)) => request,
+                        // A request past the pod's buffer budget (refused
+                        // while it was read) ends the stream with that
+                        // status, not a clean close Envoy would retry.
+                        Some(Err(status)) if status.code() == tonic::Code::ResourceExhausted => {
+                            return Step::Fail(status)
+                        }
                         Some(Err(_)) | None => return Step::End,
                     };
                     if let Err(status) = check_type(&request) {
