@@ -16,5 +16,5 @@ pub(crate) fn spawn(requests: Arc<OpenRequests>) {
         check_interval: CHECK_INTERVAL,
         min_peak: MIN_PEAK,
     };
-    meshca_certs::heap_trim::spawn(policy, "requests", move || requests.take_peak());
+    meshca_certs::heap_trim::spawn(policy, "requests", move || Some(requests.take_peak()));
 }

@@ -34,19 +34,22 @@ impl TrimPolicy {
     }
 }
 
-/// Trims the heap after each burst, until the runtime stops.
-/// `take_peak` returns the most open at once since its last call and how
-/// many are open now; `what` names them in the debug line.
+/// Trims the heap after each burst, until the runtime stops or
+/// `take_peak` returns `None` (what it counts is gone). `take_peak`
+/// returns the most open at once since its last call and how many are
+/// open now; `what` names them in the debug line.
 pub fn spawn<F>(policy: TrimPolicy, what: &'static str, mut take_peak: F)
 where
-    F: FnMut() -> (usize, usize) + Send + 'static,
+    F: FnMut() -> Option<(usize, usize)> + Send + 'static,
 {
     tokio::spawn(async move {
         let mut interval = tokio::time::interval(policy.check_interval);
         interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             interval.tick().await;
-            let (peak, open) = take_peak();
+            let Some((peak, open)) = take_peak() else {
+                return;
+            };
             if policy.burst_passed(peak, open) {
                 // Off the runtime's threads: it may wait for heap locks.
                 let _ = tokio::task::spawn_blocking(release_free_heap).await;

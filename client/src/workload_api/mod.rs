@@ -217,9 +217,8 @@ async fn serve_with(
             min_peak: HEAP_TRIM_MIN_PEAK_CONNECTIONS,
         };
         meshca_certs::heap_trim::spawn(policy, "workload connections", move || {
-            open_connections
-                .upgrade()
-                .map_or((0, 0), |open| open.take_peak())
+            // The socket server is gone: so is the task.
+            open_connections.upgrade().map(|open| open.take_peak())
         });
     }
     tokio::pin!(shutdown);

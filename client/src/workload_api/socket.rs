@@ -287,9 +287,12 @@ pub(crate) fn accept_callers(
     node: Option<NodeAttestation>,
 ) -> impl Stream<Item = CallerConnection> {
     let slots = Arc::new(Semaphore::new(max_connections.max(1)));
+    let accept_failures = Arc::new(meshca_certs::rate_limited_log::RateLimitedLog::new(
+        meshca_certs::rate_limited_log::DEFAULT_LOG_INTERVAL,
+    ));
     futures::stream::unfold(
-        (listener, slots, node),
-        |(listener, slots, node)| async move {
+        (listener, slots, node, accept_failures),
+        |(listener, slots, node, accept_failures)| async move {
             let slot = slots.clone().acquire_owned().await.ok()?;
             loop {
                 match listener.accept().await {
@@ -323,12 +326,14 @@ pub(crate) fn accept_callers(
                             _slot: slot,
                             _pod_slot: pod_slot,
                         };
-                        return Some((connection, (listener, slots, node)));
+                        return Some((connection, (listener, slots, node, accept_failures)));
                     }
                     Err(e) => {
                         // Out of file descriptors and the like: wait a little
                         // instead of spinning, keep serving the open streams.
-                        tracing::warn!(error = %e, "accepting a workload connection failed");
+                        if let Some(unlogged) = accept_failures.record() {
+                            tracing::warn!(error = %e, unlogged, "accepting a workload connection failed");
+                        }
                         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
                     }
                 }
