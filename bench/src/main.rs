@@ -17,12 +17,14 @@
 //! meshca-bench mass-restart --identities 10000 --api-latency 5ms
 //! meshca-bench attack cancelled-junk --requests 200000 --deadline 20ms
 //! meshca-bench pod-certificates --requests 10000 --api-latency 5ms
+//! meshca-bench hostile-pods --pods 10 --duration 30s
 //! meshca-bench mass-restart --kube-apiserver --identities 10000
 //! meshca-bench pod-certificates --kube-apiserver --requests 1000
 //! ```
 
 mod attack;
 mod baseline;
+mod hostile_pods;
 mod load;
 mod mass_restart;
 mod pod_certificates;
@@ -66,6 +68,15 @@ enum Command {
     /// PodCertificateRequests; time until all are answered and count the
     /// API calls per certificate.
     PodCertificates(pod_certificates::PodCertificatesArgs),
+    /// Start meshca and a node agent (`meshca-agent --node-agent`) with
+    /// --pods hostile pods at their limits on its node: the agent's memory,
+    /// CPU and log lines, and a well-behaved pod's SVID and rotations
+    /// alone and during the attack.
+    HostilePods(hostile_pods::HostilePodsArgs),
+    /// One pod of `hostile-pods` (a process of its own, so that the
+    /// node agent attributes it to its pod): started by the scenario.
+    #[command(hide = true)]
+    PodProcess(hostile_pods::PodProcessArgs),
 }
 
 /// Flags of a load run against a running CA.
@@ -162,6 +173,8 @@ fn main() -> ExitCode {
                 Some(Command::MassRestart(args)) => mass_restart::run(args).await,
                 Some(Command::Attack(args)) => attack::run(args).await,
                 Some(Command::PodCertificates(args)) => pod_certificates::run(args).await,
+                Some(Command::HostilePods(args)) => hostile_pods::run(args).await,
+                Some(Command::PodProcess(args)) => hostile_pods::pod_process(args).await,
                 None => load::run(cli.run).await,
             }
         };
