@@ -110,6 +110,16 @@ fn backoff(retries: u32, i: usize) -> Duration {
     base.mul_f64(jitter)
 }
 
+/// `--max-connections-per-source=0` unless `meshca_args` set it: each
+/// identity stands for a pod with an address of its own, but here all
+/// connect from one loopback address.
+fn per_source_bound_off(meshca_args: &[String]) -> Option<String> {
+    let set = meshca_args
+        .iter()
+        .any(|a| a.starts_with("--max-connections-per-source"));
+    (!set).then(|| "--max-connections-per-source=0".to_string())
+}
+
 /// Runs the scenario. `Ok(false)` when a request got no certificate.
 pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     let meshca = server_process::meshca_path(args.meshca.as_ref())?;
@@ -123,6 +133,7 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     if args.offline_jwt {
         flags.extend(["--jwt-issuer".into(), OIDC_ISSUER.into()]);
     }
+    flags.extend(per_source_bound_off(&args.meshca_args));
     flags.extend(args.meshca_args.iter().cloned());
     let server = Meshca::start(&meshca, args.api_latency, &flags).await?;
     let kube = &server.kube;
@@ -237,6 +248,7 @@ async fn run_real(args: &MassRestartArgs, meshca: &PathBuf) -> anyhow::Result<bo
     if args.offline_jwt {
         flags.extend(["--jwt-issuer".into(), control_plane::ISSUER.into()]);
     }
+    flags.extend(per_source_bound_off(&args.meshca_args));
     flags.extend(args.meshca_args.iter().cloned());
     let server = MeshcaProcess::start(meshca, &kubeconfig, &flags, None).await?;
     let storm = Storm::prepare(args, &server, &tokens).await?;

@@ -121,6 +121,13 @@ where
                 .and_then(|info| info.peer_certs());
             match service.who_is_calling(request.headers(), peer_chain).await {
                 Ok(caller) => {
+                    // Its connection now counts as a real client's.
+                    if let Some(connection) = request
+                        .extensions()
+                        .get::<crate::transport::RequestConnection>()
+                    {
+                        connection.set_authenticated();
+                    }
                     request.extensions_mut().insert(caller);
                     let request =
                         request.map(|body| Body::new(MessageDeadline::new(body, MESSAGE_TIMEOUT)));

@@ -32,6 +32,15 @@ pub(crate) const DEFAULT_CLUSTER_ID: &str = "Kubernetes";
 /// sidecar, with eviction and a seat wait").
 pub const DEFAULT_MAX_CONNECTIONS: u32 = 1024;
 
+/// gRPC connections open at once from one source address unless
+/// `--max-connections-per-source` says otherwise. A sidecar or a ztunnel
+/// keeps one connection to the CA, or a few while one is replaced (a
+/// GOAWAY at `--max-connection-age`, a reconnect), and every pod has an
+/// address of its own; a node's ztunnel or node agent is one source for
+/// all the pods of its node, over one or a few connections; 64 is far
+/// above all of these, and one address holding every seat is not.
+pub const DEFAULT_MAX_CONNECTIONS_PER_SOURCE: u32 = 64;
+
 /// The server's resident memory at rest (release build: the CA material,
 /// the caches, the runtime), measured before every hostile-load scenario
 /// (docs/benchmarks-history.md, "Hostile load, after the limits") and rounded up.
@@ -231,6 +240,24 @@ pub struct ServeArgs {
         value_parser = clap::value_parser!(u32).range(1..)
     )]
     pub(crate) max_connections: u32,
+
+    /// gRPC connections open at once from one source address. A new one
+    /// beyond it takes the seat of one of that source's connections that
+    /// has made no authenticated request (a stalled handshake, one
+    /// established 2 s ago without one) or is idle (see
+    /// `--evict-idle-connections-after`), and is closed as soon as it is
+    /// accepted otherwise. The default is far above what an honest client
+    /// holds: a sidecar or ztunnel keeps one connection or a few, every
+    /// pod has its own address, a node's ztunnel is one source over a few
+    /// connections. Clients behind one address (a NAT, an east-west
+    /// gateway in front of a remote cluster's sidecars, hostNetwork pods)
+    /// are the exception: raise it for them; 0: no bound.
+    #[arg(
+        long,
+        env = "MESHCA_MAX_CONNECTIONS_PER_SOURCE",
+        default_value_t = DEFAULT_MAX_CONNECTIONS_PER_SOURCE
+    )]
+    pub(crate) max_connections_per_source: u32,
 
     /// gRPC requests (HTTP/2 streams) open at once across all connections;
     /// one beyond it is answered RESOURCE_EXHAUSTED before its message is
@@ -444,6 +471,9 @@ pub struct Config {
     /// gRPC connections open at once; more evict an idle one, wait, or
     /// are closed at accept.
     pub(crate) max_connections: usize,
+    /// gRPC connections open at once from one source address (`None`:
+    /// no bound).
+    pub(crate) max_connections_per_source: Option<usize>,
     /// At the connection cap, the connection idle longest is asked to go
     /// away for a new one if idle at least this long (`None`: never).
     pub(crate) evict_idle_connections_after: Option<Duration>,
@@ -656,6 +686,9 @@ impl TryFrom<ServeArgs> for Config {
             request_timeout: args.request_timeout,
             max_connection_idle: Some(args.max_connection_idle).filter(|idle| !idle.is_zero()),
             max_connections: usize::try_from(args.max_connections).unwrap_or(usize::MAX),
+            max_connections_per_source: Some(args.max_connections_per_source)
+                .filter(|max| *max > 0)
+                .map(|max| usize::try_from(max).unwrap_or(usize::MAX)),
             evict_idle_connections_after: Some(args.evict_idle_connections_after)
                 .filter(|idle| !idle.is_zero()),
             max_open_requests: usize::try_from(args.max_open_requests).unwrap_or(usize::MAX),
@@ -761,6 +794,7 @@ mod tests {
         assert_eq!(c.cluster.rotation_grace, Duration::from_secs(13 * 3600));
         assert_eq!(c.max_connection_idle, Some(Duration::from_secs(5 * 60)));
         assert_eq!(c.max_connections, 1024);
+        assert_eq!(c.max_connections_per_source, Some(64));
         assert_eq!(
             c.evict_idle_connections_after,
             Some(Duration::from_secs(10))
@@ -800,6 +834,10 @@ mod tests {
         assert_eq!(c.max_connection_idle, None);
         assert_eq!(c.max_connections, 10);
         assert_eq!(c.tls_handshake_timeout, Duration::from_secs(3));
+        let c = parse(&["--max-connections-per-source", "3"]).unwrap();
+        assert_eq!(c.max_connections_per_source, Some(3));
+        let c = parse(&["--max-connections-per-source", "0"]).unwrap();
+        assert_eq!(c.max_connections_per_source, None, "0: no bound");
         for refused in [
             ["--max-connections", "0"],
             ["--max-open-requests", "0"],

@@ -105,6 +105,9 @@ pub(crate) struct Metrics {
     pub(crate) tls_handshake_timeouts: IstioCounter,
     /// gRPC connections closed at accept: `--max-connections` were open.
     pub(crate) grpc_connections_refused: IstioCounter,
+    /// gRPC connections closed at accept: `--max-connections-per-source`
+    /// were open from their source address and none could make room.
+    pub(crate) grpc_connections_refused_per_source: IstioCounter,
     /// gRPC connections sent a GOAWAY after `--max-connection-idle`
     /// without an open stream.
     pub(crate) grpc_idle_connections_closed: IstioCounter,
@@ -174,6 +177,7 @@ impl Default for Metrics {
             tls_handshake_failures: Default::default(),
             tls_handshake_timeouts: Default::default(),
             grpc_connections_refused: Default::default(),
+            grpc_connections_refused_per_source: Default::default(),
             grpc_idle_connections_closed: Default::default(),
             grpc_connections_evicted: Default::default(),
             grpc_stalled_handshakes_cut: Default::default(),
@@ -306,6 +310,11 @@ impl Metrics {
             "meshca_grpc_connections_refused_count",
             "gRPC connections closed as soon as they were accepted because --max-connections were open",
             self.grpc_connections_refused.clone(),
+        );
+        r.register(
+            "meshca_grpc_connections_refused_per_source_count",
+            "gRPC connections closed as soon as they were accepted because --max-connections-per-source were open from their source address and none of those could make room",
+            self.grpc_connections_refused_per_source.clone(),
         );
         r.register(
             "meshca_grpc_idle_connections_closed_count",

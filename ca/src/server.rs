@@ -781,6 +781,7 @@ async fn bind_grpc(config: &Config, monitoring: SocketAddr) -> Result<Listeners,
         bound,
         limits: AcceptLimits {
             max_connections: config.max_connections,
+            max_connections_per_source: config.max_connections_per_source,
             evict_idle_after: config.evict_idle_connections_after,
             handshake_timeout: config.tls_handshake_timeout,
         },

@@ -888,6 +888,15 @@ async fn agent_once_writes_a_matching_key_and_chain() {
 async fn tls_connect(
     server: &MeshcaServer,
 ) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
+    tls_over(server, None).await
+}
+
+/// A TLS connection to `server` over `tcp` (default: a new one), as
+/// [`tls_connect`].
+async fn tls_over(
+    server: &MeshcaServer,
+    tcp: Option<tokio::net::TcpStream>,
+) -> tokio_rustls::client::TlsStream<tokio::net::TcpStream> {
     let mut roots = rustls::RootCertStore::empty();
     for der in parse_certs_pem(&server.root_pem()).unwrap() {
         roots.add(der.into()).unwrap();
@@ -903,7 +912,10 @@ async fn tls_connect(
         .with_root_certificates(roots)
         .with_no_client_auth();
     config.alpn_protocols = vec![b"h2".to_vec()];
-    let tcp = tokio::net::TcpStream::connect(server.grpc).await.unwrap();
+    let tcp = match tcp {
+        Some(tcp) => tcp,
+        None => tokio::net::TcpStream::connect(server.grpc).await.unwrap(),
+    };
     let name = rustls::pki_types::ServerName::try_from("istiod.istio-system.svc").unwrap();
     let tls = tokio_rustls::TlsConnector::from(std::sync::Arc::new(config))
         .connect(name, tcp)
@@ -1414,6 +1426,173 @@ async fn connections_beyond_the_cap_are_closed_at_accept_and_counted() {
         .create_certificate(with_token(request, &token))
         .await
         .expect("the second connection still serves");
+}
+
+/// A TCP connection to `server`'s gRPC port from `source`, a loopback
+/// address (Linux routes all of 127/8 to `lo`).
+async fn tcp_from(server: &MeshcaServer, source: [u8; 4]) -> tokio::net::TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket
+        .bind(std::net::SocketAddr::from((source, 0)))
+        .unwrap();
+    socket.connect(server.grpc).await.unwrap()
+}
+
+/// A gRPC client of `server` whose connection comes from `source`, as
+/// [`MeshcaServer::client`]; an error when the server closes it at accept.
+async fn client_from(
+    server: &MeshcaServer,
+    source: [u8; 4],
+) -> Result<
+    meshca_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient<
+        tonic::transport::Channel,
+    >,
+    tonic::transport::Error,
+> {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint};
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(server.root_pem()))
+        .domain_name("istiod.istio-system.svc");
+    let channel = Endpoint::from_shared(format!("https://{}", server.grpc))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .local_address(Some(std::net::IpAddr::from(source)))
+        .connect()
+        .await?;
+    Ok(meshca_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient::new(channel))
+}
+
+// Two worker threads: `metric_once` blocks its thread while the clients'
+// connection tasks go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_at_its_cap_is_refused_or_evicts_its_own_unauthenticated_connection() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const FLOOD: [u8; 4] = [127, 0, 0, 2];
+    const REAL: [u8; 4] = [127, 0, 0, 3];
+    // Idle eviction off: only the per-source rules make room.
+    let (_dir, server) = server_with(&[
+        "--max-connections-per-source",
+        "2",
+        "--evict-idle-connections-after",
+        "0",
+    ]);
+    let token = server.token("default", "web");
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    // Two connections from one source, each with an authenticated request.
+    let mut first = client_from(&server, FLOOD).await.unwrap();
+    first
+        .create_certificate(with_token(request.clone(), &token))
+        .await
+        .expect("the source's first connection is served");
+    let mut second = client_from(&server, FLOOD).await.unwrap();
+    second
+        .create_certificate(with_token(request.clone(), &token))
+        .await
+        .expect("the source's second connection is served");
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 2),
+        2
+    );
+
+    // A third from the same source: none of its connections can make
+    // room, so it is closed at accept, before any TLS byte.
+    let mut third = tcp_from(&server, FLOOD).await;
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), third.read_to_end(&mut got))
+        .await
+        .expect("the server closes the connection");
+    assert!(read.is_err() || got.is_empty(), "{got:?}");
+    assert_eq!(
+        metric_once(
+            &server,
+            "meshca_grpc_connections_refused_per_source_count",
+            |v| v == 1
+        ),
+        1
+    );
+    // Another source still connects and is served.
+    let mut other = client_from(&server, REAL)
+        .await
+        .expect("another source connects");
+    other
+        .create_certificate(with_token(request.clone(), &token))
+        .await
+        .expect("another source is served");
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 3),
+        3
+    );
+
+    // The source's second seat taken by a connection that never makes a
+    // request (a flood's).
+    drop(second);
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 2),
+        2
+    );
+    let mut unauthenticated = tls_over(&server, Some(tcp_from(&server, FLOOD).await)).await;
+    unauthenticated.write_all(H2_PREFACE).await.unwrap();
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 3),
+        3
+    );
+    // A newcomer from the source is refused until that connection has
+    // gone 2 s (the server's clock) without an authenticated request,
+    // then takes its seat.
+    let started = std::time::Instant::now();
+    let mut newcomer = loop {
+        match client_from(&server, FLOOD).await {
+            Ok(client) => break client,
+            Err(e) => {
+                assert!(
+                    started.elapsed() < Duration::from_secs(20),
+                    "never seated: {e:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    newcomer
+        .create_certificate(with_token(request.clone(), &token))
+        .await
+        .expect("the newcomer is served");
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections_evicted_count", |v| v == 1),
+        1
+    );
+    // The unauthenticated connection was told to go away and closed...
+    let mut got = Vec::new();
+    tokio::time::timeout(
+        Duration::from_secs(10),
+        unauthenticated.read_to_end(&mut got),
+    )
+    .await
+    .expect("the server closes the unauthenticated connection")
+    .ok();
+    // ...the source's real client and the other source's were not.
+    first
+        .create_certificate(with_token(request.clone(), &token))
+        .await
+        .expect("the source's authenticated connection still serves");
+    other
+        .create_certificate(with_token(request, &token))
+        .await
+        .expect("the other source's connection still serves");
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections_evicted_count", |_| true),
+        1,
+        "only the unauthenticated connection was evicted"
+    );
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections_refused_count", |_| true),
+        0,
+        "the global cap was never reached"
+    );
+    assert_eq!(
+        metric_once(&server, "meshca_grpc_connections", |v| v == 3),
+        3
+    );
 }
 
 /// At `--max-connections`, a new client gets its certificate, not a

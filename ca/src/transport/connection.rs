@@ -26,6 +26,8 @@ use meshca_certs::stream_activity::StreamActivity;
 use tonic::codegen::{Body as HttpBody, Bytes, StdError};
 use tower::{Layer, Service};
 
+use super::listener::ConnectionState;
+
 /// The path prefix of the gRPC health service's methods.
 const HEALTH_PATH_PREFIX: &str = "/grpc.health.v1.Health/";
 
@@ -106,6 +108,19 @@ impl Drop for OpenRequest {
     }
 }
 
+/// In the extensions of each request but health checks: its connection,
+/// which the caller gate marks once a request on it has authenticated (at
+/// a connection cap, connections that never made one are evicted first).
+#[derive(Debug, Clone)]
+pub(crate) struct RequestConnection(Arc<ConnectionState>);
+
+impl RequestConnection {
+    /// A request on this connection has authenticated.
+    pub(crate) fn set_authenticated(&self) {
+        self.0.set_authenticated();
+    }
+}
+
 /// Counts each request on the connection as an open stream until its
 /// answer's body has been sent or dropped (a reset stream, a cancelled
 /// request), and refuses a request at once, before its message is read,
@@ -115,6 +130,7 @@ pub(crate) struct CountStreamsLayer {
     activity: Arc<StreamActivity>,
     all: Arc<OpenRequests>,
     health: Arc<OpenRequests>,
+    connection: Option<Arc<ConnectionState>>,
 }
 
 impl CountStreamsLayer {
@@ -129,7 +145,15 @@ impl CountStreamsLayer {
             activity,
             all,
             health,
+            connection: None,
         }
+    }
+
+    /// Puts `connection` in each request's extensions
+    /// ([`RequestConnection`]), health checks' excepted.
+    pub(crate) fn with_connection(mut self, connection: Arc<ConnectionState>) -> Self {
+        self.connection = Some(connection);
+        self
     }
 }
 
@@ -142,6 +166,7 @@ impl<S> Layer<S> for CountStreamsLayer {
             activity: self.activity.clone(),
             all: self.all.clone(),
             health: self.health.clone(),
+            connection: self.connection.clone(),
         }
     }
 }
@@ -153,6 +178,7 @@ pub(crate) struct CountStreams<S> {
     activity: Arc<StreamActivity>,
     all: Arc<OpenRequests>,
     health: Arc<OpenRequests>,
+    connection: Option<Arc<ConnectionState>>,
 }
 
 impl<S, B, R> Service<Request<B>> for CountStreams<S>
@@ -170,8 +196,13 @@ where
         self.inner.poll_ready(cx)
     }
 
-    fn call(&mut self, request: Request<B>) -> Self::Future {
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
         let is_health = request.uri().path().starts_with(HEALTH_PATH_PREFIX);
+        if let (false, Some(connection)) = (is_health, &self.connection) {
+            request
+                .extensions_mut()
+                .insert(RequestConnection(connection.clone()));
+        }
         let pool = if is_health { &self.health } else { &self.all };
         let Some(place) = pool.try_open() else {
             // The request (and whatever of its message has arrived) is
@@ -334,6 +365,41 @@ mod tests {
         drop(watch_one);
         assert_eq!(health.open(), 1);
         service.call(health_request()).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn requests_but_health_checks_carry_their_connection_for_the_caller_gate() {
+        let connection = Arc::new(ConnectionState::default());
+        let mut service = CountStreamsLayer::new(
+            connection.activity.clone(),
+            OpenRequests::new(10, Default::default()),
+            health_pool(),
+        )
+        .with_connection(connection.clone())
+        .layer(tower::service_fn(|request: Request<()>| async move {
+            // What the caller gate does once the request authenticated.
+            if let Some(connection) = request.extensions().get::<RequestConnection>() {
+                connection.set_authenticated();
+            }
+            Ok::<_, Infallible>(Response::new(http_body_util::Full::new(
+                Bytes::from_static(b"answer"),
+            )))
+        }));
+        let health = Request::builder()
+            .uri("/grpc.health.v1.Health/Check")
+            .body(())
+            .unwrap();
+        drop(service.call(health).await.unwrap());
+        assert!(
+            !connection.is_authenticated(),
+            "a health check carries no connection"
+        );
+        let certificate_request = Request::builder()
+            .uri("/istio.v1.auth.IstioCertificateService/CreateCertificate")
+            .body(())
+            .unwrap();
+        drop(service.call(certificate_request).await.unwrap());
+        assert!(connection.is_authenticated());
     }
 
     #[test]

@@ -2,7 +2,9 @@
 //! loop, TLS and HTTP/2, on the process's multi-threaded tokio runtime.
 //!
 //! - [`listener`]: the accept loop, the connection cap (at it, an idle
-//!   connection makes room for a new one), the TLS handshake (a task per
+//!   connection makes room for a new one), the cap per source address (at
+//!   it, one of that source's connections without an authenticated request
+//!   makes room, or the new one is closed), the TLS handshake (a task per
 //!   connection, bounded in time).
 //! - [`tls_policy`]: the rustls configuration (versions, ALPN, the order of
 //!   cipher suites, client certificates asked for but checked by
@@ -43,7 +45,7 @@ use tower::Service;
 use crate::metrics::IstioCounter;
 use coalesced_writes::CoalescedWrites;
 use connection::CountStreamsLayer;
-pub(crate) use connection::OpenRequests;
+pub(crate) use connection::{OpenRequests, RequestConnection};
 pub(crate) use listener::{
     bind_with_backlog, tls_incoming, AcceptLimits, Accepted, LISTEN_BACKLOG,
 };
@@ -236,11 +238,10 @@ async fn serve_connection<S: GrpcService, H: GrpcService>(
         .layer(tower::util::MapResponseLayer::new(
             oversized_is_invalid_argument,
         ))
-        .layer(CountStreamsLayer::new(
-            activity.clone(),
-            open_requests,
-            health_requests,
-        ))
+        .layer(
+            CountStreamsLayer::new(activity.clone(), open_requests, health_requests)
+                .with_connection(state.clone()),
+        )
         .add_service(health)
         .add_service(grpc);
     let idle = async {
