@@ -788,15 +788,49 @@ async fn pod_certificate_requests_of_a_kubelet_are_issued_and_verify_to_the_clus
     };
     let dir = tempfile::tempdir().unwrap();
     plane.running_pod("default", "web-1", "web", "node-a").await;
-    plane.running_pod("default", "web-2", "web", "node-a").await;
     let args = meshca_args(&plane, &["--pod-certificate-signer", SIGNER]).await;
     let server = start_off_runtime(dir.path().join("data"), args).await;
-    let stub = create_pod_certificate_request(&plane, "stub", "web-1", KeyEncoding::StubCsr).await;
-    let proof =
-        create_pod_certificate_request(&plane, "proof", "web-2", KeyEncoding::ProofOfPossession)
-            .await;
+    // Every key type the API and meshca accept, in both encodings (the
+    // API server checks each proof of possession itself).
+    let ed25519 = || {
+        PrivateKey::from_pkcs8_der(
+            &rcgen::KeyPair::generate_for(&rcgen::PKCS_ED25519)
+                .unwrap()
+                .serialize_der(),
+        )
+        .unwrap()
+    };
+    let mut keys = Vec::new();
+    for (kind, key) in [
+        (
+            "p256",
+            PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap(),
+        ),
+        (
+            "p384",
+            PrivateKey::generate(KeyAlgorithm::EcdsaP384).unwrap(),
+        ),
+        (
+            "rsa3072",
+            PrivateKey::generate(KeyAlgorithm::Rsa3072).unwrap(),
+        ),
+        ("ed25519", ed25519()),
+    ] {
+        for (encoding, how) in [
+            (KeyEncoding::StubCsr, "stub"),
+            (KeyEncoding::ProofOfPossession, "proof"),
+        ] {
+            let name = format!("{kind}-{how}");
+            let object = pod_certificate_request(&plane, &name, "web-1", &key, encoding).await;
+            create_request(plane.node("node-a").await, object)
+                .await
+                .unwrap_or_else(|e| panic!("the kubelet creates {name}: {e}"));
+            keys.push((name, key.public_key_spki_der()));
+        }
+    }
     let requests: Api<PodCertificateRequest> = Api::namespaced(plane.admin().await, "default");
-    for name in ["stub", "proof"] {
+    for (name, _) in &keys {
+        let name = name.as_str();
         wait_for("the request answered", Duration::from_secs(30), || {
             let requests = requests.clone();
             async move { condition_of(&requests.get(name).await.unwrap()).is_some() }
@@ -823,7 +857,7 @@ async fn pod_certificate_requests_of_a_kubelet_are_issued_and_verify_to_the_clus
         parse_certs_pem(&ctb.spec.trust_bundle).unwrap(),
         parse_certs_pem(&server.root_pem()).unwrap()
     );
-    for (name, key) in [("stub", &stub), ("proof", &proof)] {
+    for (name, key) in &keys {
         let request = requests.get(name).await.unwrap();
         assert_eq!(
             condition_of(&request),
@@ -839,7 +873,7 @@ async fn pod_certificate_requests_of_a_kubelet_are_issued_and_verify_to_the_clus
             .unwrap();
         assert_eq!(
             leaf.public_key().raw,
-            key.public_key_spki_der().as_slice(),
+            key.as_slice(),
             "{name}: issued to the pod's key"
         );
         let id = SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web").unwrap();
