@@ -97,6 +97,14 @@ pub(crate) struct AttackArgs {
     /// 20s for connection-flood, 6m for idle).
     #[arg(long, value_parser = parse_duration)]
     pub(crate) hold: Option<Duration>,
+    /// connection-flood, idle: the address the connections come from
+    /// (e.g. 127.0.0.2; Linux routes all of 127/8 to lo).
+    #[arg(long)]
+    pub(crate) source: Option<std::net::IpAddr>,
+    /// connection-flood, idle: the address the probe's connections come
+    /// from (e.g. 127.0.0.3).
+    #[arg(long)]
+    pub(crate) probe_source: Option<std::net::IpAddr>,
     /// junk-mix: length of each phase.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub(crate) duration: Duration,
@@ -272,6 +280,16 @@ impl Probe {
     /// Probes until `stop` is set: over one connection opened now, or
     /// (`fresh`) over a new connection per request, as a pod that starts.
     fn spawn(&self, fresh: bool, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<ProbeResult> {
+        self.spawn_from(fresh, stop, None)
+    }
+
+    /// As [`Probe::spawn`], its connections from `source`.
+    fn spawn_from(
+        &self,
+        fresh: bool,
+        stop: Arc<AtomicBool>,
+        source: Option<std::net::IpAddr>,
+    ) -> tokio::task::JoinHandle<ProbeResult> {
         let (prepared, addr, root_pem) = (
             self.prepared.clone(),
             self.addr.clone(),
@@ -292,7 +310,7 @@ impl Probe {
                     let mut client = match cached {
                         Some(c) => c,
                         None => {
-                            let c = load::connect_istio(&addr, &root_pem, 1)
+                            let c = load::connect_istio_from(&addr, &root_pem, 1, source)
                                 .await
                                 .map_err(|_| "CONNECT_FAILED".to_string())?
                                 .remove(0);
@@ -791,6 +809,36 @@ struct ConnectionLog {
     goaways: BTreeMap<&'static str, u64>,
 }
 
+/// As [`tls_connect`], from `source` (default: the system's choice).
+async fn tls_connect_from(
+    connector: &tokio_rustls::TlsConnector,
+    addr: SocketAddr,
+    source: Option<std::net::IpAddr>,
+) -> Result<TlsStream, &'static str> {
+    let Some(source) = source else {
+        return tls_connect(connector, addr).await;
+    };
+    let socket = if source.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()
+    } else {
+        tokio::net::TcpSocket::new_v6()
+    }
+    .map_err(|_| "socket_failed")?;
+    socket
+        .bind(SocketAddr::new(source, 0))
+        .map_err(|_| "bind_failed")?;
+    let tcp = tokio::time::timeout(Duration::from_secs(5), socket.connect(addr))
+        .await
+        .map_err(|_| "connect_timeout")?
+        .map_err(|_| "connect_failed")?;
+    let name = rustls_pki_types::ServerName::try_from("istiod.istio-system.svc")
+        .map_err(|_| "bad_server_name")?;
+    tokio::time::timeout(Duration::from_secs(10), connector.connect(name, tcp))
+        .await
+        .map_err(|_| "handshake_timeout")?
+        .map_err(|_| "handshake_failed")
+}
+
 async fn connections(args: &AttackArgs, server: &Meshca, probe: &Probe) -> anyhow::Result<Value> {
     let flood = args.scenario == Scenario::ConnectionFlood;
     let count = args
@@ -807,7 +855,7 @@ async fn connections(args: &AttackArgs, server: &Meshca, probe: &Probe) -> anyho
     let released = Arc::new(AtomicBool::new(false));
     let stop = Arc::new(AtomicBool::new(false));
     // A pod starting meanwhile: a fresh connection per request.
-    let probing = probe.spawn(true, stop.clone());
+    let probing = probe.spawn_from(true, stop.clone(), args.probe_source);
     let start = Instant::now();
     let next = Arc::new(AtomicU64::new(0));
     let mut openers = Vec::new();
@@ -815,16 +863,17 @@ async fn connections(args: &AttackArgs, server: &Meshca, probe: &Probe) -> anyho
     let (holder_tx, mut holder_rx) = tokio::sync::mpsc::unbounded_channel();
     // 64 handshakes at a time.
     for _ in 0..64 {
-        let (connector, log, next, holder_tx, addr) = (
+        let (connector, log, next, holder_tx, addr, source) = (
             connector.clone(),
             log.clone(),
             next.clone(),
             holder_tx.clone(),
             server.grpc,
+            args.source,
         );
         openers.push(tokio::spawn(async move {
             while next.fetch_add(1, Ordering::Relaxed) < count as u64 {
-                let mut stream = match tls_connect(&connector, addr).await {
+                let mut stream = match tls_connect_from(&connector, addr, source).await {
                     Ok(s) => s,
                     Err(why) => {
                         *log.lock()
@@ -925,6 +974,8 @@ async fn connections(args: &AttackArgs, server: &Meshca, probe: &Probe) -> anyho
         "closed_by_server": closed.len(),
         "closed_after_seconds": {"min": quantile(0.0), "p50": quantile(0.5), "max": quantile(1.0)},
         "goaways": log.goaways,
+        "source": args.source,
+        "probe_source": args.probe_source,
         "real_clients_clean": probed.errors.is_empty(),
         "probe_mode": "a fresh connection per request",
         "probe": probed.to_json(),

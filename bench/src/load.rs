@@ -128,6 +128,17 @@ pub(crate) async fn connect_istio(
     root_pem: &str,
     n: usize,
 ) -> anyhow::Result<Vec<Client>> {
+    connect_istio_from(addr, root_pem, n, None).await
+}
+
+/// As [`connect_istio`], each connection from `source` (default: the
+/// system's choice).
+pub(crate) async fn connect_istio_from(
+    addr: &str,
+    root_pem: &str,
+    n: usize,
+    source: Option<std::net::IpAddr>,
+) -> anyhow::Result<Vec<Client>> {
     let mut clients = Vec::with_capacity(n);
     for _ in 0..n.max(1) {
         let tls = ClientTlsConfig::new()
@@ -138,6 +149,7 @@ pub(crate) async fn connect_istio(
             .tls_config(tls)
             .context("TLS configuration")?
             .connect_timeout(Duration::from_secs(5))
+            .local_address(source)
             .connect()
             .await
             .with_context(|| format!("connecting to {addr}"))?;
