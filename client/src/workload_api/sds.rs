@@ -61,6 +61,14 @@ pub(crate) const ALL_BUNDLES_NAME: &str = "ALL";
 /// type URL) that a log line or a status message carries.
 pub(crate) const LOGGED_TEXT_BYTES: usize = 256;
 
+/// The most requests one SDS stream has read per second; past them its
+/// next request is read when the second is over, so that a client sending
+/// stale nonces or NACKs as fast as it can (a storm) is held back by its
+/// own stream's flow-control window, not served on the node's CPU. Envoy
+/// sends one request per answer (an ACK or a NACK) and one per change of
+/// names: a few a second at most. Pushes to the stream are not delayed.
+pub(crate) const MAX_SDS_REQUESTS_PER_SECOND: u32 = 20;
+
 /// The SDS service.
 #[derive(Debug, Clone)]
 pub(crate) struct SdsService {
@@ -269,6 +277,10 @@ struct SdsStream {
     version: u64,
     /// The client asked for something not answered yet.
     owed: bool,
+    /// Requests read since `window_start` (see [`MAX_SDS_REQUESTS_PER_SECOND`]).
+    requests_in_window: u32,
+    /// When the current one-second window started.
+    window_start: tokio::time::Instant,
 }
 
 enum Step {
@@ -300,8 +312,22 @@ impl SdsStream {
                     }
                 }
             }
+            // Past the stream's requests per second: read again when the
+            // second is over.
+            let throttled_until = (self.requests_in_window >= MAX_SDS_REQUESTS_PER_SECOND)
+                .then(|| self.window_start + std::time::Duration::from_secs(1));
             tokio::select! {
-                request = self.requests.next() => {
+                () = tokio::time::sleep_until(throttled_until.unwrap_or_else(tokio::time::Instant::now)), if throttled_until.is_some() => {
+                    self.requests_in_window = 0;
+                    self.window_start = tokio::time::Instant::now();
+                }
+                request = self.requests.next(), if throttled_until.is_none() => {
+                    let now = tokio::time::Instant::now();
+                    if now.duration_since(self.window_start) >= std::time::Duration::from_secs(1) {
+                        self.requests_in_window = 0;
+                        self.window_start = now;
+                    }
+                    self.requests_in_window += 1;
                     let request = match request {
                         Some(Ok(request)) => request,
                         // A request past the pod's buffer budget (refused
@@ -392,6 +418,8 @@ impl SecretDiscoveryService for SdsService {
             sent: None,
             version: 0,
             owed: false,
+            requests_in_window: 0,
+            window_start: tokio::time::Instant::now(),
         };
         let stream = futures::stream::unfold(Some(state), |state| async move {
             let mut state = state?;
