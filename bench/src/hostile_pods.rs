@@ -111,9 +111,25 @@ pub(crate) struct HostilePodsArgs {
     /// Extra flags for `meshca-agent` (e.g. `--agent-arg=--max-streams-per-pod=32`).
     #[arg(long = "agent-arg", allow_hyphen_values = true)]
     pub(crate) agent_args: Vec<String>,
+    /// The attacks each hostile pod runs (default: all of them).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub(crate) attacks: Vec<Attack>,
     /// Print the report as one line of JSON.
     #[arg(long)]
     pub(crate) json: bool,
+}
+
+/// The attacks of a hostile pod.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub(crate) enum Attack {
+    /// Header blocks parked without END_HEADERS.
+    Parked,
+    /// Streams whose answers are never read.
+    NeverRead,
+    /// SDS streams of bad nonces and NACKs, as fast as they go.
+    SdsStorm,
+    /// Messages split over many 16-byte DATA frames.
+    Split,
 }
 
 /// What a `pod-process` is.
@@ -134,6 +150,9 @@ pub(crate) struct PodProcessArgs {
     /// What this pod does.
     #[arg(long, value_enum)]
     pub(crate) role: Role,
+    /// A hostile pod's attacks.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    pub(crate) attacks: Vec<Attack>,
 }
 
 fn unix_micros(t: SystemTime) -> u64 {
@@ -161,7 +180,17 @@ struct PodProcess {
 impl PodProcess {
     /// Starts `meshca-bench pod-process`, writes the cgroup file of its PID
     /// (pod `uid`) and tells it to go.
-    fn start(socket: &Path, role: Role, proc_root: &Path, uid: &str) -> anyhow::Result<Self> {
+    fn start(
+        socket: &Path,
+        role: Role,
+        attacks: &[Attack],
+        proc_root: &Path,
+        uid: &str,
+    ) -> anyhow::Result<Self> {
+        let attacks: Vec<String> = attacks
+            .iter()
+            .filter_map(|a| a.to_possible_value().map(|v| v.get_name().to_string()))
+            .collect();
         let role_name = match role {
             Role::Good => "good",
             Role::Hostile => "hostile",
@@ -171,6 +200,11 @@ impl PodProcess {
             .arg("--socket")
             .arg(socket)
             .args(["--role", role_name])
+            .args(if attacks.is_empty() {
+                vec![]
+            } else {
+                vec!["--attacks".to_string(), attacks.join(",")]
+            })
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -351,7 +385,7 @@ async fn measure(args: &HostilePodsArgs) -> anyhow::Result<Value> {
     }
 
     // The well-behaved pod, for both phases.
-    let good = PodProcess::start(&socket, Role::Good, &proc_root, &pod_uid(0))?;
+    let good = PodProcess::start(&socket, Role::Good, &[], &proc_root, &pod_uid(0))?;
     let deadline = Instant::now() + Duration::from_secs(30);
     while !good.lines().iter().any(|l| l.starts_with("ROTATION ")) {
         anyhow::ensure!(
@@ -377,11 +411,22 @@ async fn measure(args: &HostilePodsArgs) -> anyhow::Result<Value> {
     let peak = Arc::new(AtomicU64::new(rss_before));
     let sampler = sample_rss(pid, stop.clone(), peak.clone());
     let b_start = SystemTime::now();
+    let attacks = if args.attacks.is_empty() {
+        vec![
+            Attack::Parked,
+            Attack::NeverRead,
+            Attack::SdsStorm,
+            Attack::Split,
+        ]
+    } else {
+        args.attacks.clone()
+    };
     let mut hostile = Vec::new();
     for n in 1..=args.pods {
         hostile.push(PodProcess::start(
             &socket,
             Role::Hostile,
+            &attacks,
             &proc_root,
             &pod_uid(n),
         )?);
@@ -390,13 +435,13 @@ async fn measure(args: &HostilePodsArgs) -> anyhow::Result<Value> {
     let b_end = SystemTime::now();
     let stats_b1 = proc_stats::read(pid).context("the agent died during the attack")?;
     let log_b = log();
-    let mut attacks: BTreeMap<String, u64> = BTreeMap::new();
+    let mut counted: BTreeMap<String, u64> = BTreeMap::new();
     for pod in hostile {
         for line in pod.finish() {
             if let Some(counts) = line.strip_prefix("COUNTS ") {
                 if let Ok(Value::Object(map)) = serde_json::from_str::<Value>(counts) {
                     for (k, v) in map {
-                        *attacks.entry(k).or_default() += v.as_u64().unwrap_or(0);
+                        *counted.entry(k).or_default() += v.as_u64().unwrap_or(0);
                     }
                 }
             }
@@ -486,13 +531,14 @@ async fn measure(args: &HostilePodsArgs) -> anyhow::Result<Value> {
         "pods": args.pods,
         "phase_seconds": args.duration.as_secs_f64(),
         "workload_ttl_seconds": ttl,
+        "attacks_run": attacks.iter().map(|a| format!("{a:?}")).collect::<Vec<_>>(),
         "per_hostile_pod": {
             "parked_header_block_connections": PARKED_CONNECTIONS,
             "never_read_streams": NEVER_READ_CONNECTIONS * NEVER_READ_STREAMS as usize,
             "sds_storm_streams": SDS_CONNECTIONS * SDS_STREAMS,
             "split_message_connections": SPLIT_CONNECTIONS,
         },
-        "attacks": attacks,
+        "attacks": counted,
         "agent": {
             "rss_start_mib": mib(stats_a0.rss_bytes),
             "rss_before_attack_mib": mib(rss_before),
@@ -644,7 +690,7 @@ pub(crate) async fn pod_process(args: PodProcessArgs) -> anyhow::Result<bool> {
     go.await.context("stdin closed before go")?;
     match args.role {
         Role::Good => good_pod(&args.socket, stdin_closed).await,
-        Role::Hostile => hostile_pod(&args.socket, stdin_closed).await,
+        Role::Hostile => hostile_pod(&args.socket, &args.attacks, stdin_closed).await,
     }
     Ok(true)
 }
@@ -779,7 +825,8 @@ const REOPEN_PAUSE: Duration = Duration::from_millis(50);
 
 /// A hostile pod: every attack at once, each connection reopened when the
 /// agent closes it, until stdin closes; then `COUNTS {json}`.
-async fn hostile_pod(socket: &Path, stop: tokio::sync::oneshot::Receiver<()>) {
+async fn hostile_pod(socket: &Path, attacks: &[Attack], stop: tokio::sync::oneshot::Receiver<()>) {
+    let count = |attack: Attack, n: usize| if attacks.contains(&attack) { n } else { 0 };
     let counts = Arc::new(Counts::default());
     let mut tasks = tokio::task::JoinSet::new();
     let authority = socket
@@ -787,7 +834,7 @@ async fn hostile_pod(socket: &Path, stop: tokio::sync::oneshot::Receiver<()>) {
         .to_string()
         .trim_start_matches('/')
         .replace('/', "%2F");
-    for _ in 0..PARKED_CONNECTIONS {
+    for _ in 0..count(Attack::Parked, PARKED_CONNECTIONS) {
         let (socket, counts, authority) = (socket.to_path_buf(), counts.clone(), authority.clone());
         tasks.spawn(async move {
             loop {
@@ -796,7 +843,7 @@ async fn hostile_pod(socket: &Path, stop: tokio::sync::oneshot::Receiver<()>) {
             }
         });
     }
-    for _ in 0..NEVER_READ_CONNECTIONS {
+    for _ in 0..count(Attack::NeverRead, NEVER_READ_CONNECTIONS) {
         let (socket, counts, authority) = (socket.to_path_buf(), counts.clone(), authority.clone());
         tasks.spawn(async move {
             loop {
@@ -805,7 +852,7 @@ async fn hostile_pod(socket: &Path, stop: tokio::sync::oneshot::Receiver<()>) {
             }
         });
     }
-    for _ in 0..SDS_CONNECTIONS {
+    for _ in 0..count(Attack::SdsStorm, SDS_CONNECTIONS) {
         let (socket, counts) = (socket.to_path_buf(), counts.clone());
         tasks.spawn(async move {
             loop {
@@ -814,7 +861,7 @@ async fn hostile_pod(socket: &Path, stop: tokio::sync::oneshot::Receiver<()>) {
             }
         });
     }
-    for _ in 0..SPLIT_CONNECTIONS {
+    for _ in 0..count(Attack::Split, SPLIT_CONNECTIONS) {
         let (socket, counts, authority) = (socket.to_path_buf(), counts.clone(), authority.clone());
         tasks.spawn(async move {
             loop {

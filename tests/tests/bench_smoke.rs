@@ -184,3 +184,67 @@ fn a_storm_against_the_real_api_server_counts_its_token_reviews() {
         "{report}"
     );
 }
+
+#[test]
+fn hostile_pods_on_a_node_agent_leave_the_well_behaved_pod_served() {
+    // Two hostile pods (processes of their own, attributed to their pods
+    // by the agent's fake --proc-root) for a short phase: the report's
+    // numbers are there, and the well-behaved pod got its SVID, on fresh
+    // connections and as rotations, alone and during the attack.
+    let report = run_bench(|bench| {
+        bench
+            .args(["hostile-pods", "--pods", "2", "--duration", "3s"])
+            .args(["--workload-ttl", "2s", "--json", "--meshca"])
+            .arg(&binaries().meshca)
+            .arg("--meshca-agent")
+            .arg(&binaries().meshca_agent)
+    });
+    assert_eq!(report["scenario"], "hostile-pods", "{report}");
+    assert_eq!(report["real_clients_clean"], true, "{report}");
+    let agent = &report["agent"];
+    assert_eq!(agent["alive"], true, "{report}");
+    for key in [
+        "rss_start_mib",
+        "rss_before_attack_mib",
+        "rss_peak_mib",
+        "rss_after_mib",
+        "cpu_seconds_attacked",
+    ] {
+        assert!(agent[key].as_f64().unwrap() > 0.0, "{key}: {report}");
+    }
+    assert!(agent["log_lines_attacked"].is_u64(), "{report}");
+    for phase in ["alone", "attacked"] {
+        let good = &report["good_pod"][phase];
+        assert_eq!(good["errors"], 0, "{phase}: {report}");
+        assert!(
+            good["svid_fetches"].as_u64().unwrap() > 0,
+            "{phase}: {report}"
+        );
+        assert!(good["rotations"].as_u64().unwrap() > 0, "{phase}: {report}");
+        assert!(
+            good["svid_fetch_latency_ms"]["p99"].as_f64().unwrap() > 0.0,
+            "{phase}: {report}"
+        );
+        assert!(
+            good["rotation_delay_ms"]["max"].is_f64(),
+            "{phase}: {report}"
+        );
+    }
+    // The attacks ran, and the agent pushed back on them.
+    let attacks = &report["attacks"];
+    for key in [
+        "parked_blocks_sent",
+        "never_read_streams_opened",
+        "sds_streams_opened",
+        "split_streams_opened",
+    ] {
+        assert!(attacks[key].as_u64().unwrap() > 0, "{key}: {report}");
+    }
+    for goal in [
+        "peak_rss_under_half_the_limit",
+        "rss_back_within_8_mib",
+        "no_added_delay_beyond_100_ms",
+    ] {
+        assert!(report["goals"][goal].is_boolean(), "{goal}: {report}");
+    }
+}
