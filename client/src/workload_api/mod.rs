@@ -64,6 +64,7 @@ pub use callers::{CallerPolicy, Callers, DEFAULT_ATTESTATION_WAIT};
 pub use feeds::{Feed, Feeds};
 pub use node_pods::{watch_node_pods, NodePods};
 pub use per_pod::{DEFAULT_MAX_STREAMS_PER_POD, MAX_BUFFERED_BYTES_PER_POD};
+pub use sds::MAX_SDS_REQUESTS_PER_SECOND;
 use server::ConnectionTimers;
 pub use server::{CLOSE_GRACE, CONNECTION_IDLE_TIMEOUT, FIRST_REQUEST_TIMEOUT};
 pub use socket::{bind, connection_cap, raise_open_files_limit, SocketError, FD_RESERVE};

@@ -67,7 +67,7 @@ pub(crate) const LOGGED_TEXT_BYTES: usize = 256;
 /// own stream's flow-control window, not served on the node's CPU. Envoy
 /// sends one request per answer (an ACK or a NACK) and one per change of
 /// names: a few a second at most. Pushes to the stream are not delayed.
-pub(crate) const MAX_SDS_REQUESTS_PER_SECOND: u32 = 20;
+pub const MAX_SDS_REQUESTS_PER_SECOND: u32 = 20;
 
 /// The SDS service.
 #[derive(Debug, Clone)]
