@@ -574,6 +574,20 @@ impl PodRequest<'_> {
     }
 }
 
+/// The kubelet's RSA proof of possession: RSA-PSS SHA-256 over the pod UID
+/// with Go's default salt length.
+pub fn rsa_pss_proof(key: &rsa::RsaPrivateKey, pod_uid: &str) -> Vec<u8> {
+    use rsa::sha2::{Digest, Sha256};
+    use rsa::traits::PublicKeyParts;
+    let salt = (key.n().bits() - 1).div_ceil(8) - 2 - 32;
+    key.sign_with_rng(
+        &mut rand_core::OsRng,
+        rsa::Pss::new_with_salt::<Sha256>(salt),
+        &Sha256::digest(pod_uid.as_bytes()),
+    )
+    .expect("RSA-PSS signature")
+}
+
 #[cfg(test)]
 mod tests {
     //! The fake's validators, one rule broken at a time: each is refused
@@ -1018,18 +1032,4 @@ mod tests {
             );
         }
     }
-}
-
-/// The kubelet's RSA proof of possession: RSA-PSS SHA-256 over the pod UID
-/// with Go's default salt length.
-pub fn rsa_pss_proof(key: &rsa::RsaPrivateKey, pod_uid: &str) -> Vec<u8> {
-    use rsa::sha2::{Digest, Sha256};
-    use rsa::traits::PublicKeyParts;
-    let salt = (key.n().bits() - 1).div_ceil(8) - 2 - 32;
-    key.sign_with_rng(
-        &mut rand_core::OsRng,
-        rsa::Pss::new_with_salt::<Sha256>(salt),
-        &Sha256::digest(pod_uid.as_bytes()),
-    )
-    .expect("RSA-PSS signature")
 }
