@@ -29,6 +29,12 @@
 //! replaced it (the current and the previous generation are kept, older
 //! ones are removed), or re-read both when the chain's key does not match.
 //!
+//! One writer at a time: a write holds an exclusive `flock` on the output
+//! directory itself, so two processes (or two agents given the same
+//! `--output-dir` by mistake) never interleave their switches and clean-ups;
+//! a second writer waits up to [`LOCK_WAIT`] and then fails with
+//! [`OutputError::Busy`], the directory unchanged.
+//!
 //! A directory holding plain files from an older meshca-agent is migrated
 //! without a visible change: their contents are copied into a generation,
 //! `..data` is pointed at it, and each plain file is replaced (rename) by
@@ -38,6 +44,7 @@
 use std::fs;
 use std::io::{self, Write};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use meshca_certs::bundle;
 
@@ -53,6 +60,9 @@ pub const ROOT_CERT_FILE: &str = "root-cert.pem";
 pub const DATA_LINK: &str = "..data";
 /// The name `..data`'s replacement is made under before it is renamed over it.
 const DATA_LINK_TMP: &str = "..data_tmp";
+/// How long a write waits for another writer of the same directory to
+/// finish (see the module documentation) before it fails.
+pub const LOCK_WAIT: Duration = Duration::from_secs(5);
 
 /// Why credentials could not be written. Whatever the error, the directory
 /// still shows a matching key and chain (the old ones, or the new ones when
@@ -74,6 +84,13 @@ pub enum OutputError {
     #[error("{} is not a file or the agent's symlink; move it away so that the credentials can be written", path.display())]
     Occupied {
         /// The path in the way.
+        path: PathBuf,
+    },
+    /// Another process held the directory's write lock for longer than
+    /// [`LOCK_WAIT`].
+    #[error("another process is writing credentials to {} (it held the directory's lock for {}s); give each agent its own output directory", path.display(), LOCK_WAIT.as_secs())]
+    Busy {
+        /// The output directory.
         path: PathBuf,
     },
 }
@@ -192,8 +209,37 @@ fn current_generation(dir: &Path) -> Result<Option<PathBuf>, OutputError> {
     }
 }
 
+/// Holds `dir`'s exclusive write lock until dropped (see the module
+/// documentation).
+#[derive(Debug)]
+struct DirLock {
+    _dir: fs::File,
+}
+
+/// Takes `dir`'s write lock, waiting up to [`LOCK_WAIT`] for another writer.
+fn lock_dir(dir: &Path, wait: Duration) -> Result<DirLock, OutputError> {
+    use rustix::fs::{flock, FlockOperation};
+    let file = fs::File::open(dir).map_err(io_err("open", dir))?;
+    let deadline = Instant::now() + wait;
+    loop {
+        match flock(&file, FlockOperation::NonBlockingLockExclusive) {
+            Ok(()) => return Ok(DirLock { _dir: file }),
+            Err(rustix::io::Errno::WOULDBLOCK) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(rustix::io::Errno::WOULDBLOCK) => {
+                return Err(OutputError::Busy {
+                    path: dir.to_path_buf(),
+                })
+            }
+            Err(e) => return Err(io_err("lock", dir)(e.into())),
+        }
+    }
+}
+
 fn write_files(dir: &Path, files: &[OutFile<'_>], hook: Hook<'_>) -> Result<(), OutputError> {
     fs::create_dir_all(dir).map_err(io_err("create", dir))?;
+    let _lock = lock_dir(dir, LOCK_WAIT)?;
     // Anything in the way is refused before anything changes.
     let mut plain = Vec::new();
     for file in files {
@@ -428,26 +474,40 @@ fn clean_up(
         let entry = entry.map_err(io_err("list", dir))?;
         let name = PathBuf::from(entry.file_name());
         let keep = name == current || Some(name.as_path()) == previous;
+        let path = entry.path();
+        let file_type = entry.file_type().map_err(io_err("inspect", &path))?;
+        if file_type.is_symlink() && name.to_str().is_some_and(is_stray_link) {
+            // A link a killed write left (the directory is locked: no
+            // other write is using it now).
+            hook(Step::Cleanup).map_err(io_err("remove", &path))?;
+            fs::remove_file(&path).map_err(io_err("remove", &path))?;
+            continue;
+        }
         let ours = name.to_str().is_some_and(|n| {
             n.starts_with("..")
                 && n != DATA_LINK
                 && n.as_bytes().get(2).is_some_and(u8::is_ascii_digit)
         });
-        if keep || !ours {
-            continue;
-        }
-        let path = entry.path();
-        let is_dir = entry
-            .file_type()
-            .map_err(io_err("inspect", &path))?
-            .is_dir();
-        if !is_dir {
+        if keep || !ours || !file_type.is_dir() {
             continue;
         }
         hook(Step::Cleanup).map_err(io_err("remove", &path))?;
         fs::remove_dir_all(&path).map_err(io_err("remove", &path))?;
     }
     Ok(())
+}
+
+/// `.<credential file>.link.<pid>`: the temporary name [`link`] gives a
+/// symlink before renaming it into place.
+fn is_stray_link(name: &str) -> bool {
+    [ROOT_CERT_FILE, KEY_FILE, CERT_CHAIN_FILE]
+        .iter()
+        .any(|file| {
+            name.strip_prefix('.')
+                .and_then(|rest| rest.strip_prefix(file))
+                .and_then(|rest| rest.strip_prefix(".link."))
+                .is_some_and(|pid| !pid.is_empty() && pid.bytes().all(|b| b.is_ascii_digit()))
+        })
 }
 
 #[cfg(unix)]
@@ -773,5 +833,68 @@ mod tests {
         // Nothing else is left behind: the three links, `..data` and two
         // generations.
         assert_eq!(fs::read_dir(dir.path()).unwrap().count(), 3 + 1 + 2);
+    }
+
+    #[test]
+    fn links_a_killed_write_left_are_removed_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "1", &mut |_| Ok(())).unwrap();
+        let stray = dir.path().join(".key.pem.link.4242");
+        symlink(&Path::new(DATA_LINK).join(KEY_FILE), &stray).unwrap();
+        // Someone else's names that only look alike stay.
+        let foreign = [
+            "key.pem.link.1",
+            ".key.pem.link.",
+            ".key.pem.link.12x",
+            ".notes.link.1",
+        ];
+        for name in foreign {
+            symlink(Path::new("elsewhere"), &dir.path().join(name)).unwrap();
+        }
+        write(dir.path(), "2", &mut |_| Ok(())).unwrap();
+        assert!(
+            fs::symlink_metadata(&stray).is_err(),
+            "the stray link is gone"
+        );
+        for name in foreign {
+            assert!(
+                fs::symlink_metadata(dir.path().join(name)).is_ok(),
+                "{name} stays"
+            );
+        }
+        assert_eq!(seen(dir.path()), Seen::All("2".into()));
+    }
+
+    #[test]
+    fn a_second_writer_waits_for_the_lock_and_then_fails_leaving_the_directory_as_it_was() {
+        let dir = tempfile::tempdir().unwrap();
+        write(dir.path(), "1", &mut |_| Ok(())).unwrap();
+        let held = lock_dir(dir.path(), LOCK_WAIT).unwrap();
+        let started = Instant::now();
+        let refused = lock_dir(dir.path(), Duration::from_millis(200));
+        assert!(
+            matches!(refused, Err(OutputError::Busy { .. })),
+            "{refused:?}"
+        );
+        assert!(started.elapsed() >= Duration::from_millis(200));
+        let message = refused.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(
+            message.contains(&dir.path().display().to_string()),
+            "{message}"
+        );
+        // A writer that comes once the lock is given back goes ahead.
+        let waiting = {
+            let dir = dir.path().to_path_buf();
+            std::thread::spawn(move || write(&dir, "2", &mut |_| Ok(())))
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(
+            seen(dir.path()),
+            Seen::All("1".into()),
+            "nothing changes while the lock is held"
+        );
+        drop(held);
+        waiting.join().unwrap().unwrap();
+        assert_eq!(seen(dir.path()), Seen::All("2".into()));
     }
 }

@@ -346,7 +346,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
                     last_serial = Some(svid.leaf.serial_hex.clone());
                     continue;
                 };
-                match write_credentials(out, &svid) {
+                // File I/O (fsyncs, and a wait for another writer's lock)
+                // off the runtime's threads.
+                let written = {
+                    let (out, svid) = (out.clone(), svid.clone());
+                    tokio::task::spawn_blocking(move || write_credentials(&out, &svid)).await
+                };
+                match written.context("the credential writer task")? {
                     Ok(()) => {
                         tracing::info!(
                             identity = %svid.leaf.spiffe_id,

@@ -17,7 +17,7 @@ use super::feeds::{Feed, Feeds};
 use super::node_pods::{NodePod, NodePods};
 use super::per_pod::{
     Admission, BufferCharge, OverBudget, PerPodBytes, PerPodLimit, PerPodLimits, PodKey, PodSlot,
-    MAX_BUFFERED_BYTES_PER_POD,
+    StreamCharge, MAX_BUFFERED_BYTES_PER_POD,
 };
 use super::socket::CallerInfo;
 
@@ -428,6 +428,13 @@ impl Callers {
             if held.as_ref().is_some_and(|slot| *slot.key() != key) {
                 *held = Some(self.pod_stream_place(caller, &key)?);
             }
+            // The bytes its request holds go along.
+            if let Some(charge) = request.extensions().get::<StreamCharge>() {
+                charge.move_to(key.clone()).map_err(|over| {
+                    self.refused_for_buffers(caller, &over);
+                    over.status()
+                })?;
+            }
         }
         Ok(StreamLease {
             feed: self.feeds.get(identity),
@@ -500,16 +507,27 @@ mod tests {
         // At its HEADERS pod c is not listed yet: an unattested place.
         let slot = callers.admit_stream(&caller(in_pod("c"))).unwrap();
         assert_eq!(streams.held_by(&PodKey::Unattested), 1);
-        // The pod appears; attested, the stream moves to its pod's places.
+        // What its request message holds is charged to the unattested too.
+        let charge = StreamCharge::new(callers.buffer_charge(&caller(in_pod("c"))).unwrap());
+        charge.set(5000).unwrap();
+        let buffers = callers.buffers.as_ref().unwrap();
+        assert_eq!(buffers.held_by(&PodKey::Unattested), 5000);
+        // The pod appears; attested, the stream moves to its pod's places,
+        // its bytes with it.
         pods.add_pod("c", "test", "web");
         let mut request = request_from(in_pod("c"));
         request.extensions_mut().insert(slot.pod_place());
+        request.extensions_mut().insert(charge.clone());
         let lease = callers.lease(&request, &id("web")).unwrap();
         assert_eq!(streams.held_by(&PodKey::Unattested), 0);
         assert_eq!(streams.held_by(&PodKey::Pod("c".into())), 1);
+        assert_eq!(buffers.held_by(&PodKey::Unattested), 0);
+        assert_eq!(buffers.held_by(&PodKey::Pod("c".into())), 5000);
+        assert_eq!(charge.key(), PodKey::Pod("c".into()));
         // The place is shared by the stream's body and its request.
-        drop((lease, slot, request));
+        drop((lease, slot, request, charge));
         assert_eq!(streams.held_by(&PodKey::Pod("c".into())), 0);
+        assert_eq!(buffers.held_by(&PodKey::Pod("c".into())), 0);
     }
 
     #[tokio::test]

@@ -204,6 +204,16 @@ pub(crate) struct OverBudget {
     pub(crate) max: usize,
 }
 
+impl OverBudget {
+    /// The status a stream cut off at the budget ends with.
+    pub(crate) fn status(&self) -> tonic::Status {
+        tonic::Status::resource_exhausted(format!(
+            "{} holds {} bytes of request messages and header blocks in this agent, the most one pod may; finish or close some streams",
+            self.key, self.max
+        ))
+    }
+}
+
 impl BufferCharge {
     /// Makes this holder's charge `bytes`; refused (the charge stays as it
     /// was) if that would take its pod past the budget. Shrinking always
@@ -238,10 +248,89 @@ impl BufferCharge {
         Ok(())
     }
 
+    /// Moves this holder's charge to `key`'s budget (a stream whose pod
+    /// was listed only after its HEADERS, see `Callers::lease`); refused,
+    /// the charge staying where it was, if that would take `key` past the
+    /// budget.
+    pub(crate) fn move_to(&mut self, key: PodKey) -> Result<(), OverBudget> {
+        if key == self.key {
+            return Ok(());
+        }
+        let mut held = self
+            .budget
+            .held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let theirs = held.get(&key).copied().unwrap_or(0);
+        if self.charged > 0 && theirs + self.charged > self.budget.max {
+            return Err(OverBudget {
+                key,
+                held: theirs,
+                max: self.budget.max,
+            });
+        }
+        if let Some(ours) = held.get_mut(&self.key) {
+            *ours = ours.saturating_sub(self.charged);
+            if *ours == 0 {
+                held.remove(&self.key);
+            }
+        }
+        if self.charged > 0 {
+            *held.entry(key.clone()).or_insert(0) += self.charged;
+        }
+        self.key = key;
+        Ok(())
+    }
+
+    /// Whose budget this holder charges.
+    #[cfg(test)]
+    pub(crate) fn key(&self) -> &PodKey {
+        &self.key
+    }
+
     /// What this holder has charged.
     #[cfg(test)]
     pub(crate) fn charged(&self) -> usize {
         self.charged
+    }
+}
+
+/// A stream's [`BufferCharge`], shared by its request body (which sets
+/// it as the message comes) and the request's extensions (where
+/// `Callers::lease` finds it to move it to the caller's pod).
+#[derive(Debug, Clone)]
+pub(crate) struct StreamCharge(Arc<Mutex<BufferCharge>>);
+
+impl StreamCharge {
+    /// Shares `charge`.
+    pub(crate) fn new(charge: BufferCharge) -> Self {
+        Self(Arc::new(Mutex::new(charge)))
+    }
+
+    /// [`BufferCharge::set`].
+    pub(crate) fn set(&self, bytes: usize) -> Result<(), OverBudget> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .set(bytes)
+    }
+
+    /// [`BufferCharge::move_to`].
+    pub(crate) fn move_to(&self, key: PodKey) -> Result<(), OverBudget> {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .move_to(key)
+    }
+
+    /// Whose budget the stream charges.
+    #[cfg(test)]
+    pub(crate) fn key(&self) -> PodKey {
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .key()
+            .clone()
     }
 }
 
@@ -296,6 +385,28 @@ mod tests {
         assert!(limit.try_take(&pod("a")).is_some(), "a place given back");
         drop((b, outside));
         assert_eq!(limit.pods(), 1, "keys with nothing held are forgotten");
+    }
+
+    #[test]
+    fn a_charge_moved_to_another_pod_takes_its_bytes_along_within_that_pods_budget() {
+        let budget = PerPodBytes::new(1000);
+        let mut stream = budget.charge(PodKey::Unattested);
+        stream.set(600).unwrap();
+        let mut other = budget.charge(pod("b"));
+        other.set(500).unwrap();
+        // b cannot take 600 more: the charge stays with the unattested.
+        let refused = stream.move_to(pod("b")).unwrap_err();
+        assert_eq!((refused.held, refused.max), (500, 1000));
+        assert_eq!(budget.held_by(&PodKey::Unattested), 600);
+        stream.move_to(pod("a")).unwrap();
+        assert_eq!(budget.held_by(&PodKey::Unattested), 0);
+        assert_eq!(budget.held_by(&pod("a")), 600);
+        assert_eq!(stream.key(), &pod("a"));
+        stream.set(700).unwrap();
+        assert_eq!(budget.held_by(&pod("a")), 700);
+        drop(stream);
+        assert_eq!(budget.held_by(&pod("a")), 0);
+        assert_eq!(budget.held_by(&pod("b")), 500);
     }
 
     #[test]

@@ -27,7 +27,7 @@ use tonic::service::Routes;
 use tower::ServiceExt;
 
 use super::callers::Callers;
-use super::per_pod::{BufferCharge, OverBudget};
+use super::per_pod::{OverBudget, StreamCharge};
 use super::socket::CallerConnection;
 use super::MAX_STREAMS_PER_CONNECTION;
 
@@ -65,7 +65,7 @@ pub(crate) type OverBudgetReport = Arc<dyn Fn(&OverBudget) + Send + Sync>;
 /// the budget the body ends in `RESOURCE_EXHAUSTED`.
 pub(crate) struct ChargedBody<B> {
     inner: B,
-    charge: Option<BufferCharge>,
+    charge: Option<StreamCharge>,
     report: OverBudgetReport,
     /// The current message's 5-byte gRPC prefix, as far as it came.
     prefix: [u8; 5],
@@ -79,7 +79,7 @@ pub(crate) struct ChargedBody<B> {
 }
 
 impl<B> ChargedBody<B> {
-    pub(crate) fn new(inner: B, charge: Option<BufferCharge>, report: OverBudgetReport) -> Self {
+    pub(crate) fn new(inner: B, charge: Option<StreamCharge>, report: OverBudgetReport) -> Self {
         Self {
             inner,
             charge,
@@ -147,14 +147,10 @@ where
             let data = data.clone();
             this.account(&data);
             let held = this.held();
-            if let Some(charge) = &mut this.charge {
+            if let Some(charge) = &this.charge {
                 if let Err(over) = charge.set(held) {
                     (this.report)(&over);
-                    let status = tonic::Status::resource_exhausted(format!(
-                        "{} holds {} bytes of request messages and header blocks in this agent, the most one pod may; finish or close some streams",
-                        over.key, over.max
-                    ));
-                    return std::task::Poll::Ready(Some(Err(Box::new(status))));
+                    return std::task::Poll::Ready(Some(Err(Box::new(over.status()))));
                 }
             }
         }
@@ -222,9 +218,12 @@ pub(crate) async fn serve_connection(
         let info = info.clone();
         let report = report.clone();
         hyper::service::service_fn(move |request: Request<Incoming>| {
-            let charge = callers.buffer_charge(&info);
-            let mut request =
-                request.map(|body| Body::new(ChargedBody::new(body, charge, report.clone())));
+            let charge = callers.buffer_charge(&info).map(StreamCharge::new);
+            let mut request = request
+                .map(|body| Body::new(ChargedBody::new(body, charge.clone(), report.clone())));
+            if let Some(charge) = charge {
+                request.extensions_mut().insert(charge);
+            }
             // The stream's place, before its message is read: a request
             // beyond the limits is answered at its HEADERS.
             let slot = callers.admit_stream(&info);
@@ -348,7 +347,7 @@ mod tests {
         let bytes: Vec<u8> = [message(3000), message(3000)].concat();
         let mut body = ChargedBody::new(
             body_of(bytes.iter().map(|b| vec![*b]).collect()),
-            Some(budget.charge(key.clone())),
+            Some(StreamCharge::new(budget.charge(key.clone()))),
             report.clone(),
         );
         let mut seen = 0;
@@ -362,7 +361,7 @@ mod tests {
         let big = message(20_000);
         let mut other = ChargedBody::new(
             body_of(big.chunks(1000).map(<[u8]>::to_vec).collect()),
-            Some(budget.charge(key.clone())),
+            Some(StreamCharge::new(budget.charge(key.clone()))),
             report,
         );
         let error = loop {
