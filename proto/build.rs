@@ -1,5 +1,6 @@
-//! Compiles `proto/ca.proto` and `proto/workload.proto` with protox (pure
-//! Rust), so building needs no system `protoc`.
+//! Compiles `proto/ca.proto`, `proto/workload.proto` and
+//! `proto/meshca_jwt.proto` with protox (pure Rust), so building needs no
+//! system `protoc`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let fds = protox::compile(["ca.proto"], ["proto"])?;
@@ -15,6 +16,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_client(true)
         .build_server(true)
         .compile_fds(fds)?;
+    let fds = protox::compile(["meshca_jwt.proto"], ["proto"])?;
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_fds(fds)?;
+    println!("cargo:rerun-if-changed=proto/meshca_jwt.proto");
     println!("cargo:rerun-if-changed=proto/ca.proto");
     println!("cargo:rerun-if-changed=proto/workload.proto");
     Ok(())

@@ -375,6 +375,10 @@ pub struct ServeArgs {
     /// Log format: text or json.
     #[arg(long, env = "MESHCA_LOG_FORMAT", default_value = "text", value_parser = ["text", "json"])]
     pub log_format: String,
+
+    /// JWT-SVIDs and the OIDC discovery endpoint.
+    #[command(flatten)]
+    pub(crate) jwt_svid: crate::jwt_svid::JwtSvidArgs,
 }
 
 /// Errors in a configuration that parsed but does not make sense.
@@ -422,6 +426,9 @@ pub enum ConfigError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A JWT-SVID flag that does not make sense.
+    #[error(transparent)]
+    JwtSvid(#[from] crate::jwt_svid::JwtSvidConfigError),
     /// Pod certificates must live at least an hour (the API's minimum).
     #[error("--pod-certificate-signer needs --max-workload-cert-ttl of at least 1h (pod certificates live at least an hour); it is {0:?}")]
     PodCertificateTtlTooShort(Duration),
@@ -495,6 +502,8 @@ pub struct Config {
     pub(crate) rate_limit: crate::rate_limit::RateLimitPolicy,
     /// How long the pod watch may fail before impersonation is refused.
     pub(crate) pod_watch_failure_limit: Duration,
+    /// JWT-SVIDs: lifetimes, keys, issuer, the OIDC endpoint.
+    pub(crate) jwt_svid: crate::jwt_svid::JwtSvidConfig,
 }
 
 /// How meshca keeps its state in a cluster (docs/cluster.md).
@@ -645,6 +654,7 @@ impl TryFrom<ServeArgs> for Config {
             }
         }
         Ok(Self {
+            jwt_svid: crate::jwt_svid::JwtSvidConfig::try_from(args.jwt_svid)?,
             allow_cert_renewal: args.allow_cert_renewal,
             rate_limit: crate::rate_limit::RateLimitPolicy {
                 burst: args.issuance_burst,

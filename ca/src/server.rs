@@ -12,6 +12,7 @@ use axum::http::{header, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use meshca_proto::istio::v1::auth::istio_certificate_service_server::IstioCertificateServiceServer;
+use meshca_proto::meshca::v1::jwt_svid_service_server::JwtSvidServiceServer;
 use prometheus_client::registry::Registry;
 use time::OffsetDateTime;
 use tokio::net::TcpListener;
@@ -69,6 +70,9 @@ pub enum ServeError {
     /// The TLS configuration is invalid.
     #[error("TLS configuration: {}", meshca_certs::error_chain(.0))]
     TlsConfig(rustls::Error),
+    /// The JWT-SVID signing keys could not be loaded or made.
+    #[error(transparent)]
+    JwtKeys(#[from] crate::jwt_svid::JwtKeyError),
     /// A listen address could not be bound.
     #[error("cannot listen on {flag} {addr}: {cause}")]
     Bind {
@@ -788,6 +792,40 @@ async fn bind_grpc(config: &Config, monitoring: SocketAddr) -> Result<Listeners,
     })
 }
 
+/// Start-up step: with `--oidc-listen`, serves the OIDC discovery
+/// document and the JWKS of `jwt` on the monitoring port's bounded
+/// HTTP/1.1 server until `stop` turns true.
+async fn start_oidc(
+    config: &Config,
+    jwt: Option<&Arc<crate::jwt_svid::JwtIssuer>>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> Result<(), ServeError> {
+    let Some(addr) = config.jwt_svid.oidc_listen else {
+        return Ok(());
+    };
+    let Some(jwt) = jwt else {
+        tracing::warn!(addr = %addr, "--oidc-listen ignored: JWT-SVIDs are off with a Kubernetes cluster");
+        return Ok(());
+    };
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|cause| ServeError::Bind {
+            flag: "--oidc-listen",
+            addr,
+            cause,
+        })?;
+    let bound = listener.local_addr().unwrap_or(addr);
+    tracing::info!(oidc = %bound, "serving OIDC discovery for JWT-SVIDs");
+    let app = crate::jwt_svid::oidc::router(jwt.clone());
+    tokio::spawn(async move {
+        let stop = async move {
+            let _ = stop.wait_for(|stopped| *stopped).await;
+        };
+        crate::monitoring::serve(listener, app, crate::monitoring::Limits::default(), stop).await;
+    });
+    Ok(())
+}
+
 /// Start-up step: the server's own TLS identity, issued by `authority`
 /// for `--server-dns` and renewed in `background` until `stop` turns true;
 /// returns the TLS acceptor that presents it.
@@ -913,10 +951,17 @@ async fn serve_until_drained(
     config: &Config,
     incoming: ReceiverStream<Accepted>,
     service: Service<impl Health>,
+    jwt: Option<Arc<crate::jwt_svid::JwtIssuer>>,
     metrics: &Metrics,
     mut draining: tokio::sync::watch::Receiver<bool>,
 ) {
     let Service { ca, health, .. } = service;
+    // The same caller gate (authentication at HEADERS) for both services.
+    let jwt = CallerGate::new(
+        JwtSvidServiceServer::new(crate::jwt_svid::JwtSvidGrpc::new(ca.clone(), jwt))
+            .max_decoding_message_size(transport::MAX_REQUEST_BYTES),
+        ca.clone(),
+    );
     let grpc = CallerGate::new(
         IstioCertificateServiceServer::new(ca.clone())
             .max_decoding_message_size(transport::MAX_REQUEST_BYTES),
@@ -937,6 +982,7 @@ async fn serve_until_drained(
         incoming,
         settings,
         grpc,
+        jwt,
         health,
         draining.clone(),
         transport::SharedByConnections {
@@ -1036,6 +1082,14 @@ pub async fn run(
         draining.clone(),
         &mut background,
     );
+    let jwt = crate::jwt_svid::start(
+        &config.jwt_svid,
+        &config.data_dir,
+        cluster.is_some(),
+        stop_rx.clone(),
+        &mut background,
+    )?;
+    start_oidc(&config, jwt.as_ref(), stop_rx.clone()).await?;
     let acceptor = start_server_identity(&config, &authority, stop_rx.clone(), &mut background)?;
     let listeners = bind_grpc(&config, monitoring_addr).await?;
     let service = build_service(&config, &authority, authn, authz, &metrics, serving).await;
@@ -1045,7 +1099,7 @@ pub async fn run(
     announce(listeners.bound, on_bound);
     drain_on_shutdown(shutdown, &service, draining_tx);
     let incoming = transport::tls_incoming(listeners.grpc, acceptor, listeners.limits, &metrics);
-    serve_until_drained(&config, incoming, service, &metrics, draining).await;
+    serve_until_drained(&config, incoming, service, jwt, &metrics, draining).await;
     stop(stop_tx, monitoring, background, elector).await;
     Ok(())
 }

@@ -160,24 +160,9 @@ impl CaService {
     ) -> Result<Response<IstioCertificateResponse>, Status> {
         let started = Instant::now();
         let logs = &self.refusal_logs;
-        let overloaded = |what: &str| {
-            self.metrics.sign_error("overloaded");
-            Status::resource_exhausted(format!("the CA is overloaded: {what}; retry with backoff"))
-        };
 
-        // Who is calling, before anything costs a slot: known already when
-        // the request came through the caller gate (at its HEADERS).
-        let caller = match request.extensions().get::<Caller>() {
-            Some(caller) => caller.clone(),
-            None => {
-                self.who_is_calling(request.metadata().as_ref(), request.peer_certs())
-                    .await?
-            }
-        };
-
-        let Some(_slot) = self.admission.admit().await else {
-            return Err(overloaded("too many certificate requests in flight"));
-        };
+        let caller = self.caller_of(&request).await?;
+        let _slot = self.admit("certificate").await?;
         let request = request.into_inner();
         let csr = VerifiedCsr::from_pem(&request.csr).map_err(|e| {
             self.metrics.csr_parsing_err_count.inc();
@@ -196,21 +181,8 @@ impl CaService {
                 _ => None,
             });
         let identity = self
-            .authz
-            .authorize(&caller, impersonated, csr.uri_sans())
-            .await
-            .map_err(|e| {
-                self.metrics.id_extraction_err_count.inc();
-                if let Some(unlogged) = logs.authorization.record() {
-                    tracing::info!(caller = %caller.identity, error = %e, unlogged, "request not authorized");
-                }
-                match e {
-                    crate::authz::AuthzError::Unavailable(_) => Status::unavailable(e.to_string()),
-                    _ => Status::permission_denied(e.to_string()),
-                }
-            })?;
-
-        self.check_rate(&caller, &identity)?;
+            .authorize_issuance(&caller, impersonated, csr.uri_sans(), Issued::Certificate)
+            .await?;
         // A renewal by client certificate never extends the credential.
         let max_lifetime = match &caller.kind {
             CallerKind::ClientCertificate { lifetime, .. } => Some(*lifetime),
@@ -265,14 +237,97 @@ impl CaService {
     }
 }
 
+/// What a request has issued: each kind has its own budget in the
+/// per-identity rate limit (one table, so one bound).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Issued {
+    /// An X.509-SVID (`CreateCertificate`).
+    Certificate,
+    /// A JWT-SVID (`MintJwtSvid`).
+    JwtSvid,
+}
+
+impl Issued {
+    fn plural(self) -> &'static str {
+        match self {
+            Issued::Certificate => "certificates",
+            Issued::JwtSvid => "JWT-SVIDs",
+        }
+    }
+}
+
 impl CaService {
+    /// Who is calling `request`: known already when the request came
+    /// through the caller gate (at its HEADERS), else authenticated now.
+    pub(crate) async fn caller_of<T>(&self, request: &Request<T>) -> Result<Caller, Status> {
+        match request.extensions().get::<Caller>() {
+            Some(caller) => Ok(caller.clone()),
+            None => {
+                self.who_is_calling(request.metadata().as_ref(), request.peer_certs())
+                    .await
+            }
+        }
+    }
+
+    /// A signing slot ([`Admission`]), or `RESOURCE_EXHAUSTED` when the CA
+    /// is overloaded; `what` names the requests in the message.
+    pub(crate) async fn admit(&self, what: &str) -> Result<crate::admission::Slot<'_>, Status> {
+        match self.admission.admit().await {
+            Some(slot) => Ok(slot),
+            None => {
+                self.metrics.sign_error("overloaded");
+                Err(Status::resource_exhausted(format!(
+                    "the CA is overloaded: too many {what} requests in flight; retry with backoff"
+                )))
+            }
+        }
+    }
+
+    /// Which identity `caller` gets (its own, or the one it impersonates,
+    /// under the same rules for every kind of SVID), then the
+    /// per-identity rate limit of `issued`. Refusals are counted and
+    /// logged (at most once per interval).
+    pub(crate) async fn authorize_issuance(
+        &self,
+        caller: &Caller,
+        impersonated: Option<&str>,
+        requested: &[SpiffeId],
+        issued: Issued,
+    ) -> Result<SpiffeId, Status> {
+        let identity = self
+            .authz
+            .authorize(caller, impersonated, requested)
+            .await
+            .map_err(|e| {
+                self.metrics.id_extraction_err_count.inc();
+                if let Some(unlogged) = self.refusal_logs.authorization.record() {
+                    tracing::info!(caller = %caller.identity, error = %e, unlogged, "request not authorized");
+                }
+                match e {
+                    crate::authz::AuthzError::Unavailable(_) => Status::unavailable(e.to_string()),
+                    _ => Status::permission_denied(e.to_string()),
+                }
+            })?;
+        self.check_rate(caller, &identity, issued)?;
+        Ok(identity)
+    }
+
     /// The per-identity rate limit: keyed by the identity issued and the
     /// pod that asks (when its token names one), so each sidecar and each
-    /// node agent has its own budget per identity.
-    fn check_rate(&self, caller: &Caller, identity: &SpiffeId) -> Result<(), Status> {
+    /// node agent has its own budget per identity, and per kind of SVID.
+    fn check_rate(
+        &self,
+        caller: &Caller,
+        identity: &SpiffeId,
+        issued: Issued,
+    ) -> Result<(), Status> {
+        let kind = match issued {
+            Issued::Certificate => "",
+            Issued::JwtSvid => "jwt ",
+        };
         let key = match caller.pod_name.as_deref() {
-            Some(pod) => format!("{identity} {pod}"),
-            None => identity.to_string(),
+            Some(pod) => format!("{kind}{identity} {pod}"),
+            None => format!("{kind}{identity}"),
         };
         let Err(Throttled { retry_after }) =
             self.rate_limit.check(&key, tokio::time::Instant::now())
@@ -291,7 +346,8 @@ impl CaService {
         Err(Status::with_metadata(
             tonic::Code::ResourceExhausted,
             format!(
-                "too many certificates for {identity}: at most {} at once and one per {:?} after that; retry in {:.1}s",
+                "too many {} for {identity}: at most {} at once and one per {:?} after that; retry in {:.1}s",
+                issued.plural(),
                 policy.burst,
                 policy.interval,
                 retry_after.as_secs_f64()

@@ -32,6 +32,16 @@ pub mod istio {
     }
 }
 
+/// meshca's own services (`meshca.v1`): `JwtSvidService`, JWT-SVIDs minted
+/// by the CA on its gRPC port.
+pub mod meshca {
+    /// `meshca.v1`
+    #[allow(missing_docs, unreachable_pub, clippy::all, clippy::unwrap_used)]
+    pub mod v1 {
+        tonic::include_proto!("meshca.v1");
+    }
+}
+
 /// The SPIFFE Workload API (`SpiffeWorkloadAPI`, from the SPIFFE project's
 /// `workload.proto`; the proto has no package). Servers must refuse calls
 /// without the [`WORKLOAD_API_HEADER`] metadata.
@@ -49,6 +59,9 @@ pub const WORKLOAD_API_HEADER: &str = "workload.spiffe.io";
 /// The full gRPC method path that Istio agents and ztunnel call.
 pub const CREATE_CERTIFICATE_PATH: &str =
     "/istio.v1.auth.IstioCertificateService/CreateCertificate";
+
+/// The full gRPC method path of meshca's `MintJwtSvid`.
+pub const MINT_JWT_SVID_PATH: &str = "/meshca.v1.JwtSvidService/MintJwtSvid";
 
 /// The request metadata key carrying the identity a node agent asks for.
 pub const IMPERSONATED_IDENTITY_KEY: &str = "ImpersonatedIdentity";

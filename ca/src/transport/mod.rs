@@ -154,14 +154,15 @@ impl<S> GrpcService for S where
 {
 }
 
-/// Serves `grpc` and `health` on every connection of `incoming` until
+/// Serves `grpc`, `jwt` (meshca's JWT-SVID service) and `health` on every connection of `incoming` until
 /// `drain` turns true; then no connection is taken up any more and each is
 /// asked to go away once its requests in flight are answered. Completes
 /// when every connection has closed.
-pub(crate) async fn serve_grpc<S: GrpcService, H: GrpcService>(
+pub(crate) async fn serve_grpc<S: GrpcService, J: GrpcService, H: GrpcService>(
     mut incoming: ReceiverStream<Accepted>,
     settings: Http2Settings,
     grpc: S,
+    jwt: J,
     health: H,
     mut drain: tokio::sync::watch::Receiver<bool>,
     shared: SharedByConnections,
@@ -176,6 +177,7 @@ pub(crate) async fn serve_grpc<S: GrpcService, H: GrpcService>(
                         accepted,
                         settings,
                         grpc.clone(),
+                        jwt.clone(),
                         health.clone(),
                         for_connections.clone(),
                         shared.clone(),
@@ -197,10 +199,11 @@ pub(crate) async fn serve_grpc<S: GrpcService, H: GrpcService>(
 /// requests in flight are answered) after `settings.max_connection_idle`
 /// without an open stream, at `settings.max_connection_age`, when the
 /// accept loop evicts it to make room, and when `drain` turns true.
-async fn serve_connection<S: GrpcService, H: GrpcService>(
+async fn serve_connection<S: GrpcService, J: GrpcService, H: GrpcService>(
     accepted: Accepted,
     settings: Http2Settings,
     grpc: S,
+    jwt: J,
     health: H,
     mut drain: tokio::sync::watch::Receiver<bool>,
     shared: SharedByConnections,
@@ -243,7 +246,8 @@ async fn serve_connection<S: GrpcService, H: GrpcService>(
                 .with_connection(state.clone()),
         )
         .add_service(health)
-        .add_service(grpc);
+        .add_service(grpc)
+        .add_service(jwt);
     let idle = async {
         match settings.max_connection_idle {
             Some(limit) => {

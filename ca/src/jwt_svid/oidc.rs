@@ -1,0 +1,70 @@
+//! OIDC discovery for relying parties outside the mesh (`--oidc-listen`):
+//! `/.well-known/openid-configuration` and the JWKS it names (`/keys`), on
+//! the monitoring port's bounded HTTP/1.1 server ([`crate::monitoring`]).
+//!
+//! The JWKS served here marks its keys `use: sig` with their `alg`, as
+//! OIDC relying parties (AWS STS, GCP Workload Identity Federation,
+//! Vault, PyJWT's `PyJWKClient`) select signing keys; the SPIFFE bundle
+//! of the Workload API marks the same keys `use: jwt-svid`. Both are
+//! cacheable for [`super::keys::RotationPolicy::bundle_max_age`], a
+//! quarter of the time a new key is published before it signs.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::header;
+use axum::response::IntoResponse;
+use axum::routing::get;
+
+use super::JwtIssuer;
+
+/// Path of the JWKS, under the issuer URL.
+pub(crate) const JWKS_PATH: &str = "/keys";
+/// Path of the discovery document, under the issuer URL.
+pub(crate) const DISCOVERY_PATH: &str = "/.well-known/openid-configuration";
+
+/// The discovery document of `issuer`.
+pub(crate) fn discovery_document(issuer: &JwtIssuer) -> serde_json::Value {
+    let iss = issuer.issuer().unwrap_or_default();
+    serde_json::json!({
+        "issuer": iss,
+        "jwks_uri": format!("{iss}{JWKS_PATH}"),
+        "authorization_endpoint": "",
+        "response_types_supported": ["id_token"],
+        "subject_types_supported": ["public"],
+        "id_token_signing_alg_values_supported": issuer.algorithms(),
+        "claims_supported": ["sub", "aud", "exp", "iat", "iss"],
+    })
+}
+
+fn cache_control(issuer: &JwtIssuer) -> String {
+    format!("public, max-age={}", issuer.bundle_max_age().as_secs())
+}
+
+async fn discovery(State(issuer): State<Arc<JwtIssuer>>) -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "application/json".to_string()),
+            (header::CACHE_CONTROL, cache_control(&issuer)),
+        ],
+        discovery_document(&issuer).to_string(),
+    )
+}
+
+async fn jwks(State(issuer): State<Arc<JwtIssuer>>) -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "application/jwk-set+json".to_string()),
+            (header::CACHE_CONTROL, cache_control(&issuer)),
+        ],
+        issuer.oidc_jwks(),
+    )
+}
+
+/// The routes of the discovery endpoint.
+pub(crate) fn router(issuer: Arc<JwtIssuer>) -> axum::Router {
+    axum::Router::new()
+        .route(DISCOVERY_PATH, get(discovery))
+        .route(JWKS_PATH, get(jwks))
+        .with_state(issuer)
+}
