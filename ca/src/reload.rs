@@ -71,8 +71,8 @@ pub(crate) async fn watch_ca_dir(
                 let unchanged = current.material.signing.cert_der() == material.signing.cert_der()
                     && current.material.chain == material.chain
                     && current.material.bundle.roots() == material.bundle.roots()
-                    && current.material.signing.key().to_pkcs8_der()
-                        == material.signing.key().to_pkcs8_der();
+                    && current.material.signing.key().public_key_spki_der()
+                        == material.signing.key().public_key_spki_der();
                 if unchanged {
                     authority.set_refused(None);
                     continue;

@@ -13,7 +13,7 @@ use time::OffsetDateTime;
 
 use crate::bundle::{self, BundleError, FileError};
 use crate::keys::{KeyError, PrivateKey};
-use crate::profile::{ProfileError, SigningCa};
+use crate::profile::{CaKey, ProfileError, SigningCa};
 use crate::verify::{
     cas_without_key_usage, check_trust_roots, verify_ca_chain, TrustBundle, VerifyError,
 };
@@ -105,6 +105,14 @@ pub enum CaDirError {
         /// What is wrong, with the certificate's place in the file.
         cause: VerifyError,
     },
+    /// A key file lies in a directory whose key is in an HSM.
+    #[error("{}: the CA key is {key}, so this directory must hold certificates only: remove the key file (a copy of a key defeats keeping it in an HSM)", path.display())]
+    KeyFileBesideHsmKey {
+        /// The key file found.
+        path: PathBuf,
+        /// The HSM key's URI.
+        key: String,
+    },
     /// The chain check failed.
     #[error("{}: CA chain check failed ({files}): {cause}", dir.display())]
     Chain {
@@ -138,9 +146,35 @@ pub struct LoadedCa {
 
 /// Loads and checks a CA directory in any of the three layouts.
 pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirError> {
+    load(dir, now, None)
+}
+
+/// Loads and checks a CA directory of certificates only, whose key is
+/// `key` (in an HSM): Istio's layout without `ca-key.pem`
+/// (`ca-cert.pem`, `cert-chain.pem`, `root-cert.pem`), the TLS layout
+/// without `tls.key`, or `root-cert.pem` alone (the root's key is `key`;
+/// with several roots, the one whose public key is `key`'s signs). A key
+/// file in the directory is refused: it would be a second, copyable key.
+/// `key_name` (the key's URI) stands for the key file in messages.
+pub fn load_ca_dir_with_key(
+    dir: &Path,
+    now: OffsetDateTime,
+    key: CaKey,
+    key_name: &str,
+) -> Result<LoadedCa, CaDirError> {
+    load(dir, now, Some((key, key_name)))
+}
+
+fn load(
+    dir: &Path,
+    now: OffsetDateTime,
+    given_key: Option<(CaKey, &str)>,
+) -> Result<LoadedCa, CaDirError> {
     const ISTIO_SET: &str = "ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem";
     const TLS_SET: &str = "tls.crt, tls.key, ca.crt";
     const ROOT_SET: &str = "root-cert.pem, root-key.pem";
+    const ISTIO_CERTS: &str = "ca-cert.pem, cert-chain.pem, root-cert.pem (the key in the HSM)";
+    const TLS_CERTS: &str = "tls.crt, ca.crt (the key in the HSM)";
     match std::fs::metadata(dir) {
         Ok(m) if m.is_dir() => {}
         Ok(_) => {
@@ -178,7 +212,33 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
     };
     let istio_files = [CA_CERT_FILE, CA_KEY_FILE, CERT_CHAIN_FILE];
     let tls_files = [TLS_CERT_FILE, TLS_KEY_FILE, TLS_CA_FILE];
-    let (cert_file, key_file, chain_file, root_file) = if istio_files.iter().any(|f| exists(f)) {
+    if let Some((_, key_name)) = &given_key {
+        if let Some(file) = [CA_KEY_FILE, TLS_KEY_FILE, ROOT_KEY_FILE]
+            .into_iter()
+            .find(|f| exists(f))
+        {
+            return Err(CaDirError::KeyFileBesideHsmKey {
+                path: dir.join(file),
+                key: key_name.to_string(),
+            });
+        }
+    }
+    let (cert_file, key_file, chain_file, root_file) = if given_key.is_some() {
+        if exists(CA_CERT_FILE) || exists(CERT_CHAIN_FILE) {
+            require(
+                &[CA_CERT_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE],
+                ISTIO_CERTS,
+            )?;
+            (CA_CERT_FILE, "", Some(CERT_CHAIN_FILE), ROOT_CERT_FILE)
+        } else if exists(TLS_CERT_FILE) || exists(TLS_CA_FILE) {
+            require(&[TLS_CERT_FILE, TLS_CA_FILE], TLS_CERTS)?;
+            (TLS_CERT_FILE, "", None, TLS_CA_FILE)
+        } else if exists(ROOT_CERT_FILE) {
+            (ROOT_CERT_FILE, "", None, ROOT_CERT_FILE)
+        } else {
+            return Err(CaDirError::NoCaFiles(dir.to_path_buf()));
+        }
+    } else if istio_files.iter().any(|f| exists(f)) {
         require(
             &[CA_CERT_FILE, CA_KEY_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE],
             ISTIO_SET,
@@ -200,9 +260,14 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
     };
 
     let cert_path = dir.join(cert_file);
-    let key_path = dir.join(key_file);
+    let (key, key_path) = match given_key {
+        Some((key, name)) => (key, PathBuf::from(name)),
+        None => {
+            let key_path = dir.join(key_file);
+            (CaKey::from(read_key(&key_path)?), key_path)
+        }
+    };
     let certs = bundle::read_certs_file(&cert_path)?;
-    let key = read_key(&key_path)?;
     let roots = bundle::read_certs_file(&dir.join(root_file))?;
     // In the root layout the certificate file is the roots file. With
     // several roots in it (an operator's rotation), the root the key
@@ -256,7 +321,7 @@ pub fn load_ca_dir(dir: &Path, now: OffsetDateTime) -> Result<LoadedCa, CaDirErr
         _ => all_files.clone(),
     };
     let signing =
-        SigningCa::new(full[0].clone(), key).map_err(|cause| CaDirError::NotSigningCa {
+        SigningCa::with_key(full[0].clone(), key).map_err(|cause| CaDirError::NotSigningCa {
             cert: cert_path.clone(),
             key: key_path.clone(),
             cause,
@@ -379,7 +444,7 @@ mod tests {
 
         // The intermediate itself loads, and has no room for a sub-CA.
         write(CA_CERT_FILE, int_cert.to_pem());
-        write(CA_KEY_FILE, int.key().to_pkcs8_pem().to_string());
+        write(CA_KEY_FILE, int.key().software().unwrap().to_pkcs8_pem());
         write(
             CERT_CHAIN_FILE,
             bundle::encode_certs_pem(&[&int_cert.der, &root_cert.der]),

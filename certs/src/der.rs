@@ -155,6 +155,8 @@ pub(crate) mod oid {
     pub(crate) const AUTHORITY_KEY_IDENTIFIER: &[u8] = &[0x55, 0x1d, 0x23];
     /// 2.5.29.37 extKeyUsage
     pub(crate) const EXT_KEY_USAGE: &[u8] = &[0x55, 0x1d, 0x25];
+    /// id-ce-nameConstraints (2.5.29.30).
+    pub(crate) const NAME_CONSTRAINTS: &[u8] = &[0x55, 0x1d, 0x1e];
     /// 1.3.6.1.5.5.7.3.1 id-kp-serverAuth
     pub(crate) const KP_SERVER_AUTH: &[u8] = &[0x2b, 0x06, 0x01, 0x05, 0x05, 0x07, 0x03, 0x01];
     /// 1.3.6.1.5.5.7.3.2 id-kp-clientAuth

@@ -43,6 +43,8 @@ mod der;
 pub mod heap_trim;
 pub mod inspect;
 pub mod keys;
+#[cfg(feature = "pkcs11")]
+pub mod pkcs11;
 pub mod pod_certificate;
 pub mod profile;
 #[cfg(feature = "serving")]

@@ -15,6 +15,7 @@
 //! the signing certificate's subject, copied byte for byte.
 
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use ring::digest;
 use time::{Duration, OffsetDateTime};
@@ -70,6 +71,94 @@ pub enum ProfileError {
     /// The random number generator failed.
     #[error("the system random number generator failed")]
     Random,
+    /// The external key (an HSM) is busy: every session signing and its
+    /// queue full. Worth retrying later.
+    #[error("the CA key is busy: {0}")]
+    KeyBusy(String),
+    /// The external key (an HSM) could not sign: unreachable, token gone.
+    #[error("the CA key could not sign: {0}")]
+    KeyUnavailable(String),
+}
+
+/// A signing key that lives outside this process (an HSM): meshca holds
+/// its public half and asks it for signatures.
+pub trait ExternalKey: Send + Sync + std::fmt::Debug {
+    /// The public key, DER SubjectPublicKeyInfo.
+    fn public_key_spki_der(&self) -> &[u8];
+    /// What kind of key it is (sets the signature algorithm).
+    fn kind(&self) -> KeyKind;
+    /// A signature of `message` in X.509's encoding for [`Self::kind`]
+    /// (ECDSA: DER `ECDSA-Sig-Value` over SHA-256 for P-256, SHA-384 for
+    /// P-384; RSA: PKCS#1 v1.5 with SHA-256).
+    fn sign(&self, message: &[u8]) -> Result<Vec<u8>, ProfileError>;
+    /// What the key is called (its URI), for messages and logs.
+    fn name(&self) -> &str;
+}
+
+/// The key a CA signs with: in memory, or outside the process.
+#[derive(Clone)]
+pub enum CaKey {
+    /// A key held in memory.
+    Software(Arc<PrivateKey>),
+    /// A key in an HSM or another external signer.
+    External(Arc<dyn ExternalKey>),
+}
+
+impl CaKey {
+    /// The public key, DER SubjectPublicKeyInfo.
+    pub fn public_key_spki_der(&self) -> Vec<u8> {
+        match self {
+            Self::Software(k) => k.public_key_spki_der(),
+            Self::External(k) => k.public_key_spki_der().to_vec(),
+        }
+    }
+
+    /// What kind of key it is.
+    pub fn kind(&self) -> KeyKind {
+        match self {
+            Self::Software(k) => k.kind(),
+            Self::External(k) => k.kind(),
+        }
+    }
+
+    /// The key in memory, if it is one.
+    pub fn software(&self) -> Option<&PrivateKey> {
+        match self {
+            Self::Software(k) => Some(k),
+            Self::External(_) => None,
+        }
+    }
+
+    /// The external key's name (its URI), if it is one.
+    pub fn external_name(&self) -> Option<&str> {
+        match self {
+            Self::Software(_) => None,
+            Self::External(k) => Some(k.name()),
+        }
+    }
+
+    fn sign(&self, message: &[u8]) -> Result<Vec<u8>, ProfileError> {
+        match self {
+            Self::Software(k) => rcgen::SigningKey::sign(k.key_pair(), message)
+                .map_err(|e| ProfileError::Signing(e.to_string())),
+            Self::External(k) => k.sign(message),
+        }
+    }
+}
+
+impl std::fmt::Debug for CaKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Software(k) => k.fmt(f),
+            Self::External(k) => write!(f, "External({})", k.name()),
+        }
+    }
+}
+
+impl From<PrivateKey> for CaKey {
+    fn from(key: PrivateKey) -> Self {
+        Self::Software(Arc::new(key))
+    }
 }
 
 /// A certificate's validity window.
@@ -155,7 +244,7 @@ pub struct SubjectKey {
 
 impl SubjectKey {
     /// Parses a DER SubjectPublicKeyInfo.
-    pub(crate) fn from_spki_der(spki_der: &[u8]) -> Result<Self, ProfileError> {
+    pub fn from_spki_der(spki_der: &[u8]) -> Result<Self, ProfileError> {
         let (rest, spki) = x509_parser::x509::SubjectPublicKeyInfo::from_der(spki_der)
             .map_err(|e| ProfileError::BadSubjectKey(e.to_string()))?;
         if !rest.is_empty() {
@@ -261,12 +350,14 @@ enum Profile<'a> {
     },
     Ca {
         path_len: Option<u8>,
+        /// Hosts permitted for URI names below (a critical nameConstraints).
+        permitted_uri_hosts: &'a [&'a str],
     },
 }
 
 /// A CA certificate and its key: the thing that signs.
 pub struct SigningCa {
-    key: PrivateKey,
+    key: CaKey,
     cert_der: Vec<u8>,
     subject_der: Vec<u8>,
     key_identifier: Vec<u8>,
@@ -288,6 +379,11 @@ impl SigningCa {
     /// certificate is a CA allowed to sign certificates and that the key is
     /// the one it certifies. Validity in time is not checked here.
     pub fn new(cert_der: Vec<u8>, key: PrivateKey) -> Result<Self, ProfileError> {
+        Self::with_key(cert_der, CaKey::from(key))
+    }
+
+    /// [`SigningCa::new`] for a key in memory or outside the process.
+    pub fn with_key(cert_der: Vec<u8>, key: CaKey) -> Result<Self, ProfileError> {
         let (_, cert) = X509Certificate::from_der(&cert_der)
             .map_err(|e| ProfileError::BadCaCertificate(e.to_string()))?;
         let bc = cert
@@ -342,7 +438,7 @@ impl SigningCa {
     }
 
     /// The CA's key.
-    pub fn key(&self) -> &PrivateKey {
+    pub fn key(&self) -> &CaKey {
         &self.key
     }
 
@@ -394,7 +490,38 @@ impl SigningCa {
         path_len: Option<u8>,
         validity: Validity,
     ) -> Result<IssuedCert, ProfileError> {
-        self.issue(subject, &name.to_der(), Profile::Ca { path_len }, validity)
+        self.issue(
+            subject,
+            &name.to_der(),
+            Profile::Ca {
+                path_len,
+                permitted_uri_hosts: &[],
+            },
+            validity,
+        )
+    }
+
+    /// Issues an intermediate CA certificate whose URI names are
+    /// constrained to `permitted_uri_hosts` (RFC 5280 nameConstraints,
+    /// critical, permittedSubtrees of uniformResourceIdentifier: a URI is
+    /// allowed when its host is one of them).
+    pub fn issue_constrained_ca(
+        &self,
+        subject: &SubjectKey,
+        name: &SubjectName,
+        path_len: Option<u8>,
+        permitted_uri_hosts: &[&str],
+        validity: Validity,
+    ) -> Result<IssuedCert, ProfileError> {
+        self.issue(
+            subject,
+            &name.to_der(),
+            Profile::Ca {
+                path_len,
+                permitted_uri_hosts,
+            },
+            validity,
+        )
     }
 
     fn issue(
@@ -405,7 +532,7 @@ impl SigningCa {
         validity: Validity,
     ) -> Result<IssuedCert, ProfileError> {
         build_and_sign(
-            &self.key,
+            &|tbs: &[u8]| self.key.sign(tbs),
             self.signature_algorithm,
             &self.subject_der,
             Some(&self.key_identifier),
@@ -426,13 +553,43 @@ pub fn self_signed_root(
     let subject = SubjectKey::of(key)?;
     let name_der = name.to_der();
     build_and_sign(
-        key,
+        &|tbs: &[u8]| {
+            rcgen::SigningKey::sign(key.key_pair(), tbs)
+                .map_err(|e| ProfileError::Signing(e.to_string()))
+        },
         signature_algorithm_der(key.kind())?,
         &name_der,
         None,
         &subject,
         &name_der,
-        Profile::Ca { path_len: None },
+        Profile::Ca {
+            path_len: None,
+            permitted_uri_hosts: &[],
+        },
+        validity,
+    )
+}
+
+/// [`self_signed_root`] for a key in memory or outside the process (an
+/// HSM key's own root).
+pub fn self_signed_root_with(
+    key: &CaKey,
+    name: &SubjectName,
+    validity: Validity,
+) -> Result<IssuedCert, ProfileError> {
+    let subject = SubjectKey::from_spki_der(&key.public_key_spki_der())?;
+    let name_der = name.to_der();
+    build_and_sign(
+        &|tbs: &[u8]| key.sign(tbs),
+        signature_algorithm_der(key.kind())?,
+        &name_der,
+        None,
+        &subject,
+        &name_der,
+        Profile::Ca {
+            path_len: None,
+            permitted_uri_hosts: &[],
+        },
         validity,
     )
 }
@@ -566,7 +723,10 @@ fn write_extensions(
                 });
             });
         }
-        Profile::Ca { path_len } => {
+        Profile::Ca {
+            path_len,
+            permitted_uri_hosts,
+        } => {
             der::write_extension_with(out, oid::BASIC_CONSTRAINTS, true, |bc| {
                 der::write_nested(bc, tag::SEQUENCE, |seq| {
                     der::write_tlv(seq, tag::BOOLEAN, &[0xff]);
@@ -577,6 +737,21 @@ fn write_extensions(
             });
             let ku = key_usage_bits(&[KU_KEY_CERT_SIGN, KU_CRL_SIGN]);
             der::write_extension(out, oid::KEY_USAGE, true, &ku);
+            if !permitted_uri_hosts.is_empty() {
+                der::write_extension_with(out, oid::NAME_CONSTRAINTS, true, |nc| {
+                    der::write_nested(nc, tag::SEQUENCE, |seq| {
+                        // [0] permittedSubtrees: GeneralSubtree { base
+                        // uniformResourceIdentifier [6] }, no min/max.
+                        der::write_nested(seq, 0xa0, |permitted| {
+                            for host in permitted_uri_hosts.iter() {
+                                der::write_nested(permitted, tag::SEQUENCE, |subtree| {
+                                    der::write_tlv(subtree, 0x86, host.as_bytes());
+                                });
+                            }
+                        });
+                    });
+                });
+            }
         }
     }
     der::write_extension_with(out, oid::SUBJECT_KEY_IDENTIFIER, false, |ski| {
@@ -591,9 +766,12 @@ fn write_extensions(
     }
 }
 
+/// What makes the signature of a to-be-signed certificate.
+type Signer<'a> = dyn Fn(&[u8]) -> Result<Vec<u8>, ProfileError> + 'a;
+
 #[allow(clippy::too_many_arguments)]
 fn build_and_sign(
-    signing_key: &PrivateKey,
+    sign: &Signer<'_>,
     signature_algorithm: &[u8],
     issuer_name_der: &[u8],
     issuer_key_identifier: Option<&[u8]>,
@@ -636,8 +814,7 @@ fn build_and_sign(
         });
     });
 
-    let signature = rcgen::SigningKey::sign(signing_key.key_pair(), &tbs)
-        .map_err(|e| ProfileError::Signing(e.to_string()))?;
+    let signature = sign(&tbs)?;
     let mut cert = Vec::with_capacity(tbs.len() + signature.len() + 32);
     der::write_nested(&mut cert, tag::SEQUENCE, |c| {
         c.extend_from_slice(&tbs);

@@ -445,11 +445,16 @@ async fn restore_deleted_secret(api: &Api<Secret>, namespace: &str, authority: &
     if !matches!(material.source, crate::store::CaSource::Secret { .. }) {
         return;
     }
+    // A Secret-held root is a key in memory (an HSM key is refused in
+    // cluster mode at start).
+    let Some(key) = material.signing.key().software() else {
+        return;
+    };
     let root = RootSecret {
         bundle: material.bundle.roots().to_vec(),
         ..RootSecret::new(RootKeyPair {
             cert: material.signing.cert_der().to_vec(),
-            key_pem: material.signing.key().to_pkcs8_pem(),
+            key_pem: key.to_pkcs8_pem(),
         })
     };
     match api

@@ -15,11 +15,16 @@ use meshca_certs::cadir::{
     self, CA_CERT_FILE, CA_KEY_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE, ROOT_KEY_FILE,
 };
 use meshca_certs::inspect::CertSummary;
-use meshca_certs::profile::{self_signed_root, SubjectKey, SubjectName, Validity};
+use meshca_certs::profile::{
+    self_signed_root, self_signed_root_with, SubjectKey, SubjectName, Validity,
+};
 use meshca_certs::token::{TokenIssuer, TokenRequest, DEFAULT_AUDIENCE};
 use meshca_certs::verify::audit_svid_chain;
 use meshca_certs::{parse_duration, KeyAlgorithm, PrivateKey, Rfc3339, SpiffeId, TrustBundle};
 use time::OffsetDateTime;
+
+#[path = "meshca-certs/hsm.rs"]
+mod hsm;
 
 /// CA material and test credentials for meshca and Istio.
 #[derive(Parser)]
@@ -48,6 +53,12 @@ enum Command {
         /// Common name (CN=), 1 to 64 characters.
         #[arg(long, default_value = "Root CA", value_parser = subject_attribute)]
         common_name: String,
+        /// Make the key inside this PKCS#11 token (RFC 7512 URI, e.g.
+        /// `pkcs11:token=meshca;object=root?module-path=/usr/lib/softhsm/libsofthsm2.so&pin-source=file:/etc/meshca/pin`):
+        /// sensitive, not extractable, labelled by `object`; only
+        /// root-cert.pem is written.
+        #[arg(long, value_name = "URI")]
+        pkcs11: Option<String>,
         /// Overwrite existing files, including the key.
         #[arg(long)]
         force: bool,
@@ -73,6 +84,14 @@ enum Command {
         /// Organization (O=), 1 to 64 characters.
         #[arg(long, default_value = "Istio", value_parser = subject_attribute)]
         org: String,
+        /// Make the intermediate's key inside this PKCS#11 token (RFC 7512
+        /// URI); ca-key.pem is then not written.
+        #[arg(long, value_name = "URI")]
+        pkcs11: Option<String>,
+        /// The root's key is in this PKCS#11 token (--root then holds
+        /// root-cert.pem alone).
+        #[arg(long, value_name = "URI")]
+        root_pkcs11: Option<String>,
         /// Overwrite existing files, including the key.
         #[arg(long)]
         force: bool,
@@ -129,6 +148,10 @@ enum Command {
         /// Print JSON for scripts.
         #[arg(long)]
         json: bool,
+        /// Also show which certificate's key is this PKCS#11 key (RFC
+        /// 7512 URI) and how the token protects it.
+        #[arg(long, value_name = "URI")]
+        pkcs11: Option<String>,
     },
     /// Verify an X509-SVID chain against a bundle under the SPIFFE rules.
     Verify {
@@ -163,31 +186,50 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             days,
             org,
             common_name,
+            pkcs11,
             force,
         } => {
             check_out_dir("--out", &out)?;
             let cert_path = out.join(ROOT_CERT_FILE);
             let key_path = out.join(ROOT_KEY_FILE);
             refuse_overwrite(&[&key_path, &cert_path], force)?;
-            let key = PrivateKey::generate(key).context("generating the root key")?;
             let name = SubjectName {
                 organization: Some(org),
                 common_name: Some(common_name),
                 ..Default::default()
             };
-            let root = self_signed_root(
-                &key,
-                &name,
-                Validity::backdated(now, time::Duration::days(days.into())),
-            )
-            .context("making the root certificate")?;
+            let validity = Validity::backdated(now, time::Duration::days(days.into()));
+            let Some(uri) = pkcs11 else {
+                let key = PrivateKey::generate(key).context("generating the root key")?;
+                let root = self_signed_root(&key, &name, validity)
+                    .context("making the root certificate")?;
+                create_dir(&out)?;
+                write_key(&key_path, &key)?;
+                write_public(&cert_path, &root.to_pem())?;
+                println!(
+                    "wrote {} and {} (serial {}, valid until {})",
+                    cert_path.display(),
+                    key_path.display(),
+                    root.serial_hex,
+                    Rfc3339(root.validity.not_after)
+                );
+                return Ok(ExitCode::SUCCESS);
+            };
+            // A key file left from before would be a second key.
+            if key_path.exists() {
+                bail!(
+                    "{} exists; the new root's key is to be in the token: remove the file or choose another --out",
+                    key_path.display()
+                );
+            }
+            let hsm_key = hsm::generate("--pkcs11", &uri, key)?;
+            let root = self_signed_root_with(&hsm_key, &name, validity)
+                .with_context(|| format!("making the root certificate with {uri}"))?;
             create_dir(&out)?;
-            write_key(&key_path, &key)?;
             write_public(&cert_path, &root.to_pem())?;
             println!(
-                "wrote {} and {} (serial {}, valid until {})",
+                "wrote {} (serial {}, valid until {}); the key is in the token: {uri}",
                 cert_path.display(),
-                key_path.display(),
                 root.serial_hex,
                 Rfc3339(root.validity.not_after)
             );
@@ -199,6 +241,8 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             key,
             days,
             org,
+            pkcs11,
+            root_pkcs11,
             force,
         } => {
             if cluster.is_empty()
@@ -212,7 +256,13 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             if cluster.chars().count() > 128 {
                 bail!("--cluster is {} characters; it becomes L= in the subject, which RFC 5280 limits to 128", cluster.chars().count());
             }
-            let root_ca = load_signing(&root)?;
+            let root_ca = match &root_pkcs11 {
+                None => load_signing(&root)?,
+                Some(uri) => {
+                    let key = hsm::open("--root-pkcs11", uri)?;
+                    cadir::load_ca_dir_with_key(&root, now, key, uri)?
+                }
+            };
             // The new CA goes under the signing certificate: every
             // pathLenConstraint above must leave room for one more CA.
             let mut path = root_ca.chain.clone();
@@ -235,7 +285,26 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             let paths =
                 [CA_KEY_FILE, CA_CERT_FILE, CERT_CHAIN_FILE, ROOT_CERT_FILE].map(|f| dir.join(f));
             refuse_overwrite(&paths.iter().collect::<Vec<_>>(), force)?;
-            let key = PrivateKey::generate(key).context("generating the intermediate key")?;
+            if pkcs11.is_some() && paths[0].exists() {
+                bail!(
+                    "{} exists; the new intermediate's key is to be in the token: remove the file or choose another --out",
+                    paths[0].display()
+                );
+            }
+            let (key, subject) = match &pkcs11 {
+                None => {
+                    let key =
+                        PrivateKey::generate(key).context("generating the intermediate key")?;
+                    let subject = SubjectKey::of(&key).context("the intermediate key")?;
+                    (Some(key), subject)
+                }
+                Some(uri) => {
+                    let hsm_key = hsm::generate("--pkcs11", uri, key)?;
+                    let subject = SubjectKey::from_spki_der(&hsm_key.public_key_spki_der())
+                        .context("the intermediate key")?;
+                    (None, subject)
+                }
+            };
             let name = SubjectName {
                 organization: Some(org),
                 locality: Some(cluster.clone()),
@@ -244,7 +313,6 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             };
             let validity = Validity::backdated(now, time::Duration::days(days.into()))
                 .capped_at(root_ca.signing.validity().not_after);
-            let subject = SubjectKey::of(&key).context("the intermediate key")?;
             let cert = root_ca
                 .signing
                 .issue_ca(&subject, &name, Some(0), validity)
@@ -253,12 +321,20 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             chain.extend(root_ca.chain.iter().cloned());
             chain.push(root_ca.anchor_root.clone());
             create_dir(&dir)?;
-            write_key(&paths[0], &key)?;
+            if let Some(key) = &key {
+                write_key(&paths[0], key)?;
+            }
             write_public(&paths[1], &cert.to_pem())?;
             write_public(&paths[2], &bundle::encode_certs_pem(&chain))?;
             write_public(&paths[3], &root_ca.bundle.to_pem())?;
+            let files = match &pkcs11 {
+                None => "ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem".to_string(),
+                Some(uri) => format!(
+                    "ca-cert.pem, cert-chain.pem, root-cert.pem; the key is in the token: {uri}"
+                ),
+            };
             println!(
-                "wrote {} (ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem; serial {}, valid until {})",
+                "wrote {} ({files}; serial {}, valid until {})",
                 dir.display(),
                 cert.serial_hex,
                 Rfc3339(cert.validity.not_after)
@@ -350,7 +426,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             )?;
             println!("{token}");
         }
-        Command::Inspect { file, json } => {
+        Command::Inspect { file, json, pkcs11 } => {
             let certs = read_certs_file(&file)?;
             let summaries: Vec<CertSummary> = certs
                 .iter()
@@ -360,9 +436,27 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                         .with_context(|| format!("{}: certificate #{}", file.display(), i + 1))
                 })
                 .collect::<Result<_, _>>()?;
+            // Which certificate (1-based) the token's key belongs to.
+            let hsm = match &pkcs11 {
+                None => None,
+                Some(uri) => {
+                    let (spki, protection) = hsm::protection("--pkcs11", uri)?;
+                    let index = certs.iter().position(|der| {
+                        x509_parser::parse_x509_certificate(der)
+                            .is_ok_and(|(_, c)| c.public_key().raw == spki.as_slice())
+                    });
+                    Some((uri.clone(), index, protection))
+                }
+            };
             if json {
-                let items: Vec<serde_json::Value> =
+                let mut items: Vec<serde_json::Value> =
                     summaries.iter().map(|s| summary_json(s, now)).collect();
+                if let Some((uri, Some(index), protection)) = &hsm {
+                    if let Some(item) = items.get_mut(*index) {
+                        item["key_pkcs11_uri"] = serde_json::json!(uri);
+                        item["key_protection"] = serde_json::json!(protection);
+                    }
+                }
                 println!(
                     "{}",
                     serde_json::to_string_pretty(&serde_json::json!({ "certificates": items }))?
@@ -370,6 +464,14 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             } else {
                 for (i, s) in summaries.iter().enumerate() {
                     print_summary(i + 1, s, now);
+                    if let Some((uri, Some(index), protection)) = &hsm {
+                        if *index == i {
+                            println!("  key in HSM:   {uri} ({protection})");
+                        }
+                    }
+                }
+                if let Some((uri, None, _)) = &hsm {
+                    println!("no certificate of {} has the key {uri}", file.display());
                 }
             }
         }
