@@ -37,6 +37,7 @@
 pub mod answer;
 pub mod bundle;
 pub mod cadir;
+pub mod crl;
 pub mod csr;
 mod der;
 #[cfg(feature = "serving")]
@@ -49,6 +50,7 @@ pub mod pod_certificate;
 pub mod profile;
 #[cfg(feature = "serving")]
 pub mod rate_limited_log;
+pub mod revocation;
 pub mod spiffe;
 #[cfg(feature = "serving")]
 pub mod stream_activity;

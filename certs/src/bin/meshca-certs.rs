@@ -25,6 +25,8 @@ use time::OffsetDateTime;
 
 #[path = "meshca-certs/hsm.rs"]
 mod hsm;
+#[path = "meshca-certs/revoke.rs"]
+mod revoke;
 
 /// CA material and test credentials for meshca and Istio.
 #[derive(Parser)]
@@ -164,6 +166,21 @@ enum Command {
         #[arg(long)]
         spiffe_id: Option<SpiffeId>,
     },
+    /// Revoke a serial, a SPIFFE ID, a service account, a node or an
+    /// intermediate: meshca refuses new certificates for it and lists its
+    /// serials in its CRL.
+    Revoke(revoke::RevokeArgs),
+    /// The revocation list.
+    Revocations {
+        #[command(subcommand)]
+        command: RevocationsCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum RevocationsCommand {
+    /// Show the entries (and any that meshca cannot use).
+    List(revoke::ListArgs),
 }
 
 fn main() -> ExitCode {
@@ -475,6 +492,10 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 }
             }
         }
+        Command::Revoke(args) => revoke::revoke(args)?,
+        Command::Revocations {
+            command: RevocationsCommand::List(args),
+        } => revoke::list(args)?,
         Command::Verify {
             bundle: bundle_file,
             chain_file,

@@ -1,0 +1,341 @@
+//! The CRL meshca signs: an X.509 v2 certificate revocation list (RFC 5280,
+//! section 5) issued by the CA that signs the workload certificates.
+//!
+//! [`sign_crl`] encodes it with rcgen's `CertificateRevocationListParams`:
+//! version 2, the CA's subject as issuer, thisUpdate and nextUpdate, the
+//! CRL number and authority key identifier extensions (both required by
+//! RFC 5280, section 5.2), and per entry the serial, the revocation date and
+//! a reasonCode (absent for `unspecified`, as section 5.3.1 asks). An empty
+//! list is a valid CRL without `revokedCertificates`, so a client can tell
+//! "nothing revoked" from "no CRL". [`ParsedCrl`] reads one back (what the
+//! agent checks before it serves a CRL, and what the tests compare).
+
+use time::OffsetDateTime;
+use x509_parser::prelude::{FromDer, X509Certificate};
+
+use crate::revocation::{RevocationReason, Serial};
+
+/// The PEM label of a CRL.
+pub const CRL_PEM_LABEL: &str = "X509 CRL";
+/// The file name of the CRL in a data or output directory (Istio's).
+pub const CRL_FILE: &str = "ca-crl.pem";
+/// The ConfigMap (in every namespace the root bundle goes to) and key
+/// Istio reads a CRL from.
+pub const CRL_CONFIGMAP_NAME: &str = "istio-ca-crl";
+/// The key of [`CRL_CONFIGMAP_NAME`].
+pub const CRL_CONFIGMAP_KEY: &str = "ca-crl.pem";
+/// The largest CRL read back (PEM), in bytes.
+pub const MAX_CRL_BYTES: usize = 16 * 1024 * 1024;
+
+/// Errors from signing or reading a CRL.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum CrlError {
+    /// rcgen could not take the CA certificate as an issuer, or could not sign.
+    #[error("signing the CRL failed: {0}")]
+    Signing(String),
+    /// The text is not one PEM CRL.
+    #[error("not a PEM CRL: {0}")]
+    NotPem(String),
+    /// The DER is not a CRL.
+    #[error("not a valid X.509 CRL: {0}")]
+    Invalid(String),
+    /// The CRL's signature does not verify with the CA's key, or its issuer
+    /// is another CA.
+    #[error("the CRL is not signed by this CA: {0}")]
+    WrongIssuer(String),
+    /// The CRL's nextUpdate has passed (a client must not use it).
+    #[error("the CRL's nextUpdate {0} has passed")]
+    Expired(crate::Rfc3339),
+}
+
+/// One revoked certificate in a CRL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RevokedCert {
+    /// Its serial.
+    pub serial: Serial,
+    /// When it was revoked.
+    pub revoked_at: OffsetDateTime,
+    /// Why.
+    pub reason: RevocationReason,
+}
+
+/// When a CRL is issued and which it is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CrlTimes {
+    /// The CRL number: increases with every CRL of this issuer.
+    pub number: u64,
+    /// thisUpdate.
+    pub this_update: OffsetDateTime,
+    /// nextUpdate: by then a newer CRL is published.
+    pub next_update: OffsetDateTime,
+}
+
+fn rcgen_reason(reason: RevocationReason) -> Option<rcgen::RevocationReason> {
+    use rcgen::RevocationReason as R;
+    Some(match reason {
+        RevocationReason::Unspecified => return None,
+        RevocationReason::KeyCompromise => R::KeyCompromise,
+        RevocationReason::CaCompromise => R::CaCompromise,
+        RevocationReason::AffiliationChanged => R::AffiliationChanged,
+        RevocationReason::Superseded => R::Superseded,
+        RevocationReason::CessationOfOperation => R::CessationOfOperation,
+        RevocationReason::PrivilegeWithdrawn => R::PrivilegeWithdrawn,
+    })
+}
+
+/// Signs a CRL listing `revoked` as the CA certificate `ca_cert_der`
+/// with its key `key` (the CA's [`crate::SigningCa`] certificate and key):
+/// DER.
+pub fn sign_crl(
+    ca_cert_der: &[u8],
+    key: &impl rcgen::SigningKey,
+    revoked: &[RevokedCert],
+    times: CrlTimes,
+) -> Result<Vec<u8>, CrlError> {
+    let ca_der = rustls_pki_types::CertificateDer::from(ca_cert_der);
+    let issuer = rcgen::Issuer::from_ca_cert_der(&ca_der, key)
+        .map_err(|e| CrlError::Signing(e.to_string()))?;
+    if key.subject_public_key_info() != ca_public_key(ca_cert_der)? {
+        return Err(CrlError::Signing(
+            "the key is not the CA certificate's".into(),
+        ));
+    }
+    let params = rcgen::CertificateRevocationListParams {
+        this_update: times.this_update,
+        next_update: times.next_update,
+        crl_number: rcgen::SerialNumber::from(times.number),
+        issuing_distribution_point: None,
+        revoked_certs: revoked
+            .iter()
+            .map(|r| rcgen::RevokedCertParams {
+                serial_number: rcgen::SerialNumber::from(r.serial.to_bytes()),
+                revocation_time: r.revoked_at,
+                reason_code: rcgen_reason(r.reason),
+                invalidity_date: None,
+            })
+            .collect(),
+        key_identifier_method: rcgen::KeyIdMethod::PreSpecified(key_identifier(ca_cert_der)?),
+    };
+    let crl = params
+        .signed_by(&issuer)
+        .map_err(|e| CrlError::Signing(e.to_string()))?;
+    Ok(crl.der().to_vec())
+}
+
+fn ca_public_key(ca_der: &[u8]) -> Result<Vec<u8>, CrlError> {
+    let (_, cert) =
+        X509Certificate::from_der(ca_der).map_err(|e| CrlError::Signing(e.to_string()))?;
+    Ok(cert.public_key().raw.to_vec())
+}
+
+/// The CA's subjectKeyIdentifier (what its certificates' AKI names), or
+/// the SHA-1 of its key as RFC 5280 suggests when it has none.
+fn key_identifier(ca_der: &[u8]) -> Result<Vec<u8>, CrlError> {
+    let (_, cert) =
+        X509Certificate::from_der(ca_der).map_err(|e| CrlError::Signing(e.to_string()))?;
+    Ok(cert
+        .extensions()
+        .iter()
+        .find_map(|ext| match ext.parsed_extension() {
+            x509_parser::extensions::ParsedExtension::SubjectKeyIdentifier(ski) => {
+                Some(ski.0.to_vec())
+            }
+            _ => None,
+        })
+        .unwrap_or_else(|| {
+            ring::digest::digest(
+                &ring::digest::SHA1_FOR_LEGACY_USE_ONLY,
+                &cert.public_key().subject_public_key.data,
+            )
+            .as_ref()
+            .to_vec()
+        }))
+}
+
+/// PEM of a DER CRL.
+pub fn encode_crl_pem(der: &[u8]) -> String {
+    pem::encode_config(
+        &pem::Pem::new(CRL_PEM_LABEL, der.to_vec()),
+        pem::EncodeConfig::new().set_line_ending(pem::LineEnding::LF),
+    )
+}
+
+/// A CRL read back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParsedCrl {
+    /// The DER.
+    pub der: Vec<u8>,
+    /// The CRL number.
+    pub number: Option<u64>,
+    /// thisUpdate.
+    pub this_update: OffsetDateTime,
+    /// nextUpdate.
+    pub next_update: Option<OffsetDateTime>,
+    /// The revoked serials, in order.
+    pub revoked: Vec<Serial>,
+}
+
+impl ParsedCrl {
+    /// Parses one PEM CRL.
+    pub fn from_pem(text: &str) -> Result<Self, CrlError> {
+        if text.len() > MAX_CRL_BYTES {
+            return Err(CrlError::NotPem(format!(
+                "{} bytes, more than {MAX_CRL_BYTES}",
+                text.len()
+            )));
+        }
+        let block = pem::parse(text).map_err(|e| CrlError::NotPem(e.to_string()))?;
+        if block.tag() != CRL_PEM_LABEL {
+            return Err(CrlError::NotPem(format!(
+                "the PEM block is {:?}, not {CRL_PEM_LABEL:?}",
+                crate::untrusted_text::shortened(block.tag(), 40)
+            )));
+        }
+        Self::from_der(block.contents())
+    }
+
+    /// Parses a DER CRL.
+    pub fn from_der(der: &[u8]) -> Result<Self, CrlError> {
+        let (rest, crl) = x509_parser::revocation_list::CertificateRevocationList::from_der(der)
+            .map_err(|e| CrlError::Invalid(e.to_string()))?;
+        if !rest.is_empty() {
+            return Err(CrlError::Invalid("trailing bytes after the CRL".into()));
+        }
+        let number = crl.crl_number().and_then(|n| {
+            let bytes = n.to_bytes_be();
+            (bytes.len() <= 8).then(|| bytes.iter().fold(0u64, |acc, b| (acc << 8) | u64::from(*b)))
+        });
+        Ok(Self {
+            der: der.to_vec(),
+            number,
+            this_update: crl.last_update().to_datetime(),
+            next_update: crl.next_update().map(|t| t.to_datetime()),
+            revoked: crl
+                .iter_revoked_certificates()
+                .map(|r| Serial::from_bytes(r.raw_serial()))
+                .collect(),
+        })
+    }
+
+    /// Checks that `ca_der` signed this CRL (signature and issuer name) and
+    /// that its nextUpdate has not passed at `now`.
+    pub fn verify(&self, ca_der: &[u8], now: OffsetDateTime) -> Result<(), CrlError> {
+        let (_, ca) =
+            X509Certificate::from_der(ca_der).map_err(|e| CrlError::WrongIssuer(e.to_string()))?;
+        let (_, crl) = x509_parser::revocation_list::CertificateRevocationList::from_der(&self.der)
+            .map_err(|e| CrlError::Invalid(e.to_string()))?;
+        if crl.issuer().as_raw() != ca.subject().as_raw() && crl.issuer() != ca.subject() {
+            return Err(CrlError::WrongIssuer(format!(
+                "issuer {} is not the CA's subject {}",
+                crl.issuer(),
+                ca.subject()
+            )));
+        }
+        crl.verify_signature(ca.public_key())
+            .map_err(|e| CrlError::WrongIssuer(e.to_string()))?;
+        if let Some(next) = self.next_update {
+            if next <= now {
+                return Err(CrlError::Expired(crate::Rfc3339(next)));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keys::{KeyAlgorithm, PrivateKey};
+    use crate::profile::{self_signed_root, SubjectName, Validity};
+    use time::Duration;
+
+    /// A root's DER and key.
+    fn ca(alg: KeyAlgorithm) -> (Vec<u8>, PrivateKey) {
+        let key = PrivateKey::generate(alg).unwrap();
+        let name = SubjectName {
+            organization: Some("Test".into()),
+            common_name: Some("Root CA".into()),
+            ..Default::default()
+        };
+        let now = OffsetDateTime::now_utc();
+        let cert =
+            self_signed_root(&key, &name, Validity::backdated(now, Duration::days(30))).unwrap();
+        (cert.der, key)
+    }
+
+    fn times(number: u64) -> CrlTimes {
+        let now = OffsetDateTime::now_utc().replace_nanosecond(0).unwrap();
+        CrlTimes {
+            number,
+            this_update: now,
+            next_update: now + Duration::hours(2),
+        }
+    }
+
+    #[test]
+    fn an_empty_crl_is_valid_and_verifies() {
+        let (ca, key) = ca(KeyAlgorithm::EcdsaP256);
+        let der = sign_crl(&ca, key.key_pair(), &[], times(7)).unwrap();
+        let parsed = ParsedCrl::from_pem(&encode_crl_pem(&der)).unwrap();
+        assert_eq!(parsed.number, Some(7));
+        assert!(parsed.revoked.is_empty());
+        parsed.verify(&ca, OffsetDateTime::now_utc()).unwrap();
+        // Another CA's key does not verify it, nor signs for this CA;
+        // past nextUpdate it is refused.
+        let (other, other_key) = self::ca(KeyAlgorithm::EcdsaP256);
+        assert!(parsed.verify(&other, OffsetDateTime::now_utc()).is_err());
+        assert!(sign_crl(&ca, other_key.key_pair(), &[], times(8)).is_err());
+        assert!(matches!(
+            parsed.verify(&ca, OffsetDateTime::now_utc() + Duration::hours(3)),
+            Err(CrlError::Expired(_))
+        ));
+    }
+
+    #[test]
+    fn revoked_serials_reasons_and_extensions_are_encoded() {
+        for alg in [KeyAlgorithm::EcdsaP256, KeyAlgorithm::EcdsaP384] {
+            let (ca, key) = ca(alg);
+            let revoked: Vec<RevokedCert> = ["3f0a1b", "ff00000000000000000000000000000001", "1"]
+                .iter()
+                .zip([
+                    RevocationReason::KeyCompromise,
+                    RevocationReason::Unspecified,
+                    RevocationReason::Superseded,
+                ])
+                .map(|(s, reason)| RevokedCert {
+                    serial: Serial::parse(s).unwrap(),
+                    revoked_at: times(0).this_update,
+                    reason,
+                })
+                .collect();
+            let der = sign_crl(&ca, key.key_pair(), &revoked, times(42)).unwrap();
+            let parsed = ParsedCrl::from_der(&der).unwrap();
+            parsed.verify(&ca, OffsetDateTime::now_utc()).unwrap();
+            assert_eq!(
+                parsed.revoked,
+                revoked.iter().map(|r| r.serial.clone()).collect::<Vec<_>>()
+            );
+            let (_, crl) =
+                x509_parser::revocation_list::CertificateRevocationList::from_der(&der).unwrap();
+            assert_eq!(crl.version().map(|v| v.0), Some(1), "v2");
+            let reasons: Vec<Option<u8>> = crl
+                .iter_revoked_certificates()
+                .map(|r| r.reason_code().map(|(_, c)| c.0))
+                .collect();
+            assert_eq!(reasons, [Some(1), None, Some(4)]);
+            let (_, cacert) = X509Certificate::from_der(&ca).unwrap();
+            assert_eq!(crl.issuer().as_raw(), cacert.subject().as_raw());
+            let aki = crl
+                .extensions()
+                .iter()
+                .find_map(|e| match e.parsed_extension() {
+                    x509_parser::extensions::ParsedExtension::AuthorityKeyIdentifier(a) => {
+                        a.key_identifier.as_ref().map(|k| k.0.to_vec())
+                    }
+                    _ => None,
+                })
+                .unwrap();
+            assert_eq!(aki, key_identifier(&ca).unwrap());
+        }
+    }
+}
