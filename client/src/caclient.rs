@@ -12,6 +12,8 @@ use meshca_certs::bundle;
 use meshca_certs::verify::verify_svid;
 use meshca_certs::{build_csr, KeyAlgorithm, PrivateKey, SpiffeId, TrustBundle, VerifiedSvid};
 use meshca_proto::istio::v1::auth::istio_certificate_service_client::IstioCertificateServiceClient;
+use meshca_proto::meshca::v1::jwt_svid_service_client::JwtSvidServiceClient;
+use meshca_proto::meshca::v1::{FetchJwtBundleRequest, MintJwtSvidRequest};
 use meshca_proto::{IstioCertificateRequest, IMPERSONATED_IDENTITY_KEY};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
@@ -81,6 +83,8 @@ pub(crate) fn is_retryable(code: tonic::Code) -> bool {
 #[derive(Debug)]
 struct Connection {
     client: IstioCertificateServiceClient<Channel>,
+    /// meshca's JWT-SVID service, on the same channel.
+    jwt: JwtSvidServiceClient<Channel>,
     bundle: TrustBundle,
     stamp: Option<(std::time::SystemTime, u64)>,
 }
@@ -123,6 +127,7 @@ impl CaClient {
             .connect_timeout(config.timeout);
         let channel = endpoint.connect_lazy();
         Ok(Connection {
+            jwt: JwtSvidServiceClient::new(channel.clone()),
             client: IstioCertificateServiceClient::new(channel),
             bundle,
             stamp,
@@ -185,33 +190,7 @@ impl CaClient {
             validity_duration: ttl.map(|d| d.as_secs() as i64).unwrap_or(0),
             metadata,
         });
-        if let Some(path) = &self.config.token_file {
-            let token = std::fs::read_to_string(path).map_err(|cause| ClientError::Token {
-                path: path.clone(),
-                cause,
-            })?;
-            if token.trim().is_empty() {
-                return Err(ClientError::Config(format!(
-                    "token file {} is empty",
-                    path.display()
-                )));
-            }
-            let value = format!("Bearer {}", token.trim()).parse().map_err(|_| {
-                ClientError::Config(format!(
-                    "token file {} holds invalid characters",
-                    path.display()
-                ))
-            })?;
-            request.metadata_mut().insert("authorization", value);
-        }
-        if let Some(cluster) = &self.config.cluster_id {
-            let value = cluster.parse().map_err(|_| {
-                ClientError::Config(format!(
-                    "cluster ID {cluster:?} is not a valid header value"
-                ))
-            })?;
-            request.metadata_mut().insert("clusterid", value);
-        }
+        self.add_credentials(&mut request)?;
         let connection = self.current();
         let attempts = self.config.request.attempts.max(1);
         let mut backoff = self.config.request.retry_backoff;
@@ -259,6 +238,145 @@ impl CaClient {
             chain_pem: response.cert_chain,
             bundle: checked.roots,
             leaf: checked.leaf,
+        })
+    }
+}
+
+/// A JWT-SVID as the CA answered it.
+#[derive(Clone)]
+pub struct MintedJwtSvid {
+    /// The token (a bearer credential: never logged).
+    pub token: String,
+    /// Its `sub`.
+    pub spiffe_id: SpiffeId,
+    /// Its `iat`, Unix seconds.
+    pub issued_at: i64,
+    /// Its `exp`, Unix seconds.
+    pub expires_at: i64,
+}
+
+impl std::fmt::Debug for MintedJwtSvid {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MintedJwtSvid")
+            .field("spiffe_id", &self.spiffe_id)
+            .field("expires_at", &self.expires_at)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The trust domain's JWT bundle as the CA answered it.
+#[derive(Debug, Clone)]
+pub struct JwtBundleAnswer {
+    /// The JWKS (JSON, `use: jwt-svid`).
+    pub jwks: Vec<u8>,
+    /// How long it may be kept before it is fetched again.
+    pub refresh_hint: Duration,
+}
+
+impl CaClient {
+    /// The caller's credentials on `request`: the bearer token read from
+    /// the token file now (projected tokens rotate), and `clusterid`.
+    fn add_credentials<T>(&self, request: &mut tonic::Request<T>) -> Result<(), ClientError> {
+        if let Some(path) = &self.config.token_file {
+            let token = std::fs::read_to_string(path).map_err(|cause| ClientError::Token {
+                path: path.clone(),
+                cause,
+            })?;
+            if token.trim().is_empty() {
+                return Err(ClientError::Config(format!(
+                    "token file {} is empty",
+                    path.display()
+                )));
+            }
+            let value = format!("Bearer {}", token.trim()).parse().map_err(|_| {
+                ClientError::Config(format!(
+                    "token file {} holds invalid characters",
+                    path.display()
+                ))
+            })?;
+            request.metadata_mut().insert("authorization", value);
+        }
+        if let Some(cluster) = &self.config.cluster_id {
+            let value = cluster.parse().map_err(|_| {
+                ClientError::Config(format!(
+                    "cluster ID {cluster:?} is not a valid header value"
+                ))
+            })?;
+            request.metadata_mut().insert("clusterid", value);
+        }
+        Ok(())
+    }
+
+    /// Bounds `call` by the configured timeout, the connection included.
+    async fn bounded<T>(
+        &self,
+        call: impl std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+    ) -> Result<T, ClientError> {
+        match tokio::time::timeout(self.config.timeout, call).await {
+            Ok(Ok(response)) => Ok(response.into_inner()),
+            Ok(Err(status)) => Err(self.explained(ClientError::from(status))),
+            Err(_) => Err(self.explained(ClientError::Unreachable {
+                code: tonic::Code::DeadlineExceeded,
+                message: format!(
+                    "no answer within {:?} (connecting, the TLS handshake or the call)",
+                    self.config.timeout
+                ),
+            })),
+        }
+    }
+
+    /// A JWT-SVID for `identity` (impersonated in node-agent mode) with
+    /// `audiences`, living `ttl` (None: the CA's default). The answer's
+    /// SPIFFE ID must be `identity`.
+    pub async fn mint_jwt_svid(
+        &self,
+        identity: &SpiffeId,
+        audiences: &[String],
+        ttl: Option<Duration>,
+    ) -> Result<MintedJwtSvid, ClientError> {
+        let mut request = tonic::Request::new(MintJwtSvidRequest {
+            audiences: audiences.to_vec(),
+            lifetime_seconds: ttl.map(|d| d.as_secs() as i64).unwrap_or(0),
+            impersonated_identity: if self.config.request.impersonate {
+                identity.to_string()
+            } else {
+                String::new()
+            },
+        });
+        self.add_credentials(&mut request)?;
+        let mut client = self.current().jwt.clone();
+        let answer = self.bounded(client.mint_jwt_svid(request)).await?;
+        let spiffe_id = SpiffeId::parse(&answer.spiffe_id)
+            .map_err(|e| ClientError::BadAnswer(format!("the JWT-SVID's SPIFFE ID: {e}")))?;
+        if &spiffe_id != identity {
+            return Err(ClientError::BadAnswer(format!(
+                "a JWT-SVID for {spiffe_id}, not the {identity} asked for"
+            )));
+        }
+        if answer.expires_at <= answer.issued_at || answer.token.split('.').count() != 3 {
+            return Err(ClientError::BadAnswer(
+                "the JWT-SVID is not a signed JWT with a lifetime".into(),
+            ));
+        }
+        Ok(MintedJwtSvid {
+            token: answer.token,
+            spiffe_id,
+            issued_at: answer.issued_at,
+            expires_at: answer.expires_at,
+        })
+    }
+
+    /// The trust domain's JWT bundle.
+    pub async fn fetch_jwt_bundle(&self) -> Result<JwtBundleAnswer, ClientError> {
+        let mut request = tonic::Request::new(FetchJwtBundleRequest {});
+        self.add_credentials(&mut request)?;
+        let mut client = self.current().jwt.clone();
+        let answer = self.bounded(client.fetch_jwt_bundle(request)).await?;
+        Ok(JwtBundleAnswer {
+            jwks: answer.jwks,
+            refresh_hint: Duration::from_secs(
+                u64::try_from(answer.refresh_hint_seconds).unwrap_or(0),
+            ),
         })
     }
 }

@@ -25,11 +25,13 @@ use serde::{Deserialize, Serialize};
 pub(crate) const KEYS_FILE: &str = "jwt-svid-keys.json";
 
 /// How long a retired key stays past the last expiry of the tokens it
-/// signed, for relying parties whose clocks are behind.
+/// signed, for relying parties whose clocks are behind (at most one
+/// maximum token lifetime, so a rotation keeps at most three keys).
 pub(crate) const CLOCK_SKEW: Duration = Duration::from_secs(60);
 
 /// The most keys a key file may hold (a rotation keeps three: the one
-/// whose tokens are still alive, the current one, the next one).
+/// whose tokens are still alive, the current one, the next one, since a
+/// key signs at least two maximum lifetimes).
 pub(crate) const MAX_KEYS: usize = 8;
 
 /// Largest key file read (a few RSA keys fit many times over).
@@ -247,6 +249,12 @@ impl RotationPolicy {
         self.max_ttl
     }
 
+    /// How long a retired key stays after its last token's expiry:
+    /// [`CLOCK_SKEW`], at most one maximum lifetime.
+    pub(crate) fn clock_skew(&self) -> Duration {
+        CLOCK_SKEW.min(self.max_ttl)
+    }
+
     /// How long a relying party may keep a bundle (the `Cache-Control`
     /// max-age of the JWKS, the agent's refresh): a quarter of the
     /// announcement, between 1 s and 5 min, so a key is fetched at least
@@ -291,7 +299,7 @@ pub(crate) fn plan(
         changed = true;
     }
     let announce = secs(policy.announce());
-    let keep_after_successor = secs(policy.max_ttl).saturating_add(secs(CLOCK_SKEW));
+    let keep_after_successor = secs(policy.max_ttl).saturating_add(secs(policy.clock_skew()));
     // Retire: a key whose successor has signed for longer than a token lives.
     let before = keys.len();
     let successors: Vec<i64> = keys.iter().skip(1).map(|k| k.signs_from).collect();

@@ -764,7 +764,8 @@ mod tests {
         );
         let new = issuer.mint(&id(), &["x".into()], 0, t0 + 20).unwrap();
         assert_ne!(new.kid, old.kid);
-        // The old key stays until its last token (signed at t0+19) expired.
+        // The old key stays until its last token (signed at t0+19) expired,
+        // plus the clock skew (here the max TTL, 10 s).
         issuer.advance(t0 + 29).unwrap();
         assert!(!changes.has_changed().unwrap());
         issuer

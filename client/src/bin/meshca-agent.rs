@@ -282,6 +282,10 @@ async fn run(args: Args) -> anyhow::Result<()> {
     }
 
     let bundle = workload_api::watch_root_file(client.clone(), args.bundle_refresh);
+    let jwt = args
+        .workload_api_socket
+        .is_some()
+        .then(|| start_jwt_svids(&client));
     let manager = Arc::new(CertManager::new(Arc::new(client), ManagerConfig::default()));
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut socket = None;
@@ -305,6 +309,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             socket: path.clone(),
             max_streams: args.max_streams,
             proc_root: None,
+            jwt: jwt.clone(),
         };
         tracing::info!(socket = %path.display(), identity = %identity, mode = "pod", "serving the Workload API and SDS");
         socket = Some(spawn_socket(
@@ -383,6 +388,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// JWT-SVIDs from `client`'s CA, and the task that follows its JWT bundle
+/// (it ends with the process).
+fn start_jwt_svids(client: &CaClient) -> Arc<workload_api::JwtSvids> {
+    let jwt = workload_api::JwtSvids::new(client.clone());
+    tokio::spawn(jwt.clone().follow_bundle());
+    jwt
+}
+
 /// Node mode: attest each caller, serve its pod's identity.
 async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
     let path = args
@@ -401,6 +414,7 @@ async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
         .with_context(|| format!("--workload-api-socket {}", path.display()))?;
     let socket_file = SocketFile::of(&path);
     let bundle = workload_api::watch_root_file(client.clone(), args.bundle_refresh);
+    let jwt = start_jwt_svids(&client);
     let manager = Arc::new(CertManager::new(Arc::new(client), ManagerConfig::default()));
     let feeds = Feeds::new(manager, bundle);
     let callers = Callers::new(
@@ -417,6 +431,7 @@ async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
         socket: path.clone(),
         max_streams: args.max_streams,
         proc_root: Some(args.proc_root.clone()),
+        jwt: Some(jwt),
     };
     tracing::info!(socket = %path.display(), node = %node, proc_root = %args.proc_root.display(), mode = "node", "serving the Workload API and SDS");
     let (stop_tx, stop_rx) = watch::channel(false);

@@ -38,6 +38,7 @@ mod authority_fix;
 mod callers;
 mod credentials;
 mod feeds;
+mod jwt;
 mod node_pods;
 mod per_pod;
 mod sds;
@@ -62,6 +63,7 @@ use crate::caclient::CaClient;
 pub use authority_fix::fuzz_authority_fix;
 pub use callers::{CallerPolicy, Callers, DEFAULT_ATTESTATION_WAIT};
 pub use feeds::{Feed, Feeds};
+pub use jwt::{JwtSvids, ALLOWED_ALGORITHMS, MAX_AUDIENCES, MAX_CACHED_JWT_SVIDS};
 pub use node_pods::{watch_node_pods, NodePods};
 pub use per_pod::{DEFAULT_MAX_STREAMS_PER_POD, MAX_BUFFERED_BYTES_PER_POD};
 pub use sds::MAX_SDS_REQUESTS_PER_SECOND;
@@ -129,6 +131,9 @@ pub struct WorkloadApiConfig {
     pub max_streams: usize,
     /// Node mode: where `<pid>/cgroup` files are (normally `/proc`).
     pub proc_root: Option<PathBuf>,
+    /// JWT-SVIDs and the JWT bundle (`None`: the JWT methods answer
+    /// `UNIMPLEMENTED`).
+    pub jwt: Option<Arc<JwtSvids>>,
 }
 
 /// Errors of the socket server.
@@ -193,8 +198,10 @@ async fn serve_with(
     shutdown: impl Future<Output = ()> + Send,
 ) {
     let routes = tonic::service::Routes::new(
-        SpiffeWorkloadApiServer::new(spiffe_api::WorkloadApiService::new(callers.clone()))
-            .max_decoding_message_size(MAX_WORKLOAD_API_REQUEST_BYTES),
+        SpiffeWorkloadApiServer::new(
+            spiffe_api::WorkloadApiService::new(callers.clone()).with_jwt(config.jwt.clone()),
+        )
+        .max_decoding_message_size(MAX_WORKLOAD_API_REQUEST_BYTES),
     )
     .add_service(
         SecretDiscoveryServiceServer::new(sds::SdsService::new(callers.clone()))
@@ -352,6 +359,7 @@ mod tests {
             socket: socket.clone(),
             max_streams: 16,
             proc_root: None,
+            jwt: None,
         };
         let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
         let server = tokio::spawn(async move {

@@ -2,7 +2,9 @@
 //! streams that send the current state at once (the SVID as soon as the
 //! first certificate arrives, within [`FIRST_SVID_WAIT`]) and again on
 //! every rotation and bundle change. An SVID is never served past its
-//! notAfter. The JWT methods answer `UNIMPLEMENTED`.
+//! notAfter. The JWT methods serve the CA's JWT-SVIDs and JWT bundle
+//! ([`super::jwt`]); without them (a library user that gave none) they
+//! answer `UNIMPLEMENTED`.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -13,9 +15,9 @@ use futures::Stream;
 use meshca_certs::SpiffeId;
 use meshca_proto::spiffe_workload::spiffe_workload_api_server::SpiffeWorkloadApi;
 use meshca_proto::spiffe_workload::{
-    JwtBundlesRequest, JwtBundlesResponse, JwtsvidRequest, JwtsvidResponse, ValidateJwtsvidRequest,
-    ValidateJwtsvidResponse, X509BundlesRequest, X509BundlesResponse, X509svid, X509svidRequest,
-    X509svidResponse,
+    JwtBundlesRequest, JwtBundlesResponse, Jwtsvid, JwtsvidRequest, JwtsvidResponse,
+    ValidateJwtsvidRequest, ValidateJwtsvidResponse, X509BundlesRequest, X509BundlesResponse,
+    X509svid, X509svidRequest, X509svidResponse,
 };
 use meshca_proto::WORKLOAD_API_HEADER;
 use tokio::time::Instant;
@@ -24,6 +26,7 @@ use tonic::{Request, Response, Status};
 use super::callers::{shutting_down, Callers, StreamLease};
 use super::credentials::{Credentials, Roots};
 use super::feeds::SvidState;
+use super::jwt::JwtSvids;
 
 /// A stream of responses to one caller.
 pub(crate) type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -32,12 +35,25 @@ pub(crate) type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>>
 #[derive(Debug, Clone)]
 pub(crate) struct WorkloadApiService {
     callers: Arc<Callers>,
+    jwt: Option<Arc<JwtSvids>>,
 }
 
 impl WorkloadApiService {
-    /// Serves `callers`' identities.
+    /// Serves `callers`' identities (X.509 only).
     pub(crate) fn new(callers: Arc<Callers>) -> Self {
-        Self { callers }
+        Self { callers, jwt: None }
+    }
+
+    /// Serves JWT-SVIDs and the JWT bundle from `jwt` too.
+    pub(crate) fn with_jwt(mut self, jwt: Option<Arc<JwtSvids>>) -> Self {
+        self.jwt = jwt;
+        self
+    }
+
+    fn jwt(&self) -> Result<&Arc<JwtSvids>, Status> {
+        self.jwt.as_ref().ok_or_else(|| {
+            Status::unimplemented("this Workload API server serves X.509-SVIDs only")
+        })
     }
 }
 
@@ -215,9 +231,26 @@ impl SpiffeWorkloadApi for WorkloadApiService {
         request: Request<JwtsvidRequest>,
     ) -> Result<Response<JwtsvidResponse>, Status> {
         check_header(&request)?;
-        Err(Status::unimplemented(
-            "meshca-agent serves X.509-SVIDs only; JWT-SVIDs are not implemented",
-        ))
+        let jwt = self.jwt()?;
+        if request.get_ref().audience.is_empty() {
+            return Err(Status::invalid_argument("FetchJWTSVID needs an audience"));
+        }
+        let identity = self.callers.identity_of(&request).await?;
+        let asked = request.get_ref().spiffe_id.trim();
+        if !asked.is_empty() && asked != identity.to_string() {
+            return Err(Status::permission_denied(format!(
+                "this caller is {identity}, not {:?}",
+                meshca_certs::untrusted_text::shortened(asked, 256)
+            )));
+        }
+        let token = jwt.fetch(&identity, &request.get_ref().audience).await?;
+        Ok(Response::new(JwtsvidResponse {
+            svids: vec![Jwtsvid {
+                spiffe_id: identity.to_string(),
+                svid: token.token,
+                hint: String::new(),
+            }],
+        }))
     }
 
     async fn fetch_jwt_bundles(
@@ -225,9 +258,53 @@ impl SpiffeWorkloadApi for WorkloadApiService {
         request: Request<JwtBundlesRequest>,
     ) -> Result<Response<Self::FetchJWTBundlesStream>, Status> {
         check_header(&request)?;
-        Err(Status::unimplemented(
-            "meshca-agent serves X.509 bundles only; JWT bundles are not implemented",
-        ))
+        let jwt = self.jwt()?.clone();
+        let identity = self.callers.identity_of(&request).await?;
+        let lease = self.callers.lease(&request, &identity)?;
+        let trust_domain = identity.trust_domain().id_string();
+        let receiver = jwt.bundle();
+        let deadline = Instant::now() + FIRST_SVID_WAIT;
+        let stream = futures::stream::unfold(
+            Some((receiver, None::<Arc<super::jwt::JwtBundle>>, lease)),
+            move |state| {
+                let trust_domain = trust_domain.clone();
+                async move {
+                    let (mut receiver, last, mut lease) = state?;
+                    loop {
+                        let current = receiver.borrow_and_update().clone();
+                        if let Some(bundle) = current {
+                            if last.as_ref().is_none_or(|l| !Arc::ptr_eq(l, &bundle)) {
+                                let response = JwtBundlesResponse {
+                                    bundles: HashMap::from([(trust_domain, bundle.jwks.clone())]),
+                                };
+                                return Some((Ok(response), Some((receiver, Some(bundle), lease))));
+                            }
+                        } else if Instant::now() >= deadline {
+                            let status =
+                                Status::unavailable("no JWT bundle from the CA yet; retry shortly");
+                            return Some((Err(status), None));
+                        }
+                        let first_wait = async {
+                            if last.is_none() {
+                                tokio::time::sleep_until(deadline).await;
+                            } else {
+                                std::future::pending::<()>().await;
+                            }
+                        };
+                        tokio::select! {
+                            changed = receiver.changed() => {
+                                if changed.is_err() {
+                                    return Some((Err(shutting_down()), None));
+                                }
+                            }
+                            () = first_wait => {}
+                            () = lease.stopped() => return Some((Err(shutting_down()), None)),
+                        }
+                    }
+                }
+            },
+        );
+        Ok(Response::new(Box::pin(stream)))
     }
 
     async fn validate_jwtsvid(
@@ -235,8 +312,22 @@ impl SpiffeWorkloadApi for WorkloadApiService {
         request: Request<ValidateJwtsvidRequest>,
     ) -> Result<Response<ValidateJwtsvidResponse>, Status> {
         check_header(&request)?;
-        Err(Status::unimplemented(
-            "meshca-agent serves X.509-SVIDs only; JWT-SVID validation is not implemented",
-        ))
+        let jwt = self.jwt()?;
+        let request = request.into_inner();
+        if request.audience.is_empty() {
+            return Err(Status::invalid_argument(
+                "ValidateJWTSVID needs an audience",
+            ));
+        }
+        if request.svid.is_empty() {
+            return Err(Status::invalid_argument(
+                "ValidateJWTSVID needs the svid to validate",
+            ));
+        }
+        let validated = jwt.validate(&request.svid, &request.audience)?;
+        Ok(Response::new(ValidateJwtsvidResponse {
+            spiffe_id: validated.spiffe_id.to_string(),
+            claims: Some(validated.claims),
+        }))
     }
 }
