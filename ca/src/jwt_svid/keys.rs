@@ -158,7 +158,7 @@ impl KeyRecord {
                     .map_err(|_| format!("key {}: not a PKCS#8 P-256 key", self.kid))
             }
             JwtAlgorithm::Rs256 => RsaKeyPair::from_pkcs8(&der)
-                .map(|k| Signer::Rs256(Box::new(k)))
+                .map(Signer::Rs256)
                 .map_err(|_| format!("key {}: not a PKCS#8 RSA key", self.kid)),
         }
     }
@@ -169,7 +169,7 @@ pub(crate) enum Signer {
     /// ECDSA P-256.
     Es256(EcdsaKeyPair),
     /// RSA PKCS#1 v1.5.
-    Rs256(Box<RsaKeyPair>),
+    Rs256(RsaKeyPair),
 }
 
 impl std::fmt::Debug for Signer {
