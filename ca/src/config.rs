@@ -303,6 +303,17 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_CA_DIR_CHECK_INTERVAL", default_value = "2s", value_parser = parse_duration)]
     pub(crate) ca_dir_check_interval: Duration,
 
+    /// A new CRL (ca-crl.pem, istio-ca-crl) at least this often, and on
+    /// every change of the revocation list; its nextUpdate is twice this.
+    #[arg(long, env = "MESHCA_CRL_REFRESH", default_value = "1h", value_parser = parse_positive_duration)]
+    pub(crate) crl_refresh: Duration,
+
+    /// Unexpired certificates this replica remembers (serial, identity,
+    /// node, notAfter), so revoking an identity lists all its serials in
+    /// the CRL; the oldest beyond it are forgotten (0: none).
+    #[arg(long, env = "MESHCA_ISSUED_RECORD_SIZE", default_value_t = crate::revocation::DEFAULT_ISSUED_RECORD_SIZE)]
+    pub(crate) issued_record_size: usize,
+
     /// meshca's own namespace in the cluster: where the Secret
     /// `istio-ca-secret` and the leader-election Lease live. Default:
     /// $POD_NAMESPACE, else the kubeconfig's namespace.
@@ -496,6 +507,10 @@ pub struct Config {
     pub(crate) ca_dir_check_interval: Duration,
     /// In-cluster state: Secret, ConfigMaps, Lease, root rotation.
     pub(crate) cluster: ClusterConfig,
+    /// A new CRL at least this often (nextUpdate: twice this).
+    pub(crate) crl_refresh: Duration,
+    /// Unexpired certificates remembered for the CRL.
+    pub(crate) issued_record_size: usize,
     /// Whether renewal by client certificate is allowed.
     pub(crate) allow_cert_renewal: bool,
     /// The per-identity issuance rate limit.
@@ -708,6 +723,8 @@ impl TryFrom<ServeArgs> for Config {
             ca_dir_check_interval: args.ca_dir_check_interval.max(Duration::from_millis(100)),
             cluster: ClusterConfig {
                 namespace: args.namespace.filter(|n| !n.trim().is_empty()),
+            crl_refresh: args.crl_refresh.max(Duration::from_secs(1)),
+            issued_record_size: args.issued_record_size,
                 root_ttl: args.self_signed_root_ttl,
                 rotation_at: args.root_rotation_at,
                 rotation_grace: args.root_rotation_grace.unwrap_or_else(|| {

@@ -58,6 +58,7 @@ pub(crate) mod metrics;
 pub(crate) mod monitoring;
 pub(crate) mod rate_limit;
 pub(crate) mod reload;
+pub(crate) mod revocation;
 pub mod server;
 pub(crate) mod server_identity;
 pub(crate) mod service;

@@ -131,6 +131,8 @@ pub(crate) struct Metrics {
     pub(crate) pod_certificate_requests_waiting: Gauge<i64>,
     /// ClusterTrustBundles created or updated.
     pub(crate) cluster_trust_bundle_writes: IstioCounter,
+    /// Revocation entries, refusals, the CRL and the issued record.
+    pub(crate) revocation: crate::revocation::RevocationMetrics,
 }
 
 /// Labels of `meshca_pod_certificate_request_count`.
@@ -188,6 +190,7 @@ impl Default for Metrics {
             pod_certificate_requests: Default::default(),
             pod_certificate_requests_waiting: Default::default(),
             cluster_trust_bundle_writes: Default::default(),
+            revocation: Default::default(),
         }
     }
 }
@@ -366,6 +369,7 @@ impl Metrics {
             "ClusterTrustBundles of the pod-certificate signer created or updated",
             self.cluster_trust_bundle_writes.clone(),
         );
+        self.revocation.register(&mut r);
         r
     }
 

@@ -540,6 +540,46 @@ fn start_cluster_tasks(
     Some(elector)
 }
 
+/// Start-up step: the revocation list (the data directory's
+/// `revocations.yaml`, in a cluster the ConfigMap `meshca-revocations`),
+/// the CRL kept in the data directory, and with the Kubernetes API the
+/// `istio-ca-crl` ConfigMaps (leader only, beside the bundle's).
+fn start_revocations(
+    config: &Config,
+    cluster: Option<&ClusterAccess>,
+    authority: &Arc<Authority>,
+    metrics: &Metrics,
+    background: &mut tokio::task::JoinSet<()>,
+) -> Arc<crate::revocation::Revocations> {
+    use crate::revocation;
+    let revocations = Arc::new(revocation::Revocations::new(
+        config.issued_record_size,
+        metrics.revocation.clone(),
+    ));
+    background.spawn(revocations.clone().follow_signing_ca(authority.clone()));
+    background.spawn(revocation::watch_file(
+        config.data_dir.clone(),
+        revocations.clone(),
+        revocation::FILE_CHECK_INTERVAL,
+    ));
+    if let Some(ClusterAccess { client, namespace }) = cluster {
+        background.spawn(revocation::watch_configmap(
+            client.clone(),
+            namespace.clone(),
+            revocations.clone(),
+        ));
+    }
+    let (crl_tx, _crl_rx) = tokio::sync::watch::channel(None);
+    background.spawn(revocation::maintain_crl(
+        config.data_dir.clone(),
+        authority.clone(),
+        revocations.clone(),
+        config.crl_refresh,
+        crl_tx,
+    ));
+    revocations
+}
+
 /// The Kubernetes API, when there is one: the client and the namespace
 /// meshca runs in.
 struct ClusterAccess {
@@ -1092,7 +1132,18 @@ pub async fn run(
     start_oidc(&config, jwt.as_ref(), stop_rx.clone()).await?;
     let acceptor = start_server_identity(&config, &authority, stop_rx.clone(), &mut background)?;
     let listeners = bind_grpc(&config, monitoring_addr).await?;
+    let revocations = start_revocations(
+        &config,
+        cluster.as_ref(),
+        &authority,
+        &metrics,
+        &mut background,
+    );
     let service = build_service(&config, &authority, authn, authz, &metrics, serving).await;
+    let service = Service {
+        ca: service.ca.with_revocations(revocations),
+        ..service
+    };
     // From here /ready looks at the CA: it can sign and gRPC is bound.
     update_expiry_metrics(&authority, &metrics, true);
     let _ = loaded.set(authority.clone());

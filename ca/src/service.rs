@@ -55,6 +55,7 @@ pub(crate) struct CaService {
     admission: Arc<Admission>,
     refusal_logs: Arc<RefusalLogs>,
     rate_limit: Arc<IssuanceRateLimit>,
+    revocations: Option<Arc<crate::revocation::Revocations>>,
 }
 
 impl std::fmt::Debug for CaService {
@@ -86,7 +87,17 @@ impl CaService {
             admission: Arc::new(admission),
             refusal_logs: Arc::default(),
             rate_limit: Arc::new(IssuanceRateLimit::new(RateLimitPolicy::default())),
+            revocations: None,
         }
+    }
+
+    /// Refuses what `revocations` revokes and records what is issued.
+    pub(crate) fn with_revocations(
+        mut self,
+        revocations: Arc<crate::revocation::Revocations>,
+    ) -> Self {
+        self.revocations = Some(revocations);
+        self
     }
 
     /// Limits how often one identity gets a certificate (default:
@@ -227,6 +238,9 @@ impl CaService {
             not_after = %meshca_certs::Rfc3339(issued.not_after),
             "issued certificate"
         );
+        if let Some(revocations) = &self.revocations {
+            revocations.record(&issued, &identity, self.authz.node_of(&caller).as_deref());
+        }
         self.metrics.success_cert_issuance_count.inc();
         self.metrics
             .issuance_duration_seconds
@@ -308,6 +322,9 @@ impl CaService {
                     _ => Status::permission_denied(e.to_string()),
                 }
             })?;
+        if let Some(revocations) = &self.revocations {
+            revocations.refuse_revoked(caller, &identity, self.authz.node_of(caller).as_deref())?;
+        }
         self.check_rate(caller, &identity, issued)?;
         Ok(identity)
     }

@@ -58,6 +58,11 @@ pub(crate) enum AuthzError {
 pub(crate) trait ImpersonationPolicy: Send + Sync {
     /// `Ok(())` if `caller` may get a certificate for `target`.
     async fn may_impersonate(&self, caller: &Caller, target: &SpiffeId) -> Result<(), AuthzError>;
+    /// The node the caller's pod runs on, when the policy knows it (for
+    /// revocation by node).
+    fn node_of(&self, _caller: &Caller) -> Option<String> {
+        None
+    }
 }
 
 /// The authorizer.
@@ -85,6 +90,12 @@ impl Authorizer {
         Self {
             impersonation: Some(policy),
         }
+    }
+
+    /// The node of the caller's pod, when known (a pod index is kept only
+    /// with node agents configured).
+    pub(crate) fn node_of(&self, caller: &Caller) -> Option<String> {
+        self.impersonation.as_ref()?.node_of(caller)
     }
 
     /// The identity `caller` gets, given the requested impersonation target

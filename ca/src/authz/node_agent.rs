@@ -386,6 +386,15 @@ impl NodeAgentPolicy {
 
 #[async_trait]
 impl ImpersonationPolicy for NodeAgentPolicy {
+    fn node_of(&self, caller: &Caller) -> Option<String> {
+        let (ns, _) = caller.identity.kubernetes_workload().ok()?;
+        let pod = self.pods.pod(ns, caller.pod_name.as_deref()?)?;
+        // Only the pod the token is bound to: a name alone may be reused.
+        (Some(pod.uid.as_str()) == caller.pod_uid.as_deref())
+            .then_some(pod.node)
+            .flatten()
+    }
+
     async fn may_impersonate(&self, caller: &Caller, target: &SpiffeId) -> Result<(), AuthzError> {
         let deny = |reason: String| AuthzError::ImpersonationDenied {
             caller: caller.identity.to_string(),

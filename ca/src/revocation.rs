@@ -1,0 +1,796 @@
+//! Revocation in the CA: the operator's list (README, "Revoking an
+//! identity"), enforced at issuance, and the CRL meshca signs.
+//!
+//! - [`Revocations`] holds the list in use, merged from its sources (the
+//!   data directory's `revocations.yaml`, checked every
+//!   [`FILE_CHECK_INTERVAL`]; in a cluster the ConfigMap
+//!   `meshca-revocations`, watched). A source whose new document is not a
+//!   list at all keeps its last good list; a malformed entry is logged,
+//!   counted (`meshca_revocation_entries_rejected{source,entry}`) and left
+//!   out, the others apply.
+//! - [`Revocations::check`] is what `service` asks before it signs: the
+//!   identity, its service account, the node of its pod (or of the node
+//!   agent), the presented certificate's serial (renewal), the signing CA.
+//!   The answer names the entry, never its reason.
+//! - [`IssuedRecord`] remembers what this replica issued (serial, identity,
+//!   node, notAfter), at most `--issued-record-size` unexpired
+//!   certificates, so an identity-level entry lists every serial it covers.
+//! - [`maintain_crl`] signs the CRL on every change and at least every
+//!   `--crl-refresh` (nextUpdate = 2× that), writes `ca-crl.pem` in the
+//!   data directory and hands the PEM to the ConfigMap publisher. Serials
+//!   once in the CRL are kept in `revoked-serials.json` beside it until
+//!   they expire, so a restart never takes a revoked serial back.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use arc_swap::ArcSwap;
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::Api;
+use kube::runtime::watcher::{self, Event};
+use meshca_certs::crl::{self, CrlTimes, RevokedCert};
+use meshca_certs::revocation::{
+    IssuanceQuery, IssuedSummary, RevocationList, RevocationReason, Serial, CONFIGMAP_KEY,
+    CONFIGMAP_NAME, REVOCATIONS_FILE,
+};
+use meshca_certs::SpiffeId;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use tokio::sync::watch;
+
+use crate::authority::Authority;
+
+/// How often the data directory's `revocations.yaml` is checked.
+pub(crate) const FILE_CHECK_INTERVAL: Duration = Duration::from_secs(1);
+/// Default of `--issued-record-size`: unexpired certificates remembered
+/// (about 200 bytes each: 20 MB at the default).
+pub(crate) const DEFAULT_ISSUED_RECORD_SIZE: usize = 100_000;
+/// The file keeping the serials once listed, in the data directory.
+pub(crate) const REVOKED_SERIALS_FILE: &str = "revoked-serials.json";
+/// Rejected entries labelled one by one in the metric; beyond these they
+/// are counted under `entry="more"`.
+const MAX_LABELLED_REJECTIONS: usize = 100;
+/// A burst of changes (an operator revoking many in a row) is signed
+/// once: the CRL waits this long after a change for the next one.
+const CRL_DEBOUNCE: Duration = Duration::from_millis(100);
+
+/// Labels of `meshca_revocation_entries_rejected`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct RejectedLabels {
+    /// `file` or `configmap`.
+    pub(crate) source: String,
+    /// The entry's place in the list, from 1 (or `more`).
+    pub(crate) entry: String,
+}
+
+/// The revocation metrics.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RevocationMetrics {
+    /// Entries in use.
+    pub(crate) entries: Gauge,
+    /// Malformed entries, one series per entry (1 while it is there).
+    pub(crate) rejected: Family<RejectedLabels, Gauge>,
+    /// Requests refused because of an entry.
+    pub(crate) refused: crate::metrics::IstioCounter,
+    /// Serials in the CRL published last.
+    pub(crate) crl_serials: Gauge,
+    /// The CRL's nextUpdate (unix seconds).
+    pub(crate) crl_next_update: Gauge,
+    /// Certificates in the issued record.
+    pub(crate) issued_record: Gauge,
+    /// Unexpired certificates dropped from a full issued record.
+    pub(crate) issued_record_dropped: crate::metrics::IstioCounter,
+}
+
+impl RevocationMetrics {
+    /// Adds these metrics to `registry`.
+    pub(crate) fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "meshca_revocation_entries",
+            "Revocation entries in use (file and ConfigMap)",
+            self.entries.clone(),
+        );
+        registry.register(
+            "meshca_revocation_entries_rejected",
+            "Malformed revocation entries left out, by source and place (1 while present)",
+            self.rejected.clone(),
+        );
+        registry.register(
+            "meshca_revocation_refused_count",
+            "Certificate requests refused because of a revocation entry",
+            self.refused.clone(),
+        );
+        registry.register(
+            "meshca_crl_revoked_serials",
+            "Serials in the CRL published last",
+            self.crl_serials.clone(),
+        );
+        registry.register(
+            "meshca_crl_next_update_timestamp",
+            "nextUpdate of the CRL published last (unix seconds)",
+            self.crl_next_update.clone(),
+        );
+        registry.register(
+            "meshca_issued_record_certificates",
+            "Unexpired certificates in the issued record",
+            self.issued_record.clone(),
+        );
+        registry.register(
+            "meshca_issued_record_dropped_count",
+            "Unexpired certificates dropped from a full issued record (--issued-record-size)",
+            self.issued_record_dropped.clone(),
+        );
+    }
+}
+
+/// Where a list came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Source {
+    /// The data directory's `revocations.yaml`.
+    File,
+    /// The ConfigMap `meshca-revocations`.
+    ConfigMap,
+}
+
+impl Source {
+    fn name(self) -> &'static str {
+        match self {
+            Self::File => "file",
+            Self::ConfigMap => "configmap",
+        }
+    }
+}
+
+/// A certificate this replica issued.
+#[derive(Debug, Clone)]
+struct Issued {
+    serial: Serial,
+    identity: SpiffeId,
+    node: Option<Arc<str>>,
+    issuer_key_id: Arc<str>,
+    issued_at: OffsetDateTime,
+    not_after: OffsetDateTime,
+}
+
+/// What this replica issued and has not expired: a bounded queue in
+/// issuance order. Pushing costs a lock and an append; expired
+/// certificates leave from the front as new ones come.
+#[derive(Debug)]
+pub(crate) struct IssuedRecord {
+    entries: Mutex<VecDeque<Issued>>,
+    capacity: usize,
+}
+
+impl IssuedRecord {
+    fn new(capacity: usize) -> Self {
+        Self {
+            entries: Mutex::new(VecDeque::with_capacity(capacity.min(4096))),
+            capacity,
+        }
+    }
+
+    fn push(&self, issued: Issued, metrics: &RevocationMetrics) {
+        if self.capacity == 0 {
+            return;
+        }
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let now = issued.issued_at;
+        while entries.front().is_some_and(|e| e.not_after <= now) {
+            entries.pop_front();
+        }
+        if entries.len() >= self.capacity {
+            entries.pop_front();
+            metrics.issued_record_dropped.inc();
+        }
+        entries.push_back(issued);
+        metrics.issued_record.set(entries.len() as i64);
+    }
+
+    fn snapshot(&self) -> Vec<Issued> {
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .cloned()
+            .collect()
+    }
+}
+
+/// A revoked serial as kept between restarts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct KeptSerial {
+    serial: String,
+    reason: RevocationReason,
+    #[serde(with = "time::serde::rfc3339")]
+    revoked_at: OffsetDateTime,
+    /// The certificate's notAfter, when known: it leaves the CRL then.
+    #[serde(default, with = "time::serde::rfc3339::option")]
+    not_after: Option<OffsetDateTime>,
+}
+
+/// The revocation state of one replica.
+#[derive(Debug)]
+pub(crate) struct Revocations {
+    sources: Mutex<BTreeMap<Source, Arc<RevocationList>>>,
+    merged: ArcSwap<RevocationList>,
+    changes: watch::Sender<u64>,
+    record: IssuedRecord,
+    metrics: RevocationMetrics,
+    /// The signing CA's key identifier (hex), set as the material changes.
+    signing_key_id: ArcSwap<Arc<str>>,
+}
+
+/// A request refused by an entry: what the caller is told.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Revoked {
+    /// The entry's name (target and time, not the reason).
+    pub(crate) entry: String,
+}
+
+impl Revocations {
+    /// An empty state remembering at most `record_size` issued certificates.
+    pub(crate) fn new(record_size: usize, metrics: RevocationMetrics) -> Self {
+        Self {
+            sources: Mutex::default(),
+            merged: ArcSwap::from_pointee(RevocationList::new()),
+            changes: watch::channel(0).0,
+            record: IssuedRecord::new(record_size),
+            metrics,
+            signing_key_id: ArcSwap::from_pointee(Arc::from("")),
+        }
+    }
+
+    /// Follows the signing CA of `authority` (its key identifier), until
+    /// dropped.
+    pub(crate) async fn follow_signing_ca(self: Arc<Self>, authority: Arc<Authority>) {
+        let mut changes = authority.subscribe();
+        loop {
+            let state = authority.current();
+            let key_id = meshca_certs::revocation::IntermediateRef::from_der(
+                state.material.signing.cert_der(),
+            )
+            .map(|r| r.key_id)
+            .unwrap_or_default();
+            self.signing_key_id
+                .store(Arc::new(Arc::from(key_id.as_str())));
+            if changes.changed().await.is_err() {
+                return;
+            }
+        }
+    }
+
+    /// The service's check: `PERMISSION_DENIED` naming the entry when one
+    /// revokes `identity`, its service account, the node, the certificate
+    /// the caller renews with, or the signing CA.
+    pub(crate) fn refuse_revoked(
+        &self,
+        caller: &crate::authn::Caller,
+        identity: &SpiffeId,
+        node: Option<&str>,
+    ) -> Result<(), tonic::Status> {
+        let presented = match &caller.kind {
+            crate::authn::CallerKind::ClientCertificate { serial, .. } => Some(serial.as_str()),
+            crate::authn::CallerKind::Token { .. } => None,
+        };
+        let key_id: Arc<str> = Arc::clone(&self.signing_key_id.load());
+        let key_id = Some(&*key_id).filter(|k| !k.is_empty());
+        // The caller's own identity too: a revoked node agent impersonates no one.
+        let checks = [
+            Some(identity),
+            (caller.identity != *identity).then_some(&caller.identity),
+        ];
+        for id in checks.into_iter().flatten() {
+            if let Err(revoked) = self.check(id, presented, node, key_id, OffsetDateTime::now_utc())
+            {
+                tracing::info!(caller = %caller.identity, identity = %identity, entry = %revoked.entry, "certificate refused: revoked");
+                return Err(tonic::Status::permission_denied(format!(
+                    "{identity} may not get a certificate: revoked by the entry {}",
+                    revoked.entry
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Records a certificate the service issued.
+    pub(crate) fn record(
+        &self,
+        issued: &crate::authority::IssuedChain,
+        identity: &SpiffeId,
+        node: Option<&str>,
+    ) {
+        let key_id: Arc<str> = Arc::clone(&self.signing_key_id.load());
+        self.record_issued(
+            &issued.serial_hex,
+            identity,
+            node,
+            &key_id,
+            OffsetDateTime::now_utc(),
+            issued.not_after,
+        );
+    }
+
+    /// Told on every change of the list.
+    pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changes.subscribe()
+    }
+
+    /// The list in use.
+    #[cfg(test)]
+    pub(crate) fn list(&self) -> Arc<RevocationList> {
+        self.merged.load_full()
+    }
+
+    /// Takes `list` as the new content of `source`: logs and counts its
+    /// rejected entries, and tells the subscribers when the list in use
+    /// changed.
+    pub(crate) fn set(&self, source: Source, list: RevocationList, source_name: &str) {
+        let mut sources = self.sources.lock().unwrap_or_else(|e| e.into_inner());
+        if sources.get(&source).is_some_and(|old| **old == list) {
+            return;
+        }
+        for rejected in list.rejected() {
+            tracing::warn!(source = %source_name, entry = rejected.index, error = %rejected.error, "revocation entry refused; the other entries apply");
+        }
+        // One series per rejected entry of this source.
+        let labels = |entry: String| RejectedLabels {
+            source: source.name().into(),
+            entry,
+        };
+        if let Some(old) = sources.get(&source) {
+            for r in old.rejected().iter().take(MAX_LABELLED_REJECTIONS) {
+                self.metrics.rejected.remove(&labels(r.index.to_string()));
+            }
+            self.metrics.rejected.remove(&labels("more".into()));
+        }
+        for r in list.rejected().iter().take(MAX_LABELLED_REJECTIONS) {
+            self.metrics
+                .rejected
+                .get_or_create(&labels(r.index.to_string()))
+                .set(1);
+        }
+        if list.rejected().len() > MAX_LABELLED_REJECTIONS {
+            self.metrics
+                .rejected
+                .get_or_create(&labels("more".into()))
+                .set((list.rejected().len() - MAX_LABELLED_REJECTIONS) as i64);
+        }
+        tracing::info!(source = %source_name, entries = list.entries().len(), rejected = list.rejected().len(), "revocation list taken");
+        sources.insert(source, Arc::new(list));
+        let mut merged = RevocationList::new();
+        let now = OffsetDateTime::now_utc();
+        for list in sources.values() {
+            for entry in list.entries() {
+                // Both sources may name a target: the first wins, both are kept.
+                let _ = merged.add(entry.clone(), now);
+            }
+        }
+        self.metrics.entries.set(merged.entries().len() as i64);
+        self.merged.store(Arc::new(merged));
+        self.changes.send_modify(|g| *g += 1);
+    }
+
+    /// Refuses a certificate for `identity` when an entry covers it, its
+    /// service account, `node` (the pod's) or `caller_node` (the node
+    /// agent's), the certificate presented (`presented_serial`, hex) or the
+    /// signing CA (`signing_key_id`).
+    pub(crate) fn check(
+        &self,
+        identity: &SpiffeId,
+        presented_serial: Option<&str>,
+        node: Option<&str>,
+        signing_key_id: Option<&str>,
+        now: OffsetDateTime,
+    ) -> Result<(), Revoked> {
+        let list = self.merged.load();
+        if list.entries().is_empty() {
+            return Ok(());
+        }
+        let presented = presented_serial.and_then(|s| Serial::parse(s).ok());
+        let query = IssuanceQuery {
+            identity: Some(identity),
+            presented_serial: presented.as_ref(),
+            node,
+            caller_node: None,
+            signing_key_id,
+        };
+        match list.refusal(&query, now) {
+            None => Ok(()),
+            Some(entry) => {
+                self.metrics.refused.inc();
+                Err(Revoked {
+                    entry: entry.name(),
+                })
+            }
+        }
+    }
+
+    /// Remembers a certificate just issued.
+    pub(crate) fn record_issued(
+        &self,
+        serial_hex: &str,
+        identity: &SpiffeId,
+        node: Option<&str>,
+        issuer_key_id: &Arc<str>,
+        issued_at: OffsetDateTime,
+        not_after: OffsetDateTime,
+    ) {
+        let Ok(serial) = Serial::parse(serial_hex) else {
+            return;
+        };
+        self.record.push(
+            Issued {
+                serial,
+                identity: identity.clone(),
+                node: node.map(Arc::from),
+                issuer_key_id: issuer_key_id.clone(),
+                issued_at,
+                not_after,
+            },
+            &self.metrics,
+        );
+    }
+
+    /// The serials the CRL lists at `now`: the list's serial entries, the
+    /// unexpired certificates of the record an entry covers, and those
+    /// kept from before, each only until its notAfter.
+    fn revoked_serials(&self, kept: &[KeptSerial], now: OffsetDateTime) -> Vec<KeptSerial> {
+        let list = self.merged.load();
+        let record = self.record.snapshot();
+        let mut out: BTreeMap<String, KeptSerial> = BTreeMap::new();
+        for k in kept {
+            if k.not_after.is_none_or(|na| na > now) {
+                out.insert(k.serial.clone(), k.clone());
+            }
+        }
+        let mut not_after_of: BTreeMap<&Serial, OffsetDateTime> = BTreeMap::new();
+        for issued in &record {
+            not_after_of.insert(&issued.serial, issued.not_after);
+            if issued.not_after <= now {
+                continue;
+            }
+            let summary = IssuedSummary {
+                serial: &issued.serial,
+                identity: &issued.identity,
+                node: issued.node.as_deref(),
+                issuer_key_id: Some(&issued.issuer_key_id),
+                issued_at: issued.issued_at,
+            };
+            if let Some(entry) = list.covering(&summary) {
+                out.entry(issued.serial.to_string()).or_insert(KeptSerial {
+                    serial: issued.serial.to_string(),
+                    reason: entry.reason,
+                    revoked_at: entry.revoked_at.max(issued.issued_at),
+                    not_after: Some(issued.not_after),
+                });
+            }
+        }
+        for (serial, entry) in list.serials() {
+            let not_after = not_after_of.get(serial).copied();
+            if not_after.is_some_and(|na| na <= now) {
+                continue;
+            }
+            // A serial entry that expires stops listing a serial meshca
+            // does not know the end of.
+            let not_after = not_after.or(entry.expires);
+            if not_after.is_some_and(|na| na <= now) {
+                continue;
+            }
+            out.entry(serial.to_string()).or_insert(KeptSerial {
+                serial: serial.to_string(),
+                reason: entry.reason,
+                revoked_at: entry.revoked_at,
+                not_after,
+            });
+        }
+        out.into_values().collect()
+    }
+}
+
+/// Reads a document of a source into `revocations`: an unreadable one
+/// keeps the source's last good list.
+fn take_document(revocations: &Revocations, source: Source, text: &str, source_name: &str) {
+    match RevocationList::parse(text, source_name) {
+        Ok(list) => revocations.set(source, list, source_name),
+        Err(e) => {
+            tracing::error!(source = %source_name, error = %e, "revocation list refused; the last good list stays in use");
+            let labels = RejectedLabels {
+                source: source.name().into(),
+                entry: "document".into(),
+            };
+            revocations.metrics.rejected.get_or_create(&labels).set(1);
+            return;
+        }
+    }
+    revocations.metrics.rejected.remove(&RejectedLabels {
+        source: source.name().into(),
+        entry: "document".into(),
+    });
+}
+
+/// Follows the data directory's `revocations.yaml`, until dropped: read
+/// at once, then whenever its content changes (checked every `interval`).
+/// A missing file is an empty list.
+pub(crate) async fn watch_file(dir: PathBuf, revocations: Arc<Revocations>, interval: Duration) {
+    let path = dir.join(REVOCATIONS_FILE);
+    let name = path.display().to_string();
+    let mut last: Option<Vec<u8>> = None;
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let content = match tokio::fs::read(&path).await {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => {
+                if last.is_some() {
+                    tracing::warn!(file = %name, error = %e, "reading the revocation list failed; the last one stays in use");
+                }
+                continue;
+            }
+        };
+        if last.as_ref() == Some(&content) {
+            continue;
+        }
+        match std::str::from_utf8(&content) {
+            Ok(text) => take_document(&revocations, Source::File, text, &name),
+            Err(_) => {
+                tracing::error!(file = %name, "the revocation list is not UTF-8; the last good list stays in use")
+            }
+        }
+        last = Some(content);
+    }
+}
+
+/// Follows the ConfigMap `meshca-revocations` in `namespace`, until dropped
+/// (every replica). A deleted or absent ConfigMap is an empty list.
+pub(crate) async fn watch_configmap(
+    client: kube::Client,
+    namespace: String,
+    revocations: Arc<Revocations>,
+) {
+    let api: Api<ConfigMap> = Api::namespaced(client, &namespace);
+    let name = format!("configmap {namespace}/{CONFIGMAP_NAME}");
+    let events = watcher::watcher(
+        api,
+        watcher::Config::default().fields(&format!("metadata.name={CONFIGMAP_NAME}")),
+    );
+    futures::pin_mut!(events);
+    let mut retry = meshca_kube::WatchRetry::new("revocations configmap");
+    let mut found = false;
+    while let Some(event) = events.next().await {
+        retry.saw(&event);
+        match event {
+            Ok(Event::Apply(cm)) | Ok(Event::InitApply(cm)) => {
+                found = true;
+                let text = cm
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get(CONFIGMAP_KEY))
+                    .map(String::as_str)
+                    .unwrap_or("");
+                take_document(&revocations, Source::ConfigMap, text, &name);
+            }
+            Ok(Event::Delete(_)) => {
+                tracing::warn!(source = %name, "the revocation ConfigMap was deleted: its entries no longer apply");
+                revocations.set(Source::ConfigMap, RevocationList::new(), &name);
+            }
+            Ok(Event::Init) => found = false,
+            Ok(Event::InitDone) => {
+                if !found {
+                    revocations.set(Source::ConfigMap, RevocationList::new(), &name);
+                }
+            }
+            Err(e) => retry.failed(&e).await,
+        }
+    }
+}
+
+fn read_kept(dir: &Path) -> Vec<KeptSerial> {
+    let path = dir.join(REVOKED_SERIALS_FILE);
+    match std::fs::read(&path) {
+        Ok(bytes) => match serde_json::from_slice(&bytes) {
+            Ok(kept) => kept,
+            Err(e) => {
+                tracing::error!(file = %path.display(), error = %e, "the kept revoked serials are unreadable; starting from the list and the record");
+                Vec::new()
+            }
+        },
+        Err(_) => Vec::new(),
+    }
+}
+
+/// The CRL's number: milliseconds since 1970 of its thisUpdate, above the
+/// last one: it increases across restarts and replicas without state.
+fn crl_number(this_update: OffsetDateTime, last: u64) -> u64 {
+    let ms = u64::try_from(this_update.unix_timestamp_nanos() / 1_000_000).unwrap_or(0);
+    ms.max(last + 1)
+}
+
+/// Signs a CRL with the material in use for `revoked`.
+pub(crate) fn sign_with(
+    authority: &Authority,
+    revoked: &[RevokedCert],
+    times: CrlTimes,
+) -> Result<Vec<u8>, crl::CrlError> {
+    let state = authority.current();
+    let signing = &state.material.signing;
+    let key = signing.key().software().ok_or_else(|| {
+        crl::CrlError::Signing(
+            "the CA key is held outside the process; CRL signing needs a software key".into(),
+        )
+    })?;
+    crl::sign_crl(signing.cert_der(), key.key_pair(), revoked, times)
+}
+
+/// Keeps `ca-crl.pem` in `dir` current, until dropped: a new CRL when the
+/// list or the CA material changes, and every `refresh` (nextUpdate =
+/// thisUpdate + 2 × `refresh`). Its PEM goes to `out` too.
+pub(crate) async fn maintain_crl(
+    dir: PathBuf,
+    authority: Arc<Authority>,
+    revocations: Arc<Revocations>,
+    refresh: Duration,
+    out: watch::Sender<Option<Arc<String>>>,
+) {
+    let mut list_changes = revocations.subscribe();
+    let mut material_changes = authority.subscribe();
+    let mut kept = read_kept(&dir);
+    let mut last_number = 0;
+    let mut tick = tokio::time::interval(refresh);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let now = OffsetDateTime::now_utc();
+        let serials = revocations.revoked_serials(&kept, now);
+        let revoked: Vec<RevokedCert> = serials
+            .iter()
+            .filter_map(|k| {
+                Some(RevokedCert {
+                    serial: Serial::parse(&k.serial).ok()?,
+                    revoked_at: k.revoked_at,
+                    reason: k.reason,
+                })
+            })
+            .collect();
+        let this_update = now.replace_nanosecond(0).unwrap_or(now);
+        let number = crl_number(this_update, last_number);
+        let refresh_time = time::Duration::try_from(refresh).unwrap_or(time::Duration::HOUR);
+        let times = CrlTimes {
+            number,
+            this_update,
+            next_update: this_update + refresh_time * 2,
+        };
+        let started = std::time::Instant::now();
+        match sign_with(&authority, &revoked, times) {
+            Ok(der) => {
+                last_number = number;
+                let pem = crl::encode_crl_pem(&der);
+                if let Err(e) = meshca_certs::bundle::write_file_atomic(
+                    &dir.join(crl::CRL_FILE),
+                    pem.as_bytes(),
+                    0o644,
+                ) {
+                    tracing::warn!(dir = %dir.display(), error = %e, "writing ca-crl.pem failed");
+                }
+                if serials != kept {
+                    let json = serde_json::to_vec(&serials).unwrap_or_default();
+                    if let Err(e) = meshca_certs::bundle::write_file_atomic(
+                        &dir.join(REVOKED_SERIALS_FILE),
+                        &json,
+                        0o600,
+                    ) {
+                        tracing::warn!(dir = %dir.display(), error = %e, "keeping the revoked serials failed");
+                    }
+                    kept = serials;
+                }
+                revocations.metrics.crl_serials.set(revoked.len() as i64);
+                revocations
+                    .metrics
+                    .crl_next_update
+                    .set(times.next_update.unix_timestamp());
+                tracing::info!(number, serials = revoked.len(), bytes = der.len(), took_ms = started.elapsed().as_millis() as u64, next_update = %meshca_certs::Rfc3339(times.next_update), "signed the CRL");
+                out.send_replace(Some(Arc::new(pem)));
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "signing the CRL failed; the last one stays published until its nextUpdate");
+            }
+        }
+        tokio::select! {
+            changed = list_changes.changed() => if changed.is_err() { return },
+            changed = material_changes.changed() => if changed.is_err() { return },
+            _ = tick.tick() => {}
+        }
+        tokio::time::sleep(CRL_DEBOUNCE).await;
+        list_changes.mark_unchanged();
+        material_changes.mark_unchanged();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(s: &str) -> SpiffeId {
+        SpiffeId::parse(s).unwrap()
+    }
+
+    fn t(s: &str) -> OffsetDateTime {
+        OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).unwrap()
+    }
+
+    #[test]
+    fn identity_entries_list_every_unexpired_serial_of_the_record() {
+        let r = Revocations::new(10, RevocationMetrics::default());
+        let key: Arc<str> = Arc::from("ab");
+        let web = id("spiffe://cluster.local/ns/default/sa/web");
+        let api = id("spiffe://cluster.local/ns/default/sa/api");
+        let at = t("2026-12-03T10:00:00Z");
+        let now = t("2026-12-03T12:00:00Z");
+        r.record_issued("0a", &web, None, &key, at, t("2026-12-04T10:00:00Z"));
+        r.record_issued("0b", &web, Some("n1"), &key, at, t("2026-12-03T11:00:00Z"));
+        r.record_issued("0c", &api, Some("n1"), &key, at, t("2026-12-04T10:00:00Z"));
+        r.record_issued("0d", &api, Some("n2"), &key, at, t("2026-12-04T10:00:00Z"));
+        let doc = r#"revocations:
+- {"spiffe_id": "spiffe://cluster.local/ns/default/sa/web", "revoked_at": "2026-12-03T11:30:00Z"}
+- {"node": "n1", "reason": "keyCompromise", "revoked_at": "2026-12-03T11:30:00Z"}
+- {"serial": "ff", "revoked_at": "2026-12-03T11:30:00Z"}
+- {"node": "BAD", "revoked_at": "2026-12-03T11:30:00Z"}
+"#;
+        take_document(&r, Source::File, doc, "test");
+        let serials: Vec<String> = r
+            .revoked_serials(&[], now)
+            .into_iter()
+            .map(|k| k.serial)
+            .collect();
+        // 0b expired; 0d is on another node.
+        assert_eq!(serials, ["a", "c", "ff"]);
+        assert_eq!(r.metrics.entries.get(), 3);
+        let rejected = RejectedLabels {
+            source: "file".into(),
+            entry: "4".into(),
+        };
+        assert_eq!(r.metrics.rejected.get_or_create(&rejected).get(), 1);
+        // Requests: refused naming the entry, never its reason.
+        let e = r.check(&api, None, Some("n1"), None, now).unwrap_err();
+        assert_eq!(e.entry, "node n1 (revoked at 2026-12-03T11:30:00Z)");
+        assert!(r.check(&api, None, Some("n2"), None, now).is_ok());
+        assert!(r.check(&api, Some("00ff"), None, None, now).is_err());
+        // A document that is not a list keeps the last good one.
+        take_document(&r, Source::File, "revocations: [", "test");
+        assert_eq!(r.list().entries().len(), 3);
+    }
+
+    #[test]
+    fn a_full_record_drops_the_oldest_and_counts_it() {
+        let metrics = RevocationMetrics::default();
+        let record = IssuedRecord::new(2);
+        let key: Arc<str> = Arc::from("ab");
+        for s in ["1", "2", "3"] {
+            record.push(
+                Issued {
+                    serial: Serial::parse(s).unwrap(),
+                    identity: id("spiffe://td/ns/a/sa/b"),
+                    node: None,
+                    issuer_key_id: key.clone(),
+                    issued_at: t("2026-12-03T10:00:00Z"),
+                    not_after: t("2026-12-04T10:00:00Z"),
+                },
+                &metrics,
+            );
+        }
+        let serials: Vec<String> = record
+            .snapshot()
+            .iter()
+            .map(|i| i.serial.to_string())
+            .collect();
+        assert_eq!(serials, ["2", "3"]);
+        assert_eq!(metrics.issued_record_dropped.get(), 1);
+    }
+}
