@@ -83,6 +83,18 @@ pub enum JwtKeyError {
     /// The key file could not be written.
     #[error("writing the JWT-SVID keys: {0}")]
     Write(#[from] meshca_certs::bundle::BundleError),
+    /// The cluster Secret of the keys could not be read or written.
+    #[error("{action} the Secret {namespace}/{name} of the JWT-SVID keys: {cause}")]
+    Secret {
+        /// What was being done.
+        action: &'static str,
+        /// meshca's namespace.
+        namespace: String,
+        /// The Secret.
+        name: &'static str,
+        /// The API's error.
+        cause: String,
+    },
     /// A key could not be generated.
     #[error("generating a JWT-SVID signing key ({0}) failed")]
     Generate(&'static str),
@@ -388,32 +400,46 @@ pub(crate) fn load(dir: &Path) -> Result<Vec<KeyRecord>, JwtKeyError> {
         path: path.clone(),
         cause,
     })?;
-    let file: KeyFile = serde_json::from_slice(&text).map_err(|e| {
-        // serde's message names a line and column, never the value.
-        invalid(format!(
+    parse(&text).map_err(invalid)
+}
+
+/// The keys of a key file's bytes (the file, or the cluster Secret's
+/// value); the error says what is wrong, never with key bytes.
+pub(crate) fn parse(text: &[u8]) -> Result<Vec<KeyRecord>, String> {
+    if text.len() as u64 > MAX_KEYS_FILE_BYTES {
+        return Err(format!(
+            "{} bytes, more than {MAX_KEYS_FILE_BYTES}",
+            text.len()
+        ));
+    }
+    // serde's message names a line and column, never the value.
+    let file: KeyFile = serde_json::from_slice(text).map_err(|e| {
+        format!(
             "not the JSON meshca writes: line {}, column {}",
             e.line(),
             e.column()
-        ))
+        )
     })?;
     if file.keys.len() > MAX_KEYS {
-        return Err(invalid(format!(
-            "{} keys, more than {MAX_KEYS}",
-            file.keys.len()
-        )));
+        return Err(format!("{} keys, more than {MAX_KEYS}", file.keys.len()));
     }
     for key in &file.keys {
-        key.signer().map_err(invalid)?;
+        key.signer()?;
     }
     Ok(file.keys)
 }
 
-/// Writes `keys` to `dir` atomically, mode 0600.
-pub(crate) fn save(dir: &Path, keys: &[KeyRecord]) -> Result<(), JwtKeyError> {
+/// A key file's bytes.
+pub(crate) fn encode(keys: &[KeyRecord]) -> Result<Vec<u8>, JwtKeyError> {
     let file = KeyFile {
         keys: keys.to_vec(),
     };
-    let json = serde_json::to_vec_pretty(&file).map_err(|_| JwtKeyError::Generate("encoding"))?;
+    serde_json::to_vec_pretty(&file).map_err(|_| JwtKeyError::Generate("encoding"))
+}
+
+/// Writes `keys` to `dir` atomically, mode 0600.
+pub(crate) fn save(dir: &Path, keys: &[KeyRecord]) -> Result<(), JwtKeyError> {
+    let json = encode(keys)?;
     meshca_certs::bundle::write_file_atomic(&dir.join(KEYS_FILE), &json, 0o600)?;
     Ok(())
 }

@@ -13,6 +13,7 @@
 
 pub(crate) mod keys;
 pub(crate) mod oidc;
+pub(crate) mod secret;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -298,13 +299,29 @@ impl std::fmt::Debug for Minted {
     }
 }
 
+/// Where the keys are kept.
+#[derive(Debug)]
+enum Store {
+    /// `jwt-svid-keys.json` in the data directory.
+    Dir(PathBuf),
+    /// The cluster Secret, shared by every replica.
+    Secret(secret::SecretStore),
+}
+
 /// Mints JWT-SVIDs with the current key and keeps the keys rotating.
 #[derive(Debug)]
 pub(crate) struct JwtIssuer {
     state: ArcSwap<KeyState>,
     config: JwtSvidConfig,
-    dir: PathBuf,
+    store: Store,
     changes: tokio::sync::watch::Sender<u64>,
+    /// Set once the keys are loaded: at start from the data directory; in
+    /// a cluster at the first JWT request (a CA whose callers never ask
+    /// for JWT-SVIDs never writes their Secret), which also starts the
+    /// rotation.
+    loaded: tokio::sync::OnceCell<()>,
+    /// Stops the rotation.
+    stop: tokio::sync::watch::Receiver<bool>,
 }
 
 fn unix_now() -> i64 {
@@ -314,10 +331,37 @@ fn unix_now() -> i64 {
 impl JwtIssuer {
     /// Loads the keys of `dir` (making the first one, or the next one
     /// when it is due) and saves what changed.
+    #[cfg(test)]
     pub(crate) fn load_or_create(
         dir: &Path,
         config: JwtSvidConfig,
         now: i64,
+    ) -> Result<Self, JwtKeyError> {
+        Self::load_or_create_until(dir, config, now, tokio::sync::watch::channel(false).1)
+    }
+
+    /// In a cluster: the keys of the Secret in `store`, read at the first
+    /// JWT request ([`JwtIssuer::ensure_ready`]); rotated until `stop`.
+    pub(crate) fn in_cluster(
+        store: secret::SecretStore,
+        config: JwtSvidConfig,
+        stop: tokio::sync::watch::Receiver<bool>,
+    ) -> Self {
+        Self {
+            state: ArcSwap::from_pointee(empty_state()),
+            config,
+            store: Store::Secret(store),
+            changes: tokio::sync::watch::channel(0).0,
+            loaded: tokio::sync::OnceCell::new(),
+            stop,
+        }
+    }
+
+    fn load_or_create_until(
+        dir: &Path,
+        config: JwtSvidConfig,
+        now: i64,
+        stop: tokio::sync::watch::Receiver<bool>,
     ) -> Result<Self, JwtKeyError> {
         std::fs::create_dir_all(dir).map_err(|cause| JwtKeyError::Read {
             path: dir.to_path_buf(),
@@ -337,9 +381,84 @@ impl JwtIssuer {
         Ok(Self {
             state: ArcSwap::from_pointee(state),
             config,
-            dir: dir.to_path_buf(),
+            store: Store::Dir(dir.to_path_buf()),
             changes: tokio::sync::watch::channel(0).0,
+            loaded: tokio::sync::OnceCell::from(()),
+            stop,
         })
+    }
+
+    /// Loads the keys if they are not yet (in a cluster, from the Secret,
+    /// made if absent) and starts their rotation; `UNAVAILABLE` when the
+    /// Kubernetes API fails (the next request tries again).
+    pub(crate) async fn ensure_ready(self: &Arc<Self>) -> Result<(), Status> {
+        self.loaded
+            .get_or_try_init(|| async {
+                self.sync_with_secret(unix_now()).await?;
+                tokio::spawn(self.clone().rotate(self.stop.clone()));
+                Ok::<(), JwtKeyError>(())
+            })
+            .await
+            .map(|_| ())
+            .map_err(|e| {
+                tracing::warn!(error = %e, "loading the JWT-SVID keys failed");
+                Status::unavailable(format!("{e}; retry shortly"))
+            })
+    }
+
+    /// In a cluster: reads the Secret, makes the change the rotation
+    /// calls for and writes it with the version read (another replica's
+    /// write first: read again), then takes what the Secret holds into
+    /// use. Returns when the rotation has something to do next.
+    async fn sync_with_secret(&self, now: i64) -> Result<i64, JwtKeyError> {
+        let Store::Secret(store) = &self.store else {
+            return self.advance(now);
+        };
+        for _ in 0..5 {
+            let (keys, version) = match store.read().await? {
+                Some((keys, version)) => (keys, Some(version)),
+                None => (Vec::new(), None),
+            };
+            let plan = keys::plan(&keys, now, &self.config.policy)?;
+            if plan.changed {
+                let written = match &version {
+                    None => store.create(&plan.keys).await?,
+                    Some(version) => store.replace(&plan.keys, version).await?,
+                };
+                if written == secret::Written::Lost {
+                    tracing::debug!(
+                        "another replica changed the JWT-SVID keys first; reading them"
+                    );
+                    continue;
+                }
+            }
+            self.adopt(plan.keys)?;
+            return Ok(plan.next_event);
+        }
+        Err(JwtKeyError::Secret {
+            action: "writing",
+            namespace: String::new(),
+            name: secret::SECRET_NAME,
+            cause: "other replicas wrote it five times in a row; trying again later".into(),
+        })
+    }
+
+    /// Takes `keys` into use if they differ from the keys in use.
+    fn adopt(&self, keys: Vec<KeyRecord>) -> Result<(), JwtKeyError> {
+        if self.state.load().records == keys {
+            return Ok(());
+        }
+        let kids: Vec<String> = keys.iter().map(|k| k.kid.clone()).collect();
+        let state = KeyState::new(keys, self.config.policy.bundle_max_age()).map_err(|reason| {
+            JwtKeyError::Invalid {
+                path: PathBuf::from(keys::KEYS_FILE),
+                reason,
+            }
+        })?;
+        self.state.store(Arc::new(state));
+        self.changes.send_modify(|v| *v += 1);
+        tracing::info!(keys = ?kids, "JWT-SVID keys changed (published: every key listed)");
+        Ok(())
     }
 
     /// Rotates the keys until `stop` turns true: wakes when [`keys::plan`]
@@ -347,15 +466,19 @@ impl JwtIssuer {
     pub(crate) async fn rotate(self: Arc<Self>, mut stop: tokio::sync::watch::Receiver<bool>) {
         loop {
             let now = unix_now();
-            let next = match self.advance(now) {
+            let next = match self.sync_with_secret(now).await {
                 Ok(next) => next,
                 Err(e) => {
                     tracing::error!(error = %e, "JWT-SVID key rotation failed; the current keys stay, retrying in 60s");
                     now + 60
                 }
             };
-            let wait = Duration::from_secs(u64::try_from(next - now).unwrap_or(1))
+            let mut wait = Duration::from_secs(u64::try_from(next - now).unwrap_or(1))
                 .clamp(Duration::from_secs(1), Duration::from_secs(3600));
+            if matches!(self.store, Store::Secret(_)) {
+                // Another replica may have changed the keys.
+                wait = wait.min(self.config.policy.bundle_max_age());
+            }
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
                 _ = stop.wait_for(|s| *s) => return,
@@ -364,21 +487,15 @@ impl JwtIssuer {
     }
 
     /// One step of the rotation at `now`; returns when the next is due.
+    /// (The data directory's keys; in a cluster, [`Self::sync_with_secret`].)
     pub(crate) fn advance(&self, now: i64) -> Result<i64, JwtKeyError> {
         let current = self.state.load();
         let plan = keys::plan(&current.records, now, &self.config.policy)?;
         if plan.changed {
-            keys::save(&self.dir, &plan.keys)?;
-            let kids: Vec<&str> = plan.keys.iter().map(|k| k.kid.as_str()).collect();
-            tracing::info!(keys = ?kids, "JWT-SVID keys changed (published: every key listed)");
-            let state = KeyState::new(plan.keys, self.config.policy.bundle_max_age()).map_err(
-                |reason| JwtKeyError::Invalid {
-                    path: self.dir.join(keys::KEYS_FILE),
-                    reason,
-                },
-            )?;
-            self.state.store(Arc::new(state));
-            self.changes.send_modify(|v| *v += 1);
+            if let Store::Dir(dir) = &self.store {
+                keys::save(dir, &plan.keys)?;
+            }
+            self.adopt(plan.keys)?;
         }
         Ok(plan.next_event)
     }
@@ -509,11 +626,9 @@ impl JwtSvidGrpc {
     }
 
     fn issuer(&self) -> Result<&Arc<JwtIssuer>, Status> {
-        self.issuer.as_ref().ok_or_else(|| {
-            Status::failed_precondition(
-                "JWT-SVIDs are not served with a Kubernetes cluster yet (every replica would sign with a key of its own); run meshca with a data directory",
-            )
-        })
+        self.issuer
+            .as_ref()
+            .ok_or_else(|| Status::failed_precondition("JWT-SVIDs are not served by this CA"))
     }
 }
 
@@ -525,6 +640,7 @@ impl JwtSvidService for JwtSvidGrpc {
     ) -> Result<Response<MintJwtSvidResponse>, Status> {
         let caller = self.ca.caller_of(&request).await?;
         let issuer = self.issuer()?;
+        issuer.ensure_ready().await?;
         let _slot = self.ca.admit("JWT-SVID").await?;
         let request = request.into_inner();
         // Cheap checks first: a bad request costs no authorization.
@@ -573,6 +689,7 @@ impl JwtSvidService for JwtSvidGrpc {
     ) -> Result<Response<FetchJwtBundleResponse>, Status> {
         let caller = self.ca.caller_of(&request).await?;
         let issuer = self.issuer()?;
+        issuer.ensure_ready().await?;
         Ok(Response::new(FetchJwtBundleResponse {
             trust_domain: caller.identity.trust_domain().as_str().to_string(),
             jwks: issuer.spiffe_jwks().to_vec(),
@@ -582,8 +699,31 @@ impl JwtSvidService for JwtSvidGrpc {
 }
 
 /// Start-up step: the JWT-SVID issuer over the data directory's keys,
-/// rotating in `background` until `stop`; `None` in a cluster (the keys
-/// are not in the cluster Secret yet).
+/// rotating in `background` until `stop`; in a cluster (`cluster`: the
+/// client and meshca's namespace), over the keys' Secret, read at the
+/// first JWT request.
+pub(crate) fn start_in(
+    config: &JwtSvidConfig,
+    data_dir: &Path,
+    cluster: Option<(kube::Client, String)>,
+    stop: tokio::sync::watch::Receiver<bool>,
+    background: &mut tokio::task::JoinSet<()>,
+) -> Result<Arc<JwtIssuer>, JwtKeyError> {
+    if let Some((client, namespace)) = cluster {
+        let store = secret::SecretStore::new(client, &namespace);
+        return Ok(Arc::new(JwtIssuer::in_cluster(store, config.clone(), stop)));
+    }
+    let issuer = Arc::new(JwtIssuer::load_or_create_until(
+        data_dir,
+        config.clone(),
+        unix_now(),
+        stop.clone(),
+    )?);
+    background.spawn(issuer.clone().rotate(stop));
+    Ok(issuer)
+}
+
+/// As [`start_in`], but off in a cluster (`None`).
 pub(crate) fn start(
     config: &JwtSvidConfig,
     data_dir: &Path,
@@ -592,16 +732,21 @@ pub(crate) fn start(
     background: &mut tokio::task::JoinSet<()>,
 ) -> Result<Option<Arc<JwtIssuer>>, JwtKeyError> {
     if in_cluster {
-        tracing::warn!("JWT-SVIDs are off with a Kubernetes cluster: their keys are kept in the data directory only, and replicas would each sign with their own");
+        tracing::warn!("JWT-SVIDs are off with a Kubernetes cluster");
         return Ok(None);
     }
-    let issuer = Arc::new(JwtIssuer::load_or_create(
-        data_dir,
-        config.clone(),
-        unix_now(),
-    )?);
-    background.spawn(issuer.clone().rotate(stop));
-    Ok(Some(issuer))
+    start_in(config, data_dir, None, stop, background).map(Some)
+}
+
+/// The state before the keys are loaded: nothing to sign with or publish.
+fn empty_state() -> KeyState {
+    KeyState {
+        records: Vec::new(),
+        keys: Vec::new(),
+        spiffe_jwks: Bytes::from_static(b"{\"keys\":[]}"),
+        oidc_jwks: Bytes::from_static(b"{\"keys\":[]}"),
+        algorithms: Vec::new(),
+    }
 }
 
 #[cfg(test)]

@@ -41,7 +41,25 @@ fn cache_control(issuer: &JwtIssuer) -> String {
     format!("public, max-age={}", issuer.bundle_max_age().as_secs())
 }
 
-async fn discovery(State(issuer): State<Arc<JwtIssuer>>) -> impl IntoResponse {
+/// 503 while the keys cannot be loaded (in a cluster, from the Secret).
+async fn not_ready(issuer: &Arc<JwtIssuer>) -> Option<axum::response::Response> {
+    match issuer.ensure_ready().await {
+        Ok(()) => None,
+        Err(_) => Some(
+            (
+                axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                [(header::RETRY_AFTER, "5")],
+                "the JWT-SVID keys are not loaded yet\n",
+            )
+                .into_response(),
+        ),
+    }
+}
+
+async fn discovery(State(issuer): State<Arc<JwtIssuer>>) -> axum::response::Response {
+    if let Some(refusal) = not_ready(&issuer).await {
+        return refusal;
+    }
     (
         [
             (header::CONTENT_TYPE, "application/json".to_string()),
@@ -49,9 +67,13 @@ async fn discovery(State(issuer): State<Arc<JwtIssuer>>) -> impl IntoResponse {
         ],
         discovery_document(&issuer).to_string(),
     )
+        .into_response()
 }
 
-async fn jwks(State(issuer): State<Arc<JwtIssuer>>) -> impl IntoResponse {
+async fn jwks(State(issuer): State<Arc<JwtIssuer>>) -> axum::response::Response {
+    if let Some(refusal) = not_ready(&issuer).await {
+        return refusal;
+    }
     (
         [
             (header::CONTENT_TYPE, "application/jwk-set+json".to_string()),
@@ -59,6 +81,7 @@ async fn jwks(State(issuer): State<Arc<JwtIssuer>>) -> impl IntoResponse {
         ],
         issuer.oidc_jwks(),
     )
+        .into_response()
 }
 
 /// The routes of the discovery endpoint.
