@@ -167,6 +167,18 @@ impl Authority {
         self.state.load_full()
     }
 
+    /// Whether signing asks a key outside the process (an HSM in direct
+    /// mode): such a call may wait for the key.
+    pub(crate) fn signs_externally(&self) -> bool {
+        self.state
+            .load()
+            .material
+            .signing
+            .key()
+            .external_name()
+            .is_some()
+    }
+
     /// The trust bundle in use now.
     pub(crate) fn bundle(&self) -> TrustBundle {
         self.state.load().material.bundle.clone()

@@ -303,6 +303,10 @@ pub struct ServeArgs {
     #[arg(long, env = "MESHCA_CA_DIR_CHECK_INTERVAL", default_value = "2s", value_parser = parse_duration)]
     pub(crate) ca_dir_check_interval: Duration,
 
+    /// The CA key in an HSM: --ca-key-pkcs11 and the --hsm-* flags.
+    #[command(flatten)]
+    pub(crate) hsm: crate::hsm::HsmArgs,
+
     /// A new CRL (ca-crl.pem, istio-ca-crl) at least this often, and on
     /// every change of the revocation list; its nextUpdate is twice this.
     #[arg(long, env = "MESHCA_CRL_REFRESH", default_value = "1h", value_parser = parse_positive_duration)]
@@ -423,6 +427,9 @@ pub enum ConfigError {
     /// An invalid DNS name.
     #[error("--server-dns {0:?} is not a valid DNS name")]
     BadDnsName(String),
+    /// The HSM flags are unusable.
+    #[error(transparent)]
+    Hsm(#[from] crate::hsm::HsmConfigError),
     /// A rotation fraction outside (0, 1).
     #[error("--root-rotation-at {0} must be between 0 and 1 (a fraction of the root's lifetime)")]
     BadRotationFraction(f64),
@@ -505,6 +512,8 @@ pub struct Config {
     pub(crate) ca_expiry_margin: Duration,
     /// How often --ca-dir is checked for changes.
     pub(crate) ca_dir_check_interval: Duration,
+    /// The CA key in an HSM (--ca-key-pkcs11), if it is.
+    pub(crate) hsm: Option<crate::hsm::HsmConfig>,
     /// In-cluster state: Secret, ConfigMaps, Lease, root rotation.
     pub(crate) cluster: ClusterConfig,
     /// A new CRL at least this often (nextUpdate: twice this).
@@ -561,6 +570,10 @@ impl TryFrom<ServeArgs> for Config {
     type Error = ConfigError;
 
     fn try_from(args: ServeArgs) -> Result<Self, ConfigError> {
+        let hsm = args
+            .hsm
+            .clone()
+            .into_config(args.ca_dir.as_deref(), args.ca_expiry_margin)?;
         if args.workload_cert_ttl.is_zero() {
             return Err(ConfigError::ZeroTtl {
                 flag: "--workload-cert-ttl",
@@ -721,6 +734,7 @@ impl TryFrom<ServeArgs> for Config {
             shutdown_grace: args.shutdown_grace,
             ca_expiry_margin: args.ca_expiry_margin,
             ca_dir_check_interval: args.ca_dir_check_interval.max(Duration::from_millis(100)),
+            hsm,
             cluster: ClusterConfig {
                 namespace: args.namespace.filter(|n| !n.trim().is_empty()),
             crl_refresh: args.crl_refresh.max(Duration::from_secs(1)),

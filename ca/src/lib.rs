@@ -53,6 +53,7 @@ pub(crate) mod caller_gate;
 pub mod cluster;
 pub mod config;
 pub(crate) mod heap_trim;
+pub mod hsm;
 pub mod jwt_svid;
 pub(crate) mod metrics;
 pub(crate) mod monitoring;

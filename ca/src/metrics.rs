@@ -89,6 +89,10 @@ pub(crate) struct Metrics {
     pub(crate) reloads_refused: IstioCounter,
     /// 1 while the last offered CA material was refused.
     pub(crate) reload_refused: Gauge<i64>,
+    /// Failed attempts of the HSM key to sign a new intermediate.
+    pub(crate) hsm_renewal_failures: IstioCounter,
+    /// 1 while the HSM key cannot sign a new intermediate.
+    pub(crate) hsm_unavailable: Gauge<i64>,
     /// Root rotation phase: 1 on the current phase's label.
     pub(crate) root_rotation_phase: Family<PhaseLabels, Gauge<i64>>,
     /// 1 while this replica holds the leader Lease.
@@ -171,6 +175,8 @@ impl Default for Metrics {
             reloads_ok: Default::default(),
             reloads_refused: Default::default(),
             reload_refused: Default::default(),
+            hsm_renewal_failures: Default::default(),
+            hsm_unavailable: Default::default(),
             root_rotation_phase: Default::default(),
             leader: Default::default(),
             bundle_configmap_writes: Default::default(),
@@ -273,6 +279,16 @@ impl Metrics {
             "meshca_ca_reload_refused",
             "Whether the last offered CA material was refused (1) or not (0); see the log and /ready",
             self.reload_refused.clone(),
+        );
+        r.register(
+            "meshca_hsm_intermediate_renewal_failed_count",
+            "Attempts of the HSM key (--ca-key-pkcs11) to sign a new in-memory intermediate that failed",
+            self.hsm_renewal_failures.clone(),
+        );
+        r.register(
+            "meshca_hsm_unavailable",
+            "Whether the HSM key could not sign the next intermediate (1; the current one signs on until --ca-expiry-margin) or could (0)",
+            self.hsm_unavailable.clone(),
         );
         r.register(
             "meshca_root_rotation_phase",

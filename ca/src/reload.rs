@@ -23,7 +23,7 @@ use crate::store::{
 };
 
 /// A digest of the CA files' contents (missing files count as empty).
-fn fingerprint(dir: &Path) -> Vec<u8> {
+pub(crate) fn fingerprint(dir: &Path) -> Vec<u8> {
     let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
     for name in [
         CA_CERT_FILE,

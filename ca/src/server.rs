@@ -103,6 +103,9 @@ pub struct BoundAddrs {
 /// Loads the CA material the configuration names.
 pub(crate) fn load_material(config: &Config) -> Result<CaMaterial, StoreError> {
     let now = OffsetDateTime::now_utc();
+    if let (Some(hsm), Some(dir)) = (&config.hsm, &config.ca_dir) {
+        return hsm.open(dir, &config.trust_domain)?.material(now);
+    }
     match &config.ca_dir {
         Some(dir) => store::load_ca_dir(dir, now),
         None => store::load_or_create_data_dir(
@@ -777,7 +780,14 @@ fn follow_ca_material(
             write_bundle_file(&dir, &bundle_of);
         }
     });
-    if let Some(dir) = &config.ca_dir {
+    if let Some(ca) = config.hsm.as_ref().and_then(|hsm| hsm.opened()) {
+        background.spawn(crate::hsm::keep_fresh(
+            ca,
+            authority.clone(),
+            metrics.clone(),
+            config.ca_dir_check_interval,
+        ));
+    } else if let Some(dir) = &config.ca_dir {
         background.spawn(reload::watch_ca_dir(
             dir.clone(),
             authority.clone(),

@@ -26,6 +26,7 @@ use crate::authority::{Authority, SignError};
 use crate::authz::Authorizer;
 use crate::metrics::Metrics;
 use crate::rate_limit::{IssuanceRateLimit, RateLimitPolicy, Throttled};
+use meshca_certs::profile::ProfileError;
 use meshca_certs::rate_limited_log::RateLimitedLog;
 
 /// Response metadata telling a gRPC client how long to wait before it
@@ -199,19 +200,29 @@ impl CaService {
             CallerKind::ClientCertificate { lifetime, .. } => Some(*lifetime),
             CallerKind::Token { .. } => None,
         };
-        let issued = self
-            .authority
-            .sign_workload_within(
+        let sign = || {
+            self.authority.sign_workload_within(
                 csr.subject_key(),
                 &identity,
                 request.validity_duration,
                 max_lifetime,
                 OffsetDateTime::now_utc(),
             )
+        };
+        // A key in an HSM (direct mode) may make the call wait for a
+        // session: the runtime moves its other tasks off this thread.
+        let signed = if self.authority.signs_externally() {
+            tokio::task::block_in_place(sign)
+        } else {
+            sign()
+        };
+        let issued = signed
             .map_err(|e| {
                 match &e {
                     SignError::TtlTooLong { .. } => self.metrics.sign_error("ttl_too_long"),
                     SignError::CaOutsideValidity { .. } => self.metrics.sign_error("ca_cert_invalid"),
+                    SignError::Signing(ProfileError::KeyBusy(_)) => self.metrics.sign_error("hsm_busy"),
+                    SignError::Signing(ProfileError::KeyUnavailable(_)) => self.metrics.sign_error("hsm_unavailable"),
                     SignError::Signing(_) => self.metrics.sign_error("signing"),
                 }
                 if let Some(unlogged) = logs.signing.record() {
@@ -220,6 +231,12 @@ impl CaService {
                 match e {
                     SignError::TtlTooLong { .. } => Status::invalid_argument(e.to_string()),
                     SignError::CaOutsideValidity { .. } => Status::unavailable(e.to_string()),
+                    SignError::Signing(ProfileError::KeyBusy(_)) => Status::resource_exhausted(
+                        "the CA is overloaded: every HSM session is signing and the queue is full; retry with backoff",
+                    ),
+                    SignError::Signing(ProfileError::KeyUnavailable(_)) => {
+                        Status::unavailable("the CA's HSM key cannot sign now; retry with backoff")
+                    }
                     SignError::Signing(_) => Status::internal("signing the certificate failed"),
                 }
             })?;

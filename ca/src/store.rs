@@ -34,6 +34,18 @@ pub enum StoreError {
     /// The CA directory (or the data directory's root) is unusable.
     #[error(transparent)]
     CaDir(#[from] CaDirError),
+    /// The HSM key (`--ca-key-pkcs11`) cannot be used: the message names
+    /// the URI, never the PIN.
+    #[error(transparent)]
+    Hsm(meshca_certs::pkcs11::Pkcs11Error),
+    /// The HSM key could not sign.
+    #[error("{cause}")]
+    HsmSigning {
+        /// The key's URI.
+        uri: String,
+        /// What went wrong.
+        cause: String,
+    },
     /// A certificate file is unreadable or malformed.
     #[error(transparent)]
     CertFile(#[from] FileError),

@@ -76,7 +76,7 @@ pub enum ProfileError {
     #[error("the CA key is busy: {0}")]
     KeyBusy(String),
     /// The external key (an HSM) could not sign: unreachable, token gone.
-    #[error("the CA key could not sign: {0}")]
+    #[error("{0}")]
     KeyUnavailable(String),
 }
 

@@ -270,7 +270,7 @@ fn find_slot(ctx: &Pkcs11, uri: &Pkcs11Uri) -> Result<Slot, Pkcs11Error> {
         reason: rv(&e),
     };
     let slots = ctx
-        .get_slots_with_token()
+        .get_slots_with_initialized_token()
         .map_err(|e| token_err("listing the slots", e))?;
     let mut present = Vec::new();
     for slot in slots {

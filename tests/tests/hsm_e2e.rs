@@ -1,0 +1,571 @@
+//! The CA key in an HSM, end to end: a real SoftHSM2 token initialised in
+//! a temporary directory, keys made in it by `meshca-certs --pkcs11`, and
+//! `meshca serve --ca-key-pkcs11` in both modes, chains checked with
+//! openssl. Without SoftHSM2 (Debian's `softhsm2`) or openssl the tests
+//! say so and skip; with `CI` set they fail (`.ci/run` installs both).
+
+// Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use meshca_certs::bundle::parse_certs_pem;
+use meshca_certs::keys::{KeyAlgorithm, PrivateKey};
+use meshca_certs::profile::{self_signed_root, SigningCa, SubjectKey, SubjectName, Validity};
+use meshca_certs::SpiffeId;
+use meshca_tests::*;
+use time::OffsetDateTime;
+use tonic::Code;
+use x509_parser::extensions::{GeneralName, ParsedExtension};
+use x509_parser::prelude::{FromDer, X509Certificate};
+
+const WEB: &str = "spiffe://cluster.local/ns/default/sa/web";
+const PIN: &str = "4711";
+
+/// Where Debian (and the softhsm2 package elsewhere) installs the module.
+const MODULE_PATHS: [&str; 3] = [
+    "/usr/lib/softhsm/libsofthsm2.so",
+    "/usr/lib/x86_64-linux-gnu/softhsm/libsofthsm2.so",
+    "/usr/local/lib/softhsm/libsofthsm2.so",
+];
+
+/// A SoftHSM2 token of its own, in a temporary directory.
+struct SoftHsm {
+    dir: tempfile::TempDir,
+    conf: PathBuf,
+    module: PathBuf,
+}
+
+impl SoftHsm {
+    /// A fresh token labelled `meshca` with user PIN [`PIN`], or None
+    /// (and a line saying why) when SoftHSM2 is not installed.
+    fn new() -> Option<Self> {
+        let module = MODULE_PATHS.iter().map(PathBuf::from).find(|p| p.is_file());
+        if !tool_available("softhsm2-util", &["--version"]) || module.is_none() {
+            if std::env::var_os("CI").is_some() {
+                panic!("the SoftHSM2 module is needed by this test and is not installed (CI is set; `.ci/run` installs softhsm2)");
+            }
+            eprintln!("SKIPPED: SoftHSM2 (softhsm2-util and libsofthsm2.so) is not installed");
+            return None;
+        }
+        if !have_openssl() {
+            eprintln!("SKIPPED: openssl is not installed");
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let tokens = dir.path().join("tokens");
+        std::fs::create_dir(&tokens).unwrap();
+        let conf = dir.path().join("softhsm2.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "directories.tokendir = {}\nobjectstore.backend = file\nlog.level = ERROR\n",
+                tokens.display()
+            ),
+        )
+        .unwrap();
+        std::fs::write(dir.path().join("pin"), format!("{PIN}\n")).unwrap();
+        std::fs::write(dir.path().join("wrong-pin"), "999999\n").unwrap();
+        let hsm = Self {
+            dir,
+            conf,
+            module: module.unwrap(),
+        };
+        run_ok(hsm.command("softhsm2-util").args([
+            "--init-token",
+            "--free",
+            "--label",
+            "meshca",
+            "--pin",
+            PIN,
+            "--so-pin",
+            "123456",
+        ]));
+        Some(hsm)
+    }
+
+    /// A command with `SOFTHSM2_CONF` pointing at this token.
+    fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut command = Command::new(program);
+        command.env("SOFTHSM2_CONF", &self.conf);
+        command
+    }
+
+    /// The URI of the key labelled `object`, PIN from the `pin` file.
+    fn uri(&self, object: &str) -> String {
+        self.uri_with_pin_file(object, "pin")
+    }
+
+    fn uri_with_pin_file(&self, object: &str, pin_file: &str) -> String {
+        format!(
+            "pkcs11:token=meshca;object={object}?module-path={}&pin-source=file:{}",
+            self.module.display(),
+            self.dir.path().join(pin_file).display()
+        )
+    }
+
+    fn env(&self) -> [(&str, &str); 1] {
+        [("SOFTHSM2_CONF", self.conf.to_str().unwrap())]
+    }
+
+    /// `meshca-certs ARGS` against this token; its stdout.
+    fn certs(&self, args: &[&str]) -> String {
+        run_ok(self.command(&binaries().meshca_certs).args(args))
+    }
+
+    /// Takes the token away (its directory moved aside), as a removed
+    /// token or an unplugged HSM.
+    fn remove_token(&self) {
+        std::fs::rename(
+            self.dir.path().join("tokens"),
+            self.dir.path().join("tokens.gone"),
+        )
+        .unwrap();
+    }
+}
+
+fn pem_block(tag: &str, der: &[u8]) -> String {
+    pem::encode(&pem::Pem::new(tag, der.to_vec()))
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().unwrap()
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn ders(chain: &[String]) -> Vec<Vec<u8>> {
+    chain
+        .iter()
+        .flat_map(|pem| parse_certs_pem(pem).unwrap())
+        .collect()
+}
+
+/// `openssl verify` of `leaf` with `untrusted` intermediates to `roots`:
+/// its output, and whether it verified.
+fn openssl_verify(dir: &Path, roots: &[u8], untrusted: &[&[u8]], leaf: &[u8]) -> (bool, String) {
+    let write = |name: &str, certs: &[&[u8]]| {
+        let p = dir.join(name);
+        let pem: String = certs
+            .iter()
+            .map(|der| pem_block("CERTIFICATE", der))
+            .collect();
+        std::fs::write(&p, pem).unwrap();
+        p
+    };
+    let roots = write("v-roots.pem", &[roots]);
+    let leaf = write("v-leaf.pem", &[leaf]);
+    let mut command = Command::new("openssl");
+    command
+        .arg("verify")
+        .arg("-x509_strict")
+        .arg("-CAfile")
+        .arg(&roots);
+    if !untrusted.is_empty() {
+        command
+            .arg("-untrusted")
+            .arg(write("v-untrusted.pem", untrusted));
+    }
+    let out = command.arg(&leaf).output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+/// The hosts a CA certificate's nameConstraints permit for URIs, and
+/// whether the extension is critical (None: no such extension).
+fn permitted_uri_hosts(cert: &X509Certificate<'_>) -> Option<(bool, Vec<String>)> {
+    cert.extensions()
+        .iter()
+        .find_map(|ext| match ext.parsed_extension() {
+            ParsedExtension::NameConstraints(nc) => {
+                let hosts = nc
+                    .permitted_subtrees
+                    .iter()
+                    .flatten()
+                    .filter_map(|s| match &s.base {
+                        GeneralName::URI(host) => Some(host.to_string()),
+                        _ => None,
+                    })
+                    .collect();
+                Some((ext.critical, hosts))
+            }
+            _ => None,
+        })
+}
+
+fn start(hsm: &SoftHsm, data: &Path, args: &[&str]) -> MeshcaServer {
+    MeshcaServer::start_with_env(data, args, &hsm.env())
+        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"))
+}
+
+#[tokio::test]
+async fn intermediate_mode_signs_leaves_under_a_name_constrained_intermediate_the_hsm_key_signed() {
+    let Some(hsm) = SoftHsm::new() else { return };
+    let work = tmp();
+    let root = work.path().join("root");
+    let uri = hsm.uri("root");
+    let made = hsm.certs(&["root-ca", "--out", path(&root), "--pkcs11", &uri]);
+    assert!(made.contains("the key is in the token"), "{made}");
+    // Only the certificate is written.
+    let files: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(files, ["root-cert.pem"]);
+    // The key never leaves the token: CKA_EXTRACTABLE false, sensitive.
+    let shown = hsm.certs(&[
+        "inspect",
+        path(&root.join("root-cert.pem")),
+        "--pkcs11",
+        &uri,
+    ]);
+    assert!(shown.contains(&format!("key in HSM:   {uri}")), "{shown}");
+    assert!(
+        shown.contains("sensitive, not extractable, always sensitive, never extractable"),
+        "{shown}"
+    );
+
+    let server = start(
+        &hsm,
+        &work.path().join("data"),
+        &["--ca-dir", path(&root), "--ca-key-pkcs11", &uri],
+    );
+    let root_der = std::fs::read_to_string(root.join("root-cert.pem")).unwrap();
+    let root_der = parse_certs_pem(&root_der).unwrap().remove(0);
+    let token = server.token("default", "web");
+    let mut intermediates = vec![];
+    for _ in 0..2 {
+        let chain = ask(&server, &token, WEB).await.unwrap();
+        // [leaf, the in-memory intermediate, the root].
+        assert_eq!(chain.len(), 3, "{chain:?}");
+        let certs = ders(&chain);
+        assert_eq!(certs[2], root_der);
+        let (_, int) = X509Certificate::from_der(&certs[1]).unwrap();
+        let (_, root_cert) = X509Certificate::from_der(&root_der).unwrap();
+        assert_eq!(int.issuer().as_raw(), root_cert.subject().as_raw());
+        let bc = int.basic_constraints().unwrap().unwrap().value;
+        assert!(bc.ca && bc.path_len_constraint == Some(0), "{bc:?}");
+        assert_eq!(
+            permitted_uri_hosts(&int),
+            Some((true, vec!["cluster.local".to_string()])),
+            "a critical URI name constraint for the trust domain"
+        );
+        let lifetime = int.validity().not_after.timestamp() - int.validity().not_before.timestamp();
+        assert_eq!(lifetime, 24 * 3600 + 120, "24 h plus the 2 min backdate");
+        let (ok, out) = openssl_verify(work.path(), &root_der, &[&certs[1]], &certs[0]);
+        assert!(ok, "openssl verify: {out}");
+        intermediates.push(certs[1].clone());
+    }
+    // Leaves are signed in memory: one intermediate for both.
+    assert_eq!(intermediates[0], intermediates[1]);
+    let (code, ready) = http_get(server.monitoring, "/ready").unwrap();
+    assert_eq!((code, ready.trim()), (200, "ready"));
+}
+
+/// The name constraint as openssl enforces it: an intermediate made by
+/// the same code ([`SigningCa::issue_constrained_ca`]) cannot make a leaf
+/// of another trust domain that verifies.
+#[test]
+fn openssl_refuses_a_leaf_outside_the_constrained_trust_domain() {
+    if !have_openssl() {
+        eprintln!("SKIPPED: openssl is not installed");
+        return;
+    }
+    let work = tmp();
+    let now = OffsetDateTime::now_utc();
+    let root_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    let name = |cn: &str| SubjectName {
+        common_name: Some(cn.into()),
+        ..Default::default()
+    };
+    let validity = Validity::backdated(now, time::Duration::hours(1));
+    let root = self_signed_root(&root_key, &name("root"), validity).unwrap();
+    let root_ca = SigningCa::new(root.der.clone(), root_key).unwrap();
+    let int_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    let int = root_ca
+        .issue_constrained_ca(
+            &SubjectKey::of(&int_key).unwrap(),
+            &name("int"),
+            Some(0),
+            &["cluster.local"],
+            validity,
+        )
+        .unwrap();
+    let int_ca = SigningCa::new(int.der.clone(), int_key).unwrap();
+    let leaf_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    let leaf_of = |id: &str| {
+        int_ca
+            .issue_workload(
+                &SubjectKey::of(&leaf_key).unwrap(),
+                &SpiffeId::parse(id).unwrap(),
+                validity,
+            )
+            .unwrap()
+            .der
+    };
+    let (ok, out) = openssl_verify(work.path(), &root.der, &[&int.der], &leaf_of(WEB));
+    assert!(ok, "inside the trust domain: {out}");
+    let (ok, out) = openssl_verify(
+        work.path(),
+        &root.der,
+        &[&int.der],
+        &leaf_of("spiffe://evil.example/ns/default/sa/web"),
+    );
+    assert!(!ok, "another trust domain verified: {out}");
+    assert!(out.contains("permitted subtree violation"), "{out}");
+}
+
+#[tokio::test]
+async fn direct_mode_signs_every_leaf_with_the_hsm_key_and_refuses_beyond_its_queue() {
+    let Some(hsm) = SoftHsm::new() else { return };
+    let work = tmp();
+    let root = work.path().join("root");
+    let root_uri = hsm.uri("root");
+    hsm.certs(&["root-ca", "--out", path(&root), "--pkcs11", &root_uri]);
+    // The plugged-in intermediate's key in the token too (RSA), signed by
+    // the root's key in the token; only certificates are written.
+    let east_uri = hsm.uri("east");
+    hsm.certs(&[
+        "intermediate-ca",
+        "--root",
+        path(&root),
+        "--root-pkcs11",
+        &root_uri,
+        "--cluster",
+        "east",
+        "--out",
+        path(work.path()),
+        "--key",
+        "rsa-4096",
+        "--pkcs11",
+        &east_uri,
+    ]);
+    let east = work.path().join("east");
+    assert!(!east.join("ca-key.pem").exists());
+    let shown = hsm.certs(&[
+        "inspect",
+        path(&east.join("ca-cert.pem")),
+        "--pkcs11",
+        &east_uri,
+    ]);
+    assert!(shown.contains("not extractable"), "{shown}");
+
+    let server = start(
+        &hsm,
+        &work.path().join("data"),
+        &[
+            "--ca-dir",
+            path(&east),
+            "--ca-key-pkcs11",
+            &east_uri,
+            "--hsm-mode",
+            "direct",
+            "--hsm-sessions",
+            "1",
+            "--hsm-queue",
+            "0",
+        ],
+    );
+    let token = server.token("default", "web");
+    let chain = ask(&server, &token, WEB).await.unwrap();
+    // [leaf, east's certificate, the root]: no intermediate in memory.
+    assert_eq!(chain.len(), 3);
+    let certs = ders(&chain);
+    let east_der = parse_certs_pem(&std::fs::read_to_string(east.join("ca-cert.pem")).unwrap())
+        .unwrap()
+        .remove(0);
+    assert_eq!(certs[1], east_der);
+    let (ok, out) = openssl_verify(work.path(), &certs[2], &[&certs[1]], &certs[0]);
+    assert!(ok, "openssl verify: {out}");
+
+    // One session, no queue: requests at once beyond it are refused
+    // RESOURCE_EXHAUSTED, the rest issued.
+    let mut asks = tokio::task::JoinSet::new();
+    for _ in 0..24 {
+        let (grpc, token) = (server.client().await, token.clone());
+        asks.spawn(async move {
+            let mut client = grpc;
+            let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
+            client
+                .create_certificate(with_token(request, &token))
+                .await
+                .map(|_| ())
+        });
+    }
+    let (mut issued, mut refused) = (0, 0);
+    while let Some(result) = asks.join_next().await {
+        match result.unwrap() {
+            Ok(()) => issued += 1,
+            Err(status) if status.code() == Code::ResourceExhausted => {
+                assert!(status.message().contains("HSM"), "{status:?}");
+                refused += 1;
+            }
+            Err(status) => panic!("unexpected {status:?}"),
+        }
+    }
+    assert!(
+        issued >= 1 && refused >= 1,
+        "issued {issued}, refused {refused}"
+    );
+}
+
+#[tokio::test]
+async fn a_wrong_pin_a_missing_key_or_a_key_file_beside_are_refused_at_start_naming_the_uri() {
+    let Some(hsm) = SoftHsm::new() else { return };
+    let work = tmp();
+    let root = work.path().join("root");
+    hsm.certs(&[
+        "root-ca",
+        "--out",
+        path(&root),
+        "--pkcs11",
+        &hsm.uri("root"),
+    ]);
+    let refused = |uri: &str, expected: &str| {
+        let data = work.path().join("data");
+        match MeshcaServer::start_with_env(
+            &data,
+            &["--ca-dir", path(&root), "--ca-key-pkcs11", uri],
+            &hsm.env(),
+        ) {
+            Ok(server) => panic!("meshca started with {uri}:\n{}", server.log()),
+            Err(f) => {
+                assert!(f.status.is_some_and(|s| !s.success()), "{f:?}");
+                assert!(f.stderr.contains(uri), "names the URI: {}", f.stderr);
+                assert!(f.stderr.contains(expected), "{}", f.stderr);
+                assert!(
+                    !f.stderr.contains("999999") && !f.stderr.contains(PIN),
+                    "no PIN: {}",
+                    f.stderr
+                );
+            }
+        }
+    };
+    refused(
+        &hsm.uri_with_pin_file("root", "wrong-pin"),
+        "the PIN is wrong (CKR_PIN_INCORRECT)",
+    );
+    refused(
+        &hsm.uri("nope"),
+        "the token holds no private key with object \"nope\"",
+    );
+    refused(
+        &hsm.uri_with_pin_file("root", "no-such-pin-file"),
+        "reading the PIN from",
+    );
+    let uri = hsm.uri("root");
+    let no_token = uri.replace("token=meshca", "token=other");
+    refused(&no_token, "no token matches (tokens present: \"meshca\")");
+    // The PIN in the URI is refused without being repeated.
+    let data = work.path().join("data");
+    let with_pin = format!("{uri}&pin-value={PIN}");
+    let f = MeshcaServer::start_with_env(
+        &data,
+        &["--ca-dir", path(&root), "--ca-key-pkcs11", &with_pin],
+        &hsm.env(),
+    )
+    .unwrap_err();
+    assert!(f.stderr.contains("pin-value=<hidden>"), "{}", f.stderr);
+    assert!(
+        !f.stderr.contains(&format!("pin-value={PIN}")),
+        "{}",
+        f.stderr
+    );
+    // A copy of a key next to the certificates defeats the HSM.
+    std::fs::write(root.join("root-key.pem"), "not used").unwrap();
+    refused(&uri, "must hold certificates only");
+}
+
+#[tokio::test]
+async fn with_the_token_gone_the_current_intermediate_signs_on_with_a_warning_until_the_margin() {
+    let Some(hsm) = SoftHsm::new() else { return };
+    let work = tmp();
+    let root = work.path().join("root");
+    let uri = hsm.uri("root");
+    hsm.certs(&["root-ca", "--out", path(&root), "--pkcs11", &uri]);
+    // An intermediate of 16 s, renewed at 8 s; signing stops 2 s before
+    // it ends.
+    let server = start(
+        &hsm,
+        &work.path().join("data"),
+        &[
+            "--ca-dir",
+            path(&root),
+            "--ca-key-pkcs11",
+            &uri,
+            "--hsm-intermediate-ttl",
+            "16s",
+            "--ca-expiry-margin",
+            "2s",
+            "--ca-dir-check-interval",
+            "200ms",
+        ],
+    );
+    let token = server.token("default", "web");
+    let first = ders(&ask(&server, &token, WEB).await.unwrap())[1].clone();
+    // Renewed at half its lifetime while the token is there.
+    let renewed_by = Instant::now() + Duration::from_secs(12);
+    let second = loop {
+        let int = ders(&ask(&server, &token, WEB).await.unwrap())[1].clone();
+        if int != first {
+            break int;
+        }
+        assert!(
+            Instant::now() < renewed_by,
+            "no new intermediate:\n{}",
+            server.log()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let (_, second_cert) = X509Certificate::from_der(&second).unwrap();
+    let second_end = second_cert.validity().not_after.timestamp();
+
+    hsm.remove_token();
+    // Past the renewal time the current intermediate still signs, /ready
+    // is 200 with a warning, and the metric says the HSM is unavailable.
+    let mut warned = false;
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let now = OffsetDateTime::now_utc().unix_timestamp();
+        let (code, ready) = http_get(server.monitoring, "/ready").unwrap();
+        let result = ask(&server, &token, WEB).await;
+        if now < second_end - 3 {
+            let chain = result.unwrap_or_else(|s| panic!("refused before the margin: {s:?}"));
+            assert_eq!(ders(&chain)[1], second, "the current intermediate signs on");
+            assert_eq!(code, 200, "{ready}");
+            if ready.contains("the HSM key cannot sign a new intermediate") {
+                let (_, metrics) = http_get(server.monitoring, "/metrics").unwrap();
+                assert_eq!(metric(&metrics, "meshca_hsm_unavailable"), 1);
+                assert!(metric(&metrics, "meshca_hsm_intermediate_renewal_failed_count") >= 1);
+                warned = true;
+            }
+        } else if now >= second_end - 2 {
+            // Within the margin: UNAVAILABLE, and /ready says so.
+            let status = result.unwrap_err();
+            assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+            assert_eq!(code, 503, "{ready}");
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "never within the margin:\n{}",
+            server.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(warned, "/ready never warned:\n{}", server.log());
+    let log = server.log();
+    assert!(
+        log.contains("the HSM could not sign a new intermediate"),
+        "{log}"
+    );
+    assert!(!log.contains(PIN), "no PIN in the log");
+}
