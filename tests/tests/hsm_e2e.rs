@@ -236,7 +236,14 @@ async fn intermediate_mode_signs_leaves_under_a_name_constrained_intermediate_th
     let server = start(
         &hsm,
         &work.path().join("data"),
-        &["--ca-dir", path(&root), "--ca-key-pkcs11", &uri],
+        &[
+            "--ca-dir",
+            path(&root),
+            "--ca-key-pkcs11",
+            &uri,
+            "--hsm-name-constraint",
+            "true",
+        ],
     );
     let root_der = std::fs::read_to_string(root.join("root-cert.pem")).unwrap();
     let root_der = parse_certs_pem(&root_der).unwrap().remove(0);
@@ -266,6 +273,31 @@ async fn intermediate_mode_signs_leaves_under_a_name_constrained_intermediate_th
     }
     // Leaves are signed in memory: one intermediate for both.
     assert_eq!(intermediates[0], intermediates[1]);
+    let (code, ready) = http_get(server.monitoring, "/ready").unwrap();
+    assert_eq!((code, ready.trim()), (200, "ready"));
+    drop(server);
+
+    // By default no name constraint: the chain verifies with meshca's own
+    // verifier (webpki, as the agent and ztunnel check answers) too.
+    let server = start(
+        &hsm,
+        &work.path().join("data2"),
+        &["--ca-dir", path(&root), "--ca-key-pkcs11", &uri],
+    );
+    let chain = ders(
+        &ask(&server, &server.token("default", "web"), WEB)
+            .await
+            .unwrap(),
+    );
+    let (_, int) = X509Certificate::from_der(&chain[1]).unwrap();
+    assert_eq!(permitted_uri_hosts(&int), None);
+    meshca_certs::verify::verify_svid(
+        &chain[..2],
+        &meshca_certs::TrustBundle::new(vec![root_der.clone()]),
+        std::time::SystemTime::now(),
+        Some(&SpiffeId::parse(WEB).unwrap()),
+    )
+    .unwrap();
     let (code, ready) = http_get(server.monitoring, "/ready").unwrap();
     assert_eq!((code, ready.trim()), (200, "ready"));
 }
@@ -313,6 +345,22 @@ fn openssl_refuses_a_leaf_outside_the_constrained_trust_domain() {
     };
     let (ok, out) = openssl_verify(work.path(), &root.der, &[&int.der], &leaf_of(WEB));
     assert!(ok, "inside the trust domain: {out}");
+    // webpki (rustls: ztunnel, meshca's own agent) fails closed on URI
+    // name constraints: why --hsm-name-constraint is off by default. If
+    // this starts to pass, the default can change.
+    let webpki = meshca_certs::verify::verify_svid(
+        &[leaf_of(WEB), int.der.clone()],
+        &meshca_certs::TrustBundle::new(vec![root.der.clone()]),
+        std::time::SystemTime::now(),
+        None,
+    );
+    assert!(
+        webpki
+            .as_ref()
+            .is_err_and(|e| e.to_string().contains("NameConstraintViolation")),
+        "{:?}",
+        webpki.map(|_| ())
+    );
     let (ok, out) = openssl_verify(
         work.path(),
         &root.der,
