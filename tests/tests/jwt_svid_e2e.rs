@@ -570,3 +570,104 @@ async fn keys_rotate_while_validators_check_continuously_with_zero_failures() {
     assert!(failures.is_empty(), "{failures:#?}");
     assert!(checks > 50, "{checks}");
 }
+
+/// Server CPU time of `pid` (user + system), from `/proc/PID/stat`.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after_name = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = after_name.split_whitespace().collect();
+    // utime and stime: fields 14 and 15 of stat, 12 and 13 after the name.
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    ticks / 100.0
+}
+
+/// The measurement of BENCHMARKS.md's JWT-SVID rows (run with
+/// `--ignored --nocapture`): JWT-SVIDs minted per server CPU-second
+/// against the crypto limit of one ES256 signature plus one ES256 token
+/// verification, measured in the same run, and the agent's cached
+/// `FetchJWTSVID` latency.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement: cargo test --test jwt_svid_e2e -- --ignored --nocapture"]
+async fn measure_mint_rate_against_the_crypto_limit_and_the_cached_fetch_latency() {
+    use ring::signature::{EcdsaKeyPair, KeyPair as _, ECDSA_P256_SHA256_FIXED_SIGNING};
+    let dir = tempfile::tempdir().unwrap();
+    // Every request's token checked (no reuse of a verified token), as
+    // the crypto limit below counts one verification per request.
+    let server = MeshcaServer::start(
+        &dir.path().join("data"),
+        &["--issuance-burst", "0", "--jwt-cache-ttl", "0"],
+    )
+    .unwrap();
+    let token = server.token("default", "web");
+    let channel = server.channel().await;
+    // Warm up the connection.
+    JwtSvidServiceClient::new(channel.clone())
+        .mint_jwt_svid(with_token(mint_request(&["vault"], 0, ""), &token))
+        .await
+        .unwrap();
+    let cpu_before = cpu_seconds(server.pid());
+    let started = Instant::now();
+    let run = Duration::from_secs(5);
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let mut client = JwtSvidServiceClient::new(channel.clone());
+        let token = token.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut minted = 0u64;
+            while started.elapsed() < run {
+                client
+                    .mint_jwt_svid(with_token(mint_request(&["vault"], 0, ""), &token))
+                    .await
+                    .unwrap();
+                minted += 1;
+            }
+            minted
+        }));
+    }
+    let mut minted = 0;
+    for task in tasks {
+        minted += task.await.unwrap();
+    }
+    let wall = started.elapsed().as_secs_f64();
+    let cpu = cpu_seconds(server.pid()) - cpu_before;
+
+    // The crypto limit, measured now: one ES256 signature and one verification.
+    let rng = ring::rand::SystemRandom::new();
+    let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng).unwrap();
+    let key =
+        EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref(), &rng).unwrap();
+    let public = ring::signature::UnparsedPublicKey::new(
+        &ring::signature::ECDSA_P256_SHA256_FIXED,
+        key.public_key().as_ref().to_vec(),
+    );
+    let message = [7u8; 300];
+    let n = 4000;
+    let t = Instant::now();
+    for _ in 0..n {
+        let signature = key.sign(&rng, &message).unwrap();
+        public.verify(&message, signature.as_ref()).unwrap();
+    }
+    let per_op = t.elapsed().as_secs_f64() / n as f64;
+    let limit = 1.0 / per_op;
+    let rate = minted as f64 / cpu;
+    eprintln!(
+        "minted {minted} JWT-SVIDs in {wall:.1} s wall, {cpu:.2} s server CPU: {rate:.0}/CPU-s; crypto limit (ES256 sign + verify) {limit:.0}/s; ratio {:.2}",
+        rate / limit
+    );
+
+    let (mut agent, socket) = start_agent(&server, dir.path());
+    agent.wait_for_socket(&socket).await;
+    let mut api = SpiffeWorkloadApiClient::new(unix_channel(&socket).await);
+    api.fetch_jwtsvid(fetch("vault")).await.unwrap();
+    let mut latencies = Vec::new();
+    for _ in 0..5000 {
+        let t = Instant::now();
+        api.fetch_jwtsvid(fetch("vault")).await.unwrap();
+        latencies.push(t.elapsed());
+    }
+    latencies.sort();
+    eprintln!(
+        "cached FetchJWTSVID: p50 {:?} p99 {:?} max {:?} (5000 calls, one connection)",
+        latencies[2500], latencies[4950], latencies[4999]
+    );
+}
