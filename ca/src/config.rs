@@ -514,12 +514,12 @@ pub struct Config {
     pub(crate) ca_dir_check_interval: Duration,
     /// The CA key in an HSM (--ca-key-pkcs11), if it is.
     pub(crate) hsm: Option<crate::hsm::HsmConfig>,
-    /// In-cluster state: Secret, ConfigMaps, Lease, root rotation.
-    pub(crate) cluster: ClusterConfig,
     /// A new CRL at least this often (nextUpdate: twice this).
     pub(crate) crl_refresh: Duration,
     /// Unexpired certificates remembered for the CRL.
     pub(crate) issued_record_size: usize,
+    /// In-cluster state: Secret, ConfigMaps, Lease, root rotation.
+    pub(crate) cluster: ClusterConfig,
     /// Whether renewal by client certificate is allowed.
     pub(crate) allow_cert_renewal: bool,
     /// The per-identity issuance rate limit.
@@ -735,10 +735,10 @@ impl TryFrom<ServeArgs> for Config {
             ca_expiry_margin: args.ca_expiry_margin,
             ca_dir_check_interval: args.ca_dir_check_interval.max(Duration::from_millis(100)),
             hsm,
-            cluster: ClusterConfig {
-                namespace: args.namespace.filter(|n| !n.trim().is_empty()),
             crl_refresh: args.crl_refresh.max(Duration::from_secs(1)),
             issued_record_size: args.issued_record_size,
+            cluster: ClusterConfig {
+                namespace: args.namespace.filter(|n| !n.trim().is_empty()),
                 root_ttl: args.self_signed_root_ttl,
                 rotation_at: args.root_rotation_at,
                 rotation_grace: args.root_rotation_grace.unwrap_or_else(|| {

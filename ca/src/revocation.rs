@@ -87,6 +87,8 @@ pub(crate) struct RevocationMetrics {
     pub(crate) issued_record: Gauge,
     /// Unexpired certificates dropped from a full issued record.
     pub(crate) issued_record_dropped: crate::metrics::IstioCounter,
+    /// `istio-ca-crl` ConfigMaps created or updated.
+    pub(crate) crl_configmap_writes: crate::metrics::IstioCounter,
 }
 
 impl RevocationMetrics {
@@ -121,6 +123,11 @@ impl RevocationMetrics {
             "meshca_issued_record_certificates",
             "Unexpired certificates in the issued record",
             self.issued_record.clone(),
+        );
+        registry.register(
+            "meshca_crl_configmap_writes_count",
+            "istio-ca-crl ConfigMaps created or updated (leader)",
+            self.crl_configmap_writes.clone(),
         );
         registry.register(
             "meshca_issued_record_dropped_count",

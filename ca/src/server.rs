@@ -437,11 +437,17 @@ fn write_bundle_file(dir: &std::path::Path, authority: &Authority) {
 /// election, and under leadership the bundle ConfigMaps and (root in the
 /// Secret) the root rotation; every replica follows the Secret. Returns
 /// the elector's task, which releases the Lease once `draining` turns true.
+// One argument per start-up product it uses, as the other steps take them.
+#[allow(clippy::too_many_arguments)]
 fn start_cluster_tasks(
     config: &Config,
     cluster: Option<&ClusterAccess>,
     root_in_secret: bool,
     authority: &Arc<Authority>,
+    (revocations, crl): (
+        &Arc<crate::revocation::Revocations>,
+        tokio::sync::watch::Receiver<Option<Arc<String>>>,
+    ),
     metrics: &Metrics,
     draining: tokio::sync::watch::Receiver<bool>,
     background: &mut tokio::task::JoinSet<()>,
@@ -512,17 +518,28 @@ fn start_cluster_tasks(
                     signer_name,
                     trust_domain: trust_domain.clone(),
                     max_ttl: config.ttl.max,
+                    revocations: Some(revocations.clone()),
                 },
             ),
         ));
     }
     background.spawn(leader::while_leader(leader_rx, move || {
-        let publish = bundle_publisher::publish_bundles(
+        let bundles = bundle_publisher::publish_bundles(
             client.clone(),
             authority.clone(),
             excluded.clone(),
             metrics.clone(),
         );
+        let crls = bundle_publisher::publish_everywhere(
+            client.clone(),
+            bundle_publisher::Published::CRL,
+            crl.clone(),
+            excluded.clone(),
+            metrics.revocation.crl_configmap_writes.clone(),
+        );
+        let publish = async move {
+            futures::join!(bundles, crls);
+        };
         let rotate = cluster::rotate_root(
             client.clone(),
             namespace.clone(),
@@ -553,7 +570,10 @@ fn start_revocations(
     authority: &Arc<Authority>,
     metrics: &Metrics,
     background: &mut tokio::task::JoinSet<()>,
-) -> Arc<crate::revocation::Revocations> {
+) -> (
+    Arc<crate::revocation::Revocations>,
+    tokio::sync::watch::Receiver<Option<Arc<String>>>,
+) {
     use crate::revocation;
     let revocations = Arc::new(revocation::Revocations::new(
         config.issued_record_size,
@@ -572,7 +592,7 @@ fn start_revocations(
             revocations.clone(),
         ));
     }
-    let (crl_tx, _crl_rx) = tokio::sync::watch::channel(None);
+    let (crl_tx, crl_rx) = tokio::sync::watch::channel(None);
     background.spawn(revocation::maintain_crl(
         config.data_dir.clone(),
         authority.clone(),
@@ -580,7 +600,7 @@ fn start_revocations(
         config.crl_refresh,
         crl_tx,
     ));
-    revocations
+    (revocations, crl_rx)
 }
 
 /// The Kubernetes API, when there is one: the client and the namespace
@@ -1123,11 +1143,19 @@ pub async fn run(
     let authz = build_authorizer(&config, kube, &mut background)?;
     let (draining_tx, draining) = tokio::sync::watch::channel(false);
     follow_ca_material(&config, &authority, &metrics, &mut background);
+    let (revocations, crl) = start_revocations(
+        &config,
+        cluster.as_ref(),
+        &authority,
+        &metrics,
+        &mut background,
+    );
     let elector = start_cluster_tasks(
         &config,
         cluster.as_ref(),
         root_in_secret,
         &authority,
+        (&revocations, crl),
         &metrics,
         draining.clone(),
         &mut background,
@@ -1142,13 +1170,6 @@ pub async fn run(
     start_oidc(&config, jwt.as_ref(), stop_rx.clone()).await?;
     let acceptor = start_server_identity(&config, &authority, stop_rx.clone(), &mut background)?;
     let listeners = bind_grpc(&config, monitoring_addr).await?;
-    let revocations = start_revocations(
-        &config,
-        cluster.as_ref(),
-        &authority,
-        &metrics,
-        &mut background,
-    );
     let service = build_service(&config, &authority, authn, authz, &metrics, serving).await;
     let service = Service {
         ca: service.ca.with_revocations(revocations),

@@ -58,6 +58,7 @@ pub(crate) enum AuthzError {
 pub(crate) trait ImpersonationPolicy: Send + Sync {
     /// `Ok(())` if `caller` may get a certificate for `target`.
     async fn may_impersonate(&self, caller: &Caller, target: &SpiffeId) -> Result<(), AuthzError>;
+
     /// The node the caller's pod runs on, when the policy knows it (for
     /// revocation by node).
     fn node_of(&self, _caller: &Caller) -> Option<String> {

@@ -6,7 +6,9 @@
 //! once, a ConfigMap edited or deleted by hand is set back at once, and a
 //! new bundle (root rotation, `--ca-dir` reload) is written everywhere.
 //! Only the leader runs this; every write is checked against the
-//! resourceVersion it read.
+//! resourceVersion it read. The CRL's ConfigMap `istio-ca-crl` (key
+//! `ca-crl.pem`, Istio's names) goes the same places by the same code
+//! ([`publish_everywhere`] with [`Published::CRL`]).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -18,6 +20,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PostParams};
 use kube::runtime::watcher::{self, Event};
 use meshca_kube::WatchRetry;
+use tokio::sync::watch;
 
 use crate::authority::Authority;
 use crate::metrics::Metrics;
@@ -42,19 +45,75 @@ pub(crate) async fn publish_bundles(
     excluded: Vec<String>,
     metrics: Metrics,
 ) {
+    let (tx, rx) = watch::channel(Some(Arc::new(authority.bundle().to_pem())));
+    let follow = async {
+        let mut generation = authority.subscribe();
+        while generation.changed().await.is_ok() {
+            tx.send_replace(Some(Arc::new(authority.bundle().to_pem())));
+        }
+    };
+    let publish = publish_everywhere(
+        client,
+        Published::BUNDLE,
+        rx,
+        excluded,
+        metrics.bundle_configmap_writes.clone(),
+    );
+    futures::pin_mut!(follow);
+    futures::pin_mut!(publish);
+    futures::future::select(follow, publish).await;
+}
+
+/// A ConfigMap published in every namespace: its name, its one key, the
+/// label Istio looks for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Published {
+    /// The ConfigMap's name.
+    pub(crate) name: &'static str,
+    /// Its data key.
+    pub(crate) key: &'static str,
+}
+
+impl Published {
+    /// The trust bundle (`istio-ca-root-cert`).
+    pub(crate) const BUNDLE: Self = Self {
+        name: CONFIGMAP_NAME,
+        key: CONFIGMAP_KEY,
+    };
+    /// The CRL (`istio-ca-crl`, key `ca-crl.pem`: Istio's names).
+    pub(crate) const CRL: Self = Self {
+        name: meshca_certs::crl::CRL_CONFIGMAP_NAME,
+        key: meshca_certs::crl::CRL_CONFIGMAP_KEY,
+    };
+}
+
+/// Keeps the ConfigMap `what` equal to the latest value of `value` in every
+/// namespace not in `excluded`, until dropped or `value`'s sender is gone
+/// (nothing is written while the value is `None`). `writes` counts the
+/// creates and updates.
+pub(crate) async fn publish_everywhere(
+    client: kube::Client,
+    what: Published,
+    mut value: watch::Receiver<Option<Arc<String>>>,
+    excluded: Vec<String>,
+    writes: crate::metrics::IstioCounter,
+) {
     let excluded: BTreeSet<String> = excluded.into_iter().collect();
     let namespaces_api: Api<Namespace> = Api::all(client.clone());
     let configmaps_all: Api<ConfigMap> = Api::all(client.clone());
     let namespace_events = watcher::watcher(namespaces_api, watcher::Config::default());
     let configmap_events = watcher::watcher(
         configmaps_all,
-        watcher::Config::default().fields(&format!("metadata.name={CONFIGMAP_NAME}")),
+        watcher::Config::default().fields(&format!("metadata.name={}", what.name)),
     );
     let mut namespaces_retry = WatchRetry::new("namespaces");
-    let mut configmaps_retry = WatchRetry::new("bundle configmaps");
+    let mut configmaps_retry = WatchRetry::new(if what.name == CONFIGMAP_NAME {
+        "bundle configmaps"
+    } else {
+        "crl configmaps"
+    });
     futures::pin_mut!(namespace_events);
     futures::pin_mut!(configmap_events);
-    let mut generation = authority.subscribe();
     let mut namespaces: BTreeSet<String> = BTreeSet::new();
     let mut listing: BTreeSet<String> = BTreeSet::new();
     let mut pending: BTreeSet<String> = BTreeSet::new();
@@ -62,7 +121,7 @@ pub(crate) async fn publish_bundles(
     retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut resync = tokio::time::interval(RESYNC_PERIOD);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    tracing::info!(excluded = ?excluded, "publishing the trust bundle to every namespace");
+    tracing::info!(configmap = what.name, excluded = ?excluded, "publishing to every namespace");
     loop {
         let mut touched: BTreeSet<String> = BTreeSet::new();
         tokio::select! {
@@ -100,9 +159,9 @@ pub(crate) async fn publish_bundles(
             },
             event = configmap_events.next() => match event.inspect(|e| configmaps_retry.saw(e)) {
                 Some(Ok(Event::Apply(cm))) | Some(Ok(Event::InitApply(cm))) => {
-                    let bundle = authority.bundle().to_pem();
-                    if let Some(ns) = cm.metadata.namespace.as_ref() {
-                        if namespaces.contains(ns) && !is_current(&cm, &bundle) {
+                    let current = value.borrow().clone();
+                    if let (Some(ns), Some(current)) = (cm.metadata.namespace.as_ref(), current) {
+                        if namespaces.contains(ns) && !is_current(&cm, what, &current) {
                             touched.insert(ns.clone());
                         }
                     }
@@ -116,11 +175,11 @@ pub(crate) async fn publish_bundles(
                 }
                 Some(Ok(_)) => {}
                 Some(Err(e)) => {
-                    tracing::warn!(error = %e, "watching bundle ConfigMaps failed; retrying");
+                    tracing::warn!(configmap = what.name, error = %e, "watching ConfigMaps failed; retrying");
                 }
                 None => return,
             },
-            changed = generation.changed() => {
+            changed = value.changed() => {
                 if changed.is_err() {
                     return;
                 }
@@ -136,20 +195,22 @@ pub(crate) async fn publish_bundles(
         if touched.is_empty() {
             continue;
         }
-        let bundle = authority.bundle().to_pem();
+        let Some(current) = value.borrow_and_update().clone() else {
+            continue;
+        };
         for ns in touched {
             if excluded.contains(&ns) || !namespaces.contains(&ns) {
                 continue;
             }
             let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
-            match reconcile(&api, &ns, &bundle).await {
+            match reconcile(&api, &ns, what, &current).await {
                 Ok(Written::Unchanged) => {}
                 Ok(written) => {
-                    metrics.bundle_configmap_writes.inc();
-                    tracing::info!(namespace = %ns, action = ?written, "published the trust bundle ConfigMap");
+                    writes.inc();
+                    tracing::info!(namespace = %ns, configmap = what.name, action = ?written, "published the ConfigMap");
                 }
                 Err(e) => {
-                    tracing::warn!(namespace = %ns, error = %e, "writing the trust bundle ConfigMap failed; retrying");
+                    tracing::warn!(namespace = %ns, configmap = what.name, error = %e, "writing the ConfigMap failed; retrying");
                     pending.insert(ns);
                 }
             }
@@ -171,13 +232,13 @@ fn active_namespace(ns: &Namespace) -> Option<String> {
     ns.metadata.name.clone()
 }
 
-/// Whether `cm` carries exactly `bundle` and the label.
-fn is_current(cm: &ConfigMap, bundle: &str) -> bool {
+/// Whether `cm` carries exactly `value` under `what`'s key, and the label.
+fn is_current(cm: &ConfigMap, what: Published, value: &str) -> bool {
     let data_ok = cm
         .data
         .as_ref()
-        .and_then(|d| d.get(CONFIGMAP_KEY))
-        .is_some_and(|v| v == bundle);
+        .and_then(|d| d.get(what.key))
+        .is_some_and(|v| v == value);
     let label_ok = cm
         .metadata
         .labels
@@ -195,15 +256,20 @@ enum Written {
     Updated,
 }
 
-async fn reconcile(api: &Api<ConfigMap>, ns: &str, bundle: &str) -> Result<Written, kube::Error> {
+async fn reconcile(
+    api: &Api<ConfigMap>,
+    ns: &str,
+    what: Published,
+    bundle: &str,
+) -> Result<Written, kube::Error> {
     // Two rounds: a conflict (someone wrote in between) is read again once.
     let mut last_error = None;
     for _ in 0..2 {
-        match api.get_opt(CONFIGMAP_NAME).await? {
+        match api.get_opt(what.name).await? {
             None => {
                 let cm = ConfigMap {
                     metadata: ObjectMeta {
-                        name: Some(CONFIGMAP_NAME.into()),
+                        name: Some(what.name.into()),
                         namespace: Some(ns.into()),
                         labels: Some(BTreeMap::from([(
                             CONFIGMAP_LABEL.0.to_string(),
@@ -211,10 +277,7 @@ async fn reconcile(api: &Api<ConfigMap>, ns: &str, bundle: &str) -> Result<Writt
                         )])),
                         ..Default::default()
                     },
-                    data: Some(BTreeMap::from([(
-                        CONFIGMAP_KEY.to_string(),
-                        bundle.to_string(),
-                    )])),
+                    data: Some(BTreeMap::from([(what.key.to_string(), bundle.to_string())])),
                     ..Default::default()
                 };
                 match api.create(&PostParams::default(), &cm).await {
@@ -225,7 +288,7 @@ async fn reconcile(api: &Api<ConfigMap>, ns: &str, bundle: &str) -> Result<Writt
                     Err(e) => return Err(e),
                 }
             }
-            Some(cm) if is_current(&cm, bundle) => return Ok(Written::Unchanged),
+            Some(cm) if is_current(&cm, what, bundle) => return Ok(Written::Unchanged),
             Some(mut cm) => {
                 cm.metadata.managed_fields = None;
                 cm.metadata
@@ -234,11 +297,8 @@ async fn reconcile(api: &Api<ConfigMap>, ns: &str, bundle: &str) -> Result<Writt
                     .insert(CONFIGMAP_LABEL.0.into(), CONFIGMAP_LABEL.1.into());
                 cm.data
                     .get_or_insert_with(BTreeMap::new)
-                    .insert(CONFIGMAP_KEY.into(), bundle.into());
-                match api
-                    .replace(CONFIGMAP_NAME, &PostParams::default(), &cm)
-                    .await
-                {
+                    .insert(what.key.into(), bundle.into());
+                match api.replace(what.name, &PostParams::default(), &cm).await {
                     Ok(_) => return Ok(Written::Updated),
                     Err(kube::Error::Api(e)) if e.code == 409 => {
                         last_error = Some(kube::Error::Api(e))

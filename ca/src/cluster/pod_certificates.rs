@@ -96,6 +96,9 @@ pub(crate) struct PodSignerConfig {
     pub(crate) trust_domain: TrustDomain,
     /// Longest certificate lifetime (`--max-workload-cert-ttl`).
     pub(crate) max_ttl: Duration,
+    /// The revocation list: a revoked identity, service account or node
+    /// is `Denied` (reason `Revoked`), and what is issued is recorded.
+    pub(crate) revocations: Option<Arc<crate::revocation::Revocations>>,
 }
 
 /// How a request was answered.
@@ -838,7 +841,22 @@ async fn check(
         )));
     }
     match SpiffeId::for_workload(&config.trust_domain, &namespace, service_account) {
-        Ok(identity) => Ok(Ok((key, identity))),
+        Ok(identity) => {
+            if let Some(revocations) = &config.revocations {
+                if let Err(revoked) =
+                    revocations.check(&identity, None, Some(node), None, OffsetDateTime::now_utc())
+                {
+                    return Ok(Err(denied(
+                        "Revoked",
+                        format!(
+                            "{identity} may not get a certificate: revoked by the entry {}",
+                            revoked.entry
+                        ),
+                    )));
+                }
+            }
+            Ok(Ok((key, identity)))
+        }
         Err(e) => Ok(Err(denied(
             "InvalidIdentity",
             format!("no SPIFFE ID for {namespace}/{service_account}: {e}"),
@@ -900,6 +918,9 @@ fn issue(
     let summary = meshca_certs::inspect::CertSummary::from_der(&leaf_der)
         .map_err(|e| failed(format!("the signed certificate does not parse: {e}")))?;
     let (not_before, not_after) = (summary.not_before, summary.not_after);
+    if let Some(revocations) = &config.revocations {
+        revocations.record(&issued, identity, Some(&request.spec.node_name));
+    }
     if not_after - not_before < time::Duration::seconds(pod_certificate::MIN_MAX_EXPIRATION_SECONDS)
     {
         // Not Failed: the kubelet takes Failed as final (and drops the

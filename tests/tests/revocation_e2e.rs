@@ -1,0 +1,495 @@
+//! Revocation end to end, with the real binaries: `meshca-certs revoke`
+//! edits the list (the data directory's `revocations.yaml`, or the
+//! ConfigMap `meshca-revocations` of a real kube-apiserver), `meshca serve`
+//! refuses the next certificate within 5 s with `PERMISSION_DENIED`
+//! naming the entry, and the CRL it signs (`ca-crl.pem`, the
+//! `istio-ca-crl` ConfigMaps) holds the revoked serials, checked with
+//! `openssl crl -verify` and Python's `cryptography`.
+
+// Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::ConfigMap;
+use kube::api::Api;
+use meshca_certs::crl::ParsedCrl;
+use meshca_certs::inspect::CertSummary;
+use meshca_certs::revocation::Serial;
+use meshca_certs::KeyAlgorithm;
+use meshca_tests::control_plane::{ControlPlane, MESHCA_NAMESPACE};
+use meshca_tests::*;
+use tonic::Code;
+
+const WEB: &str = "spiffe://cluster.local/ns/default/sa/web";
+const API: &str = "spiffe://cluster.local/ns/default/sa/api";
+const DB: &str = "spiffe://cluster.local/ns/default/sa/db";
+/// The issue's bound: an edit takes effect within this.
+const EFFECTIVE_WITHIN: Duration = Duration::from_secs(5);
+
+fn serial_of(chain: &[String]) -> Serial {
+    let der = meshca_certs::bundle::parse_certs_pem(&chain[0]).unwrap();
+    let summary = CertSummary::from_der(&der[0]).unwrap();
+    Serial::parse(&summary.serial).unwrap()
+}
+
+fn revoke(args: &[&str]) -> String {
+    run_ok(
+        Command::new(&binaries().meshca_certs)
+            .arg("revoke")
+            .args(args),
+    )
+}
+
+async fn wait_until<F, Fut>(what: &str, timeout: Duration, mut done: F) -> Duration
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let started = Instant::now();
+    while !done().await {
+        assert!(
+            started.elapsed() < timeout,
+            "{what}: not within {timeout:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    started.elapsed()
+}
+
+/// The data directory's CRL, parsed.
+fn crl_file(dir: &Path) -> Option<ParsedCrl> {
+    let pem = std::fs::read_to_string(dir.join("ca-crl.pem")).ok()?;
+    ParsedCrl::from_pem(&pem).ok()
+}
+
+/// `openssl crl -verify` of `crl_pem` against `root_pem`, and its text.
+fn openssl_verifies(dir: &Path, crl_pem: &str, root_pem: &str) -> Option<String> {
+    if !have_openssl() {
+        eprintln!("skipped: openssl is not installed");
+        return None;
+    }
+    let (crl, root) = (dir.join("check-crl.pem"), dir.join("check-root.pem"));
+    std::fs::write(&crl, crl_pem).unwrap();
+    std::fs::write(&root, root_pem).unwrap();
+    let out = Command::new("openssl")
+        .args(["crl", "-in"])
+        .arg(&crl)
+        .arg("-CAfile")
+        .arg(&root)
+        .args(["-verify", "-noout", "-text"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stderr.contains("verify OK"),
+        "openssl crl -verify: {stderr}"
+    );
+    Some(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// What Python's `cryptography` reads of the CRL: the signature checked
+/// with the root's key, then one line per serial with its reason.
+const CRYPTOGRAPHY_CHECK: &str = r#"
+import sys
+from cryptography import x509
+crl = x509.load_pem_x509_crl(open(sys.argv[1], "rb").read())
+root = x509.load_pem_x509_certificate(open(sys.argv[2], "rb").read())
+assert crl.is_signature_valid(root.public_key()), "signature"
+assert crl.issuer == root.subject, "issuer"
+number = crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+aki = crl.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value.key_identifier
+ski = root.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value.digest
+assert aki == ski, "aki"
+assert crl.next_update_utc > crl.last_update_utc
+print("number", number)
+for r in crl:
+    try:
+        reason = r.extensions.get_extension_for_class(x509.CRLReason).value.reason.name
+    except x509.ExtensionNotFound:
+        reason = "none"
+    print(format(r.serial_number, "x"), reason)
+"#;
+
+/// Runs [`CRYPTOGRAPHY_CHECK`]; `None` when `cryptography` is missing
+/// (outside CI).
+fn cryptography_reads(dir: &Path) -> Option<String> {
+    let importable = Command::new("python3")
+        .args(["-c", "import cryptography"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !importable {
+        let message = "Python's cryptography is not installed (pip install cryptography)";
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "{message} (CI is set, so the test fails instead of skipping)"
+        );
+        eprintln!("skipped: {message}");
+        return None;
+    }
+    let out = Command::new("python3")
+        .args(["-c", CRYPTOGRAPHY_CHECK])
+        .arg(dir.join("check-crl.pem"))
+        .arg(dir.join("check-root.pem"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "cryptography refused the CRL: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_service_account_serial_and_spiffe_id_get_no_certificate_and_are_in_the_crl() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let server = start_off_runtime(data.clone(), vec![]).await;
+
+    // Nothing revoked: an empty, valid CRL is there from the start.
+    let empty = crl_file(&data).expect("ca-crl.pem at start");
+    assert!(empty.revoked.is_empty());
+    empty
+        .verify(
+            &meshca_certs::bundle::parse_certs_pem(&server.root_pem()).unwrap()[0],
+            time::OffsetDateTime::now_utc(),
+        )
+        .unwrap();
+    let next = empty.next_update.unwrap() - empty.this_update;
+    assert_eq!(
+        next,
+        time::Duration::hours(2),
+        "nextUpdate = 2 x --crl-refresh (1h)"
+    );
+
+    let token = |sa| server.token("default", sa);
+    let web = ask(&server, &token("web"), WEB).await.unwrap();
+    let web_again = ask(&server, &token("web"), WEB).await.unwrap();
+    let other = ask(
+        &server,
+        &token("other"),
+        "spiffe://cluster.local/ns/default/sa/other",
+    )
+    .await
+    .unwrap();
+    // db renews with its certificate later.
+    let mut client = server.client().await;
+    let (db_key, request) = csr_request(KeyAlgorithm::EcdsaP256, DB, 3600);
+    let db = client
+        .create_certificate(with_token(request, &token("db")))
+        .await
+        .unwrap()
+        .into_inner()
+        .cert_chain;
+
+    let data_arg = data.to_str().unwrap();
+    let printed = revoke(&[
+        "--service-account",
+        "default/web",
+        "--reason",
+        "keyCompromise",
+        "--data-dir",
+        data_arg,
+    ]);
+    assert!(
+        printed.starts_with("revoked service-account default/web"),
+        "{printed}"
+    );
+    let db_serial = serial_of(&db);
+    revoke(&[
+        "--serial",
+        db_serial.as_str(),
+        "--reason",
+        "superseded",
+        "--data-dir",
+        data_arg,
+    ]);
+    revoke(&[
+        "--spiffe-id",
+        "spiffe://cluster.local/ns/default/sa/other",
+        "--data-dir",
+        data_arg,
+    ]);
+    // A malformed entry, written by hand: refused, the others apply.
+    let path = data.join("revocations.yaml");
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    text.push_str("- {\"node\": \"Not A Node\", \"revoked_at\": \"2026-01-01T00:00:00Z\"}\n");
+    std::fs::write(&path, text).unwrap();
+
+    let took = wait_until(
+        "the revoked service account refused",
+        EFFECTIVE_WITHIN,
+        || async { ask(&server, &token("web"), WEB).await.is_err() },
+    )
+    .await;
+    eprintln!("refused {took:?} after the edit");
+    let refused = ask(&server, &token("web"), WEB).await.unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert!(
+        refused.message().contains("service-account default/web"),
+        "{refused:?}"
+    );
+    assert!(
+        !refused.message().contains("keyCompromise"),
+        "the reason stays internal: {refused:?}"
+    );
+    let refused = ask(
+        &server,
+        &token("other"),
+        "spiffe://cluster.local/ns/default/sa/other",
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    // The revoked serial cannot renew, though its identity is not revoked.
+    let mut mtls = server
+        .client_with_identity(Some((db.concat(), db_key.to_pkcs8_pem())))
+        .await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, DB, 3600);
+    let refused = mtls
+        .create_certificate(tonic::Request::new(request))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    assert!(
+        refused.message().contains(&format!("serial {db_serial}")),
+        "{refused:?}"
+    );
+    assert!(
+        ask(&server, &token("db"), DB).await.is_ok(),
+        "db with a token is not revoked"
+    );
+    // Nobody else is affected by the entries or by the malformed one.
+    assert!(ask(&server, &token("api"), API).await.is_ok());
+
+    // The CRL: both of web's serials, db's, other's.
+    let expected: Vec<Serial> = vec![
+        serial_of(&web),
+        serial_of(&web_again),
+        db_serial.clone(),
+        serial_of(&other),
+    ];
+    // (The web certificates issued while the edit was being taken up are
+    // there too: they were issued before the entry applied.)
+    wait_until("the CRL lists the serials", EFFECTIVE_WITHIN, || async {
+        crl_file(&data).is_some_and(|c| expected.iter().all(|s| c.revoked.contains(s)))
+    })
+    .await;
+    let crl = crl_file(&data).unwrap();
+    assert!(crl.number > empty.number, "the CRL number grows");
+    let pem = std::fs::read_to_string(data.join("ca-crl.pem")).unwrap();
+    if let Some(text) = openssl_verifies(dir.path(), &pem, &server.root_pem()) {
+        assert!(text.contains("Key Compromise"), "{text}");
+        assert!(text.contains("Superseded"), "{text}");
+        assert!(text.contains("X509v3 Authority Key Identifier"), "{text}");
+        assert!(text.contains("X509v3 CRL Number"), "{text}");
+    }
+    if let Some(read) = cryptography_reads(dir.path()) {
+        assert!(
+            read.contains(&format!("{} key_compromise", serial_of(&web))),
+            "{read}"
+        );
+        assert!(read.contains(&format!("{db_serial} superseded")), "{read}");
+        assert!(
+            read.contains(&format!("{} none", serial_of(&other))),
+            "{read}"
+        );
+    }
+
+    // The malformed entry is logged and counted by its place.
+    let (_, metrics) = http_get(server.monitoring, "/metrics").unwrap();
+    assert!(
+        metrics.contains("meshca_revocation_entries_rejected{source=\"file\",entry=\"4\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        server.log().contains("revocation entry refused"),
+        "{}",
+        server.log()
+    );
+
+    // A restart takes no serial back.
+    drop(server);
+    let server = start_off_runtime(data.clone(), vec![]).await;
+    let token = |sa| server.token("default", sa);
+    wait_until("the restarted CA's CRL", EFFECTIVE_WITHIN, || async {
+        crl_file(&data).is_some_and(|c| c.number > crl.number)
+    })
+    .await;
+    let after = crl_file(&data).unwrap().revoked;
+    let mut before = crl.revoked.clone();
+    let mut after_sorted = after.clone();
+    before.sort();
+    after_sorted.sort();
+    assert_eq!(after_sorted, before, "the serials survive a restart");
+    assert_eq!(
+        ask(&server, &token("web"), WEB).await.unwrap_err().code(),
+        Code::PermissionDenied
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_configmap_list_revokes_a_node_on_every_path_and_the_crl_reaches_every_namespace() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let web = plane.running_pod("default", "web-1", "web", "node-a").await;
+    let api = plane.running_pod("default", "api-1", "api", "node-b").await;
+    let kubeconfig = plane.meshca_kubeconfig().await;
+    let args: Vec<String> = [
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+        "--namespace",
+        MESHCA_NAMESPACE,
+        "--leader-lease-duration",
+        "4s",
+        "--trusted-node-agent",
+        "istio-system/ztunnel",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let server = start_off_runtime(dir.path().join("data"), args).await;
+    let hour = Duration::from_secs(3600);
+    let web_token = plane
+        .token("default", "web", Some(&web), &["istio-ca"], hour)
+        .await;
+    let api_token = plane
+        .token("default", "api", Some(&api), &["istio-ca"], hour)
+        .await;
+    let issued = wait_until_ok(&server, &web_token, WEB).await;
+    assert!(ask(&server, &api_token, API).await.is_ok());
+
+    // The empty CRL is published in the namespaces first.
+    let admin = plane.admin().await;
+    let crls: Api<ConfigMap> = Api::namespaced(admin.clone(), "default");
+    let published = |want: Option<Serial>| {
+        let crls = crls.clone();
+        async move {
+            let Ok(Some(cm)) = crls.get_opt("istio-ca-crl").await else {
+                return false;
+            };
+            let Some(pem) = cm.data.and_then(|d| d.get("ca-crl.pem").cloned()) else {
+                return false;
+            };
+            ParsedCrl::from_pem(&pem).is_ok_and(|c| match &want {
+                None => c.revoked.is_empty(),
+                Some(s) => c.revoked.contains(s),
+            })
+        }
+    };
+    wait_until(
+        "an empty istio-ca-crl in default",
+        Duration::from_secs(20),
+        || published(None),
+    )
+    .await;
+
+    let admin_kubeconfig = plane.admin_kubeconfig.to_str().unwrap().to_string();
+    revoke(&[
+        "--node",
+        "node-a",
+        "--kubeconfig",
+        &admin_kubeconfig,
+        "--namespace",
+        MESHCA_NAMESPACE,
+    ]);
+    let edited = Instant::now();
+    wait_until("node-a's pod refused", EFFECTIVE_WITHIN, || async {
+        ask(&server, &web_token, WEB)
+            .await
+            .is_err_and(|s| s.code() == Code::PermissionDenied)
+    })
+    .await;
+    let refused = ask(&server, &web_token, WEB).await.unwrap_err();
+    assert!(refused.message().contains("node node-a"), "{refused:?}");
+    assert!(
+        ask(&server, &api_token, API).await.is_ok(),
+        "node-b is not revoked"
+    );
+    wait_until("the serial in istio-ca-crl", EFFECTIVE_WITHIN, || {
+        published(Some(serial_of(&issued)))
+    })
+    .await;
+    eprintln!(
+        "node revoked, refused and published {:?} after the edit",
+        edited.elapsed()
+    );
+
+    // A second writer's edit is not lost: both entries are there.
+    revoke(&[
+        "--service-account",
+        "default/api",
+        "--kubeconfig",
+        &admin_kubeconfig,
+        "--namespace",
+        MESHCA_NAMESPACE,
+    ]);
+    let listed = run_ok(Command::new(&binaries().meshca_certs).args([
+        "revocations",
+        "list",
+        "--json",
+        "--kubeconfig",
+        &admin_kubeconfig,
+        "--namespace",
+        MESHCA_NAMESPACE,
+    ]));
+    let listed: serde_json::Value = serde_json::from_str(&listed).unwrap();
+    let targets: Vec<String> = listed["revocations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            e["name"]
+                .as_str()
+                .unwrap()
+                .split(" (")
+                .next()
+                .unwrap()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(targets, ["node node-a", "service-account default/api"]);
+    wait_until("api refused", EFFECTIVE_WITHIN, || async {
+        ask(&server, &api_token, API).await.is_err()
+    })
+    .await;
+
+    // A malformed ConfigMap document keeps the last good list.
+    let lists: Api<ConfigMap> = Api::namespaced(admin, MESHCA_NAMESPACE);
+    let mut cm = lists.get("meshca-revocations").await.unwrap();
+    cm.data
+        .as_mut()
+        .unwrap()
+        .insert("revocations.yaml".into(), "revocations: [".into());
+    lists
+        .replace("meshca-revocations", &Default::default(), &cm)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(
+        ask(&server, &web_token, WEB).await.unwrap_err().code(),
+        Code::PermissionDenied
+    );
+    assert!(
+        server.log().contains("revocation list refused"),
+        "{}",
+        server.log()
+    );
+}
+
+/// Asks until the answer is a certificate (the pod index syncs first).
+async fn wait_until_ok(server: &MeshcaServer, token: &str, id: &str) -> Vec<String> {
+    let started = Instant::now();
+    loop {
+        match ask(server, token, id).await {
+            Ok(chain) => return chain,
+            Err(e) => assert!(started.elapsed() < Duration::from_secs(20), "{e:?}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
