@@ -527,6 +527,14 @@ async fn a_wrong_pin_a_missing_key_or_a_key_file_beside_are_refused_at_start_nam
         "{}",
         f.stderr
     );
+    // Without --ca-dir (the data directory, the cluster's Secret) refused.
+    let f =
+        MeshcaServer::start_with_env(&data, &["--ca-key-pkcs11", &uri], &hsm.env()).unwrap_err();
+    assert!(
+        f.stderr.contains("--ca-key-pkcs11 needs --ca-dir"),
+        "{}",
+        f.stderr
+    );
     // A copy of a key next to the certificates defeats the HSM.
     std::fs::write(root.join("root-key.pem"), "not used").unwrap();
     refused(&uri, "must hold certificates only");
