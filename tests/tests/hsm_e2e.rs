@@ -625,3 +625,50 @@ async fn with_the_token_gone_the_current_intermediate_signs_on_with_a_warning_un
     );
     assert!(!log.contains(PIN), "no PIN in the log");
 }
+
+#[tokio::test]
+async fn new_certificates_in_the_directory_are_taken_live_under_the_hsm_key() {
+    let Some(hsm) = SoftHsm::new() else { return };
+    let work = tmp();
+    let root = work.path().join("root");
+    let uri = hsm.uri("root");
+    hsm.certs(&["root-ca", "--out", path(&root), "--pkcs11", &uri]);
+    let server = start(
+        &hsm,
+        &work.path().join("data"),
+        &[
+            "--ca-dir",
+            path(&root),
+            "--ca-key-pkcs11",
+            &uri,
+            "--ca-dir-check-interval",
+            "200ms",
+        ],
+    );
+    let token = server.token("default", "web");
+    let before = ask(&server, &token, WEB).await.unwrap();
+    assert_eq!(parse_certs_pem(&before[2]).unwrap().len(), 1);
+    // An operator's rotation: a second root listed beside the HSM's.
+    let other = work.path().join("other");
+    hsm.certs(&["root-ca", "--out", path(&other)]);
+    let both = format!(
+        "{}{}",
+        std::fs::read_to_string(root.join("root-cert.pem")).unwrap(),
+        std::fs::read_to_string(other.join("root-cert.pem")).unwrap()
+    );
+    std::fs::write(root.join("root-cert.pem"), both).unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let chain = ask(&server, &token, WEB).await.unwrap();
+        if parse_certs_pem(&chain[2]).unwrap().len() == 2 {
+            // Signed under a new intermediate, by the HSM's root still.
+            assert_ne!(chain[1], before[1]);
+            let certs = ders(&chain);
+            let (ok, out) = openssl_verify(work.path(), &certs[2], &[&certs[1]], &certs[0]);
+            assert!(ok, "{out}");
+            break;
+        }
+        assert!(Instant::now() < until, "not reloaded:\n{}", server.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
