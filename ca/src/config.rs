@@ -394,6 +394,10 @@ pub struct ServeArgs {
     /// JWT-SVIDs and the OIDC discovery endpoint.
     #[command(flatten)]
     pub(crate) jwt_svid: crate::jwt_svid::JwtSvidArgs,
+
+    /// Remote clusters: --remote-cluster, --remote-cluster-jwt-issuer, --max-remote-clusters.
+    #[command(flatten)]
+    pub(crate) remote: crate::cluster::remote::RemoteClusterArgs,
 }
 
 /// Errors in a configuration that parsed but does not make sense.
@@ -447,6 +451,9 @@ pub enum ConfigError {
     /// A JWT-SVID flag that does not make sense.
     #[error(transparent)]
     JwtSvid(#[from] crate::jwt_svid::JwtSvidConfigError),
+    /// A remote-cluster flag that does not make sense.
+    #[error("{0}")]
+    RemoteCluster(String),
     /// Pod certificates must live at least an hour (the API's minimum).
     #[error("--pod-certificate-signer needs --max-workload-cert-ttl of at least 1h (pod certificates live at least an hour); it is {0:?}")]
     PodCertificateTtlTooShort(Duration),
@@ -528,6 +535,8 @@ pub struct Config {
     pub(crate) pod_watch_failure_limit: Duration,
     /// JWT-SVIDs: lifetimes, keys, issuer, the OIDC endpoint.
     pub(crate) jwt_svid: crate::jwt_svid::JwtSvidConfig,
+    /// Remote clusters given by flags, their offline issuers, the bound.
+    pub(crate) remote: crate::cluster::remote::RemoteClusterConfig,
 }
 
 /// How meshca keeps its state in a cluster (docs/cluster.md).
@@ -683,6 +692,11 @@ impl TryFrom<ServeArgs> for Config {
         }
         Ok(Self {
             jwt_svid: crate::jwt_svid::JwtSvidConfig::try_from(args.jwt_svid)?,
+            remote: crate::cluster::remote::RemoteClusterConfig::from_args(
+                args.remote,
+                &args.cluster_id,
+            )
+            .map_err(|e| ConfigError::RemoteCluster(e.to_string()))?,
             allow_cert_renewal: args.allow_cert_renewal,
             rate_limit: crate::rate_limit::RateLimitPolicy {
                 burst: args.issuance_burst,

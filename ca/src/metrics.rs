@@ -137,6 +137,8 @@ pub(crate) struct Metrics {
     pub(crate) cluster_trust_bundle_writes: IstioCounter,
     /// Revocation entries, refusals, the CRL and the issued record.
     pub(crate) revocation: crate::revocation::RevocationMetrics,
+    /// Remote clusters: up, count, refused configurations, refusals.
+    pub(crate) remote_clusters: crate::cluster::remote::RemoteClusterMetrics,
 }
 
 /// Labels of `meshca_pod_certificate_request_count`.
@@ -197,6 +199,7 @@ impl Default for Metrics {
             pod_certificate_requests_waiting: Default::default(),
             cluster_trust_bundle_writes: Default::default(),
             revocation: Default::default(),
+            remote_clusters: Default::default(),
         }
     }
 }
@@ -386,6 +389,7 @@ impl Metrics {
             self.cluster_trust_bundle_writes.clone(),
         );
         self.revocation.register(&mut r);
+        self.remote_clusters.register(&mut r);
         r
     }
 

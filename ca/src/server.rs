@@ -1141,6 +1141,10 @@ pub async fn run(
     )
     .await?;
     let authz = build_authorizer(&config, kube, &mut background)?;
+    let local = cluster.as_ref().map(|c| (c.client.clone(), c.namespace.clone()));
+    let remote = cluster::remote::start(&config, &authority, &metrics, local, &mut background)
+        .await
+        .map_err(ServeError::Kubernetes)?;
     let (draining_tx, draining) = tokio::sync::watch::channel(false);
     follow_ca_material(&config, &authority, &metrics, &mut background);
     let (revocations, crl) = start_revocations(
@@ -1172,7 +1176,10 @@ pub async fn run(
     let listeners = bind_grpc(&config, monitoring_addr).await?;
     let service = build_service(&config, &authority, authn, authz, &metrics, serving).await;
     let service = Service {
-        ca: service.ca.with_revocations(revocations),
+        ca: service
+            .ca
+            .with_revocations(revocations)
+            .with_remote_clusters(remote),
         ..service
     };
     // From here /ready looks at the CA: it can sign and gRPC is bound.

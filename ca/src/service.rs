@@ -57,6 +57,7 @@ pub(crate) struct CaService {
     refusal_logs: Arc<RefusalLogs>,
     rate_limit: Arc<IssuanceRateLimit>,
     revocations: Option<Arc<crate::revocation::Revocations>>,
+    remote_clusters: Option<Arc<crate::cluster::remote::RemoteClusters>>,
 }
 
 impl std::fmt::Debug for CaService {
@@ -89,7 +90,18 @@ impl CaService {
             refusal_logs: Arc::default(),
             rate_limit: Arc::new(IssuanceRateLimit::new(RateLimitPolicy::default())),
             revocations: None,
+            remote_clusters: None,
         }
+    }
+
+    /// Authenticates a request whose `clusterid` names one of
+    /// `remote_clusters` against that cluster only.
+    pub(crate) fn with_remote_clusters(
+        mut self,
+        remote_clusters: Arc<crate::cluster::remote::RemoteClusters>,
+    ) -> Self {
+        self.remote_clusters = Some(remote_clusters);
+        self
     }
 
     /// Refuses what `revocations` revokes and records what is issued.
@@ -126,9 +138,13 @@ impl CaService {
         peer_chain: Option<Arc<Vec<rustls_pki_types::CertificateDer<'static>>>>,
     ) -> Result<Caller, Status> {
         let logs = &self.refusal_logs;
+        let mut remote = None;
         if let Some(cluster) = headers.get(CLUSTER_ID_HEADER) {
             let cluster = cluster.to_str().unwrap_or("<non-ascii>");
             if !cluster.is_empty() && cluster != self.cluster_id {
+                remote = self.remote_clusters.as_ref().and_then(|r| r.get(cluster));
+            }
+            if !cluster.is_empty() && cluster != self.cluster_id && remote.is_none() {
                 self.metrics.authentication_failure_count.inc();
                 let cluster = cluster.chars().take(128).collect::<String>();
                 if let Some(unlogged) = logs.cluster.record() {
@@ -144,7 +160,12 @@ impl CaService {
             bearer: bearer_token(headers),
             peer_chain,
         };
-        match self.authn.authenticate(&credentials).await {
+        let authenticated = match &remote {
+            Some(cluster) => cluster.authenticate(&credentials).await,
+            None => self.authn.authenticate(&credentials).await,
+        };
+        let cluster = remote.as_ref().map_or(self.cluster_id.as_str(), |c| c.id());
+        match authenticated {
             Ok(caller) => Ok(caller),
             Err(AuthnError::Overloaded(what)) => {
                 self.metrics.sign_error("overloaded");
@@ -154,9 +175,9 @@ impl CaService {
             }
             Err(e) => {
                 self.metrics.authentication_failure_count.inc();
-                tracing::debug!(error = %e, "authentication failed");
+                tracing::debug!(cluster = %cluster, error = %e, "authentication failed");
                 if let Some(unlogged) = logs.authentication.record() {
-                    tracing::info!(error = %e, unlogged, "authentication failed");
+                    tracing::info!(cluster = %cluster, error = %e, unlogged, "authentication failed");
                 }
                 Err(match e {
                     AuthnError::Unavailable(_) => Status::unavailable(e.to_string()),

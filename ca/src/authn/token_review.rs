@@ -199,6 +199,18 @@ impl TokenReviewAuthenticator {
         self
     }
 
+    /// Keeps at most `results` positive results and `refusals` refusals
+    /// (defaults: [`super::cache::MAX_CACHED_TOKENS`] and
+    /// [`MAX_REMEMBERED_REFUSALS`]); a remote cluster's caches are smaller.
+    pub(crate) fn with_cache_capacity(mut self, results: usize, refusals: usize) -> Self {
+        self.cache = VerifiedTokenCache::with_capacity_limit(self.config.cache_ttl, results)
+            .with_clock(self.clock.clone());
+        self.refusals =
+            RefusedTokenCache::with_capacity_limit(self.config.refusal_cache_ttl, refusals)
+                .with_clock(self.clock.clone());
+        self
+    }
+
     /// Counts reviews waiting for an API call on `waiting` (a metric).
     pub(crate) fn counting_waiting(mut self, waiting: Gauge<i64>) -> Self {
         self.calls = review_calls(&self.config, waiting);

@@ -9,6 +9,8 @@
 //! - `pod_certificates`: with `--pod-certificate-signer`, the leader signs
 //!   Kubernetes `PodCertificateRequest`s of that signer, and
 //!   `cluster_trust_bundle` publishes the roots as its `ClusterTrustBundle`.
+//! - `remote`: remote clusters (Istio's remote secrets, `--remote-cluster`),
+//!   each caller authenticated against its own cluster.
 //!
 //! Every replica follows the Secret (`follow_root_secret`) and signs with
 //! what it holds; the leader moves a rotation forward (`rotate_root`).
@@ -17,6 +19,7 @@ pub(crate) mod bundle_publisher;
 pub(crate) mod cluster_trust_bundle;
 pub(crate) mod leader;
 pub(crate) mod pod_certificates;
+pub(crate) mod remote;
 pub(crate) mod root_secret;
 
 pub use cluster_trust_bundle::TRUST_DOMAIN_LABEL;

@@ -1,0 +1,1004 @@
+//! Remote clusters: one CA for every cluster of a mesh, as istiod does
+//! with Istio's remote secrets (README, "Many clusters, one CA").
+//!
+//! - Where they come from: Secrets in meshca's namespace labelled
+//!   `istio/multiCluster: "true"` (what `istioctl create-remote-secret`
+//!   makes), each key of `data` a cluster ID and its value a kubeconfig of
+//!   that cluster's API server, watched at run time
+//!   ([`watch_remote_secrets`]); and `--remote-cluster ID=KUBECONFIG`
+//!   (static, for meshca outside a cluster).
+//! - What they are for: a request whose `clusterid` names a remote cluster
+//!   is authenticated against that cluster only ([`RemoteCluster`]):
+//!   TokenReview on its API server, or offline with its issuer's keys
+//!   (`--remote-cluster-jwt-issuer ID=ISSUER`, found by OIDC discovery on
+//!   its API server). A `clusterid` naming no known cluster is refused
+//!   before any API call (the caller of [`RemoteClusters::get`] does that).
+//! - Isolation: every remote cluster has its own Kubernetes client
+//!   (connection pool), its own in-flight limit and timeout
+//!   (`--kube-api-max-in-flight`, `--kube-api-timeout`, per cluster) and its
+//!   own caches, so one cluster's API server down, slow or black-holed
+//!   costs only its own callers. `/ready` does not look at them;
+//!   `meshca_remote_cluster_up{cluster}` does.
+//! - Bad input: a Secret key that is no cluster ID, a kubeconfig that does
+//!   not parse or asks for what a remote secret may not (exec plugins, auth
+//!   providers, files of meshca's own file system: istiod refuses the same
+//!   by default) is logged naming the Secret and key, counted
+//!   (`meshca_remote_cluster_config_errors_count`) and left out; every
+//!   other cluster keeps working. Credentials are never logged.
+//! - Bounds: at most `--max-remote-clusters` (64); each remote cluster's
+//!   caches hold [`REMOTE_CACHE_ENTRIES`] results and
+//!   [`REMOTE_REFUSAL_ENTRIES`] refusals, a sixteenth of the local
+//!   cluster's, so 64 clusters hold no more than 4 local clusters' worth.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, RwLock, Weak};
+use std::time::Duration;
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::Api;
+use kube::runtime::watcher::{self, Event};
+use meshca_certs::TrustDomain;
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::authn::oidc::KubernetesJwks;
+use crate::authn::JwksFetcher;
+use crate::authn::{
+    Authenticator, AuthnError, Caller, Credentials, JwtAuthenticator, TokenReviewAuthenticator,
+    TokenReviewConfig,
+};
+use crate::metrics::IstioCounter;
+
+/// Label of a remote secret (Istio's).
+pub(crate) const REMOTE_SECRET_LABEL: &str = "istio/multiCluster";
+/// Remote clusters at most, unless `--max-remote-clusters` says otherwise.
+pub(crate) const DEFAULT_MAX_REMOTE_CLUSTERS: usize = 64;
+/// Positive TokenReview (and offline) results one remote cluster keeps.
+pub(crate) const REMOTE_CACHE_ENTRIES: usize = crate::authn::cache::MAX_CACHED_TOKENS / 16;
+/// Refusals one remote cluster remembers.
+pub(crate) const REMOTE_REFUSAL_ENTRIES: usize =
+    crate::authn::token_review::MAX_REMEMBERED_REFUSALS / 16;
+/// How often each remote cluster's API server is asked for `/version`
+/// (`meshca_remote_cluster_up`).
+pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(10);
+/// How often a remote cluster's discovered keys are fetched again, and
+/// how soon a failed discovery is tried again.
+const JWKS_REFRESH_PERIOD: Duration = crate::server::JWKS_REFRESH_PERIOD;
+const DISCOVERY_RETRY: Duration = Duration::from_secs(10);
+/// Longest cluster ID (a Secret key is at most 253 characters).
+const MAX_CLUSTER_ID_LEN: usize = 253;
+
+/// The command-line flags of remote clusters.
+#[derive(Debug, Clone, clap::Args)]
+pub(crate) struct RemoteClusterArgs {
+    /// A remote cluster and the kubeconfig of its API server, `ID=FILE`;
+    /// repeatable. Requests with `clusterid: ID` are authenticated there.
+    #[arg(
+        long = "remote-cluster",
+        env = "MESHCA_REMOTE_CLUSTER",
+        value_delimiter = ','
+    )]
+    pub(crate) remote_clusters: Vec<String>,
+    /// `ID=ISSUER`: tokens of the remote cluster ID with this `iss` are
+    /// checked offline with that cluster's keys (OIDC discovery on its API
+    /// server); repeatable.
+    #[arg(
+        long = "remote-cluster-jwt-issuer",
+        env = "MESHCA_REMOTE_CLUSTER_JWT_ISSUER",
+        value_delimiter = ','
+    )]
+    pub(crate) remote_jwt_issuers: Vec<String>,
+    /// Remote clusters at most (flags and remote secrets together); more
+    /// are refused, logged and counted.
+    #[arg(long, env = "MESHCA_MAX_REMOTE_CLUSTERS", default_value_t = DEFAULT_MAX_REMOTE_CLUSTERS)]
+    pub(crate) max_remote_clusters: usize,
+}
+
+/// A remote-cluster flag that does not make sense.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RemoteClusterConfigError {
+    /// Not `ID=VALUE`, or a bad cluster ID.
+    #[error("{flag} {value:?}: {reason}")]
+    Bad {
+        /// Which flag.
+        flag: &'static str,
+        /// What was given (a path or an issuer: no credential).
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// More `--remote-cluster` than `--max-remote-clusters`.
+    #[error("{given} --remote-cluster flags, more than --max-remote-clusters {max}")]
+    TooMany {
+        /// How many were given.
+        given: usize,
+        /// The bound.
+        max: usize,
+    },
+}
+
+/// Validated remote-cluster settings.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RemoteClusterConfig {
+    /// Static clusters: ID and kubeconfig file.
+    pub(crate) static_clusters: Vec<(String, PathBuf)>,
+    /// Offline issuers by cluster ID.
+    pub(crate) jwt_issuers: HashMap<String, String>,
+    /// At most this many remote clusters.
+    pub(crate) max_clusters: usize,
+}
+
+/// Whether `id` can name a cluster: what a Secret key may be
+/// (`[-._a-zA-Z0-9]+`, at most 253 characters).
+pub(crate) fn valid_cluster_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= MAX_CLUSTER_ID_LEN
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_'))
+}
+
+fn split_assignment(
+    flag: &'static str,
+    value: &str,
+    local_cluster_id: &str,
+) -> Result<(String, String), RemoteClusterConfigError> {
+    let bad = |reason: &str| RemoteClusterConfigError::Bad {
+        flag,
+        value: value.chars().take(256).collect(),
+        reason: reason.into(),
+    };
+    let (id, rest) = value
+        .split_once('=')
+        .ok_or_else(|| bad("must be ID=VALUE"))?;
+    if !valid_cluster_id(id) {
+        return Err(bad(
+            "the cluster ID must be letters, digits, '-', '.' or '_' (a Secret key)",
+        ));
+    }
+    if id == local_cluster_id {
+        return Err(bad("names the local cluster (--cluster-id)"));
+    }
+    if rest.is_empty() {
+        return Err(bad("nothing after '='"));
+    }
+    Ok((id.to_string(), rest.to_string()))
+}
+
+impl RemoteClusterConfig {
+    /// Checks the flags; `local_cluster_id` is `--cluster-id`.
+    pub(crate) fn from_args(
+        args: RemoteClusterArgs,
+        local_cluster_id: &str,
+    ) -> Result<Self, RemoteClusterConfigError> {
+        let mut static_clusters: Vec<(String, PathBuf)> = Vec::new();
+        for value in &args.remote_clusters {
+            let (id, path) = split_assignment("--remote-cluster", value, local_cluster_id)?;
+            if static_clusters.iter().any(|(seen, _)| *seen == id) {
+                return Err(RemoteClusterConfigError::Bad {
+                    flag: "--remote-cluster",
+                    value: value.clone(),
+                    reason: "this cluster ID is given twice".into(),
+                });
+            }
+            static_clusters.push((id, PathBuf::from(path)));
+        }
+        if static_clusters.len() > args.max_remote_clusters {
+            return Err(RemoteClusterConfigError::TooMany {
+                given: static_clusters.len(),
+                max: args.max_remote_clusters,
+            });
+        }
+        let mut jwt_issuers = HashMap::new();
+        for value in &args.remote_jwt_issuers {
+            let (id, issuer) =
+                split_assignment("--remote-cluster-jwt-issuer", value, local_cluster_id)?;
+            if jwt_issuers.insert(id, issuer).is_some() {
+                return Err(RemoteClusterConfigError::Bad {
+                    flag: "--remote-cluster-jwt-issuer",
+                    value: value.clone(),
+                    reason: "this cluster ID is given twice".into(),
+                });
+            }
+        }
+        Ok(Self {
+            static_clusters,
+            jwt_issuers,
+            max_clusters: args.max_remote_clusters,
+        })
+    }
+}
+
+/// Label of the per-cluster metrics.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct ClusterLabel {
+    /// The cluster ID.
+    pub(crate) cluster: String,
+}
+
+/// Metrics of the remote clusters.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct RemoteClusterMetrics {
+    /// 1 while the cluster's API server answers, 0 while it does not.
+    pub(crate) up: Family<ClusterLabel, Gauge>,
+    /// Remote clusters known now.
+    pub(crate) clusters: Gauge,
+    /// Remote-secret keys (or flags) left out: malformed, refused, too many.
+    pub(crate) config_errors: IstioCounter,
+    /// Requests of a remote cluster refused by its authentication.
+    pub(crate) authentication_failures: Family<ClusterLabel, IstioCounter>,
+}
+
+impl RemoteClusterMetrics {
+    /// Adds these metrics to `registry`.
+    pub(crate) fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "meshca_remote_cluster_up",
+            "1 while the remote cluster's API server answers, 0 while it does not",
+            self.up.clone(),
+        );
+        registry.register(
+            "meshca_remote_clusters",
+            "Remote clusters known (--remote-cluster and remote secrets)",
+            self.clusters.clone(),
+        );
+        registry.register(
+            "meshca_remote_cluster_config_errors_count",
+            "Remote-secret keys left out: not a cluster ID, a kubeconfig that does not parse or is refused, beyond --max-remote-clusters",
+            self.config_errors.clone(),
+        );
+        registry.register(
+            "meshca_remote_cluster_authentication_failure_count",
+            "Requests naming a remote cluster refused by that cluster's authentication",
+            self.authentication_failures.clone(),
+        );
+    }
+}
+
+/// What every remote cluster's authentication shares.
+#[derive(Clone)]
+pub(crate) struct RemoteAuthnSettings {
+    /// `--token-audience`.
+    pub(crate) audiences: Vec<String>,
+    /// `--trust-domain`.
+    pub(crate) trust_domain: TrustDomain,
+    /// `--token-review-cache-ttl`.
+    pub(crate) cache_ttl: Duration,
+    /// `--token-review-refusal-cache-ttl`.
+    pub(crate) refusal_cache_ttl: Duration,
+    /// `--jwt-cache-ttl`.
+    pub(crate) jwt_cache_ttl: Duration,
+    /// `--kube-api-timeout`, per call of each cluster.
+    pub(crate) timeout: Duration,
+    /// `--kube-api-max-in-flight`, per cluster.
+    pub(crate) max_in_flight: usize,
+    /// Reviews waiting for a call, per cluster.
+    pub(crate) max_waiting: usize,
+    /// Client certificates (renewal), when allowed: they name no cluster.
+    pub(crate) client_certificates: Option<Arc<dyn Authenticator>>,
+    /// Cache hits (`meshca_token_cache_hit_count`).
+    pub(crate) cache_hits: IstioCounter,
+}
+
+/// Where a remote cluster comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// `--remote-cluster ID=FILE`.
+    Flag(PathBuf),
+    /// A key of a remote secret.
+    Secret {
+        /// The Secret's name.
+        name: String,
+    },
+}
+
+/// One remote cluster: its API server's client and authentication.
+pub(crate) struct RemoteCluster {
+    id: String,
+    source: Source,
+    /// SHA-256 of its kubeconfig: an unchanged one keeps the cluster as is.
+    fingerprint: [u8; 32],
+    token_review: TokenReviewAuthenticator,
+    jwt: RwLock<Option<Arc<JwtAuthenticator>>>,
+    client_certificates: Option<Arc<dyn Authenticator>>,
+    failures: IstioCounter,
+    up: Gauge,
+    tasks: Mutex<Vec<tokio::task::AbortHandle>>,
+}
+
+impl std::fmt::Debug for RemoteCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteCluster")
+            .field("id", &self.id)
+            .field("source", &self.source)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for RemoteCluster {
+    fn drop(&mut self) {
+        for task in self.tasks.get_mut().unwrap_or_else(|e| e.into_inner()) {
+            task.abort();
+        }
+    }
+}
+
+impl RemoteCluster {
+    /// The cluster's ID.
+    pub(crate) fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// Authenticates a caller of this cluster: a client certificate (it
+    /// names no cluster), else the token, offline with this cluster's keys
+    /// when its issuer is configured and the token is of it, else by
+    /// TokenReview on this cluster's API server. Never asks another cluster.
+    pub(crate) async fn authenticate(
+        &self,
+        credentials: &Credentials,
+    ) -> Result<Caller, AuthnError> {
+        let result = self.authenticate_here(credentials).await;
+        match &result {
+            Err(e) if e.is_refusal() => self.failures.inc(),
+            Err(AuthnError::Unavailable(_)) => {
+                self.failures.inc();
+                self.up.set(0);
+            }
+            _ => {}
+        }
+        result
+    }
+
+    async fn authenticate_here(&self, credentials: &Credentials) -> Result<Caller, AuthnError> {
+        if credentials.bearer.is_none() && credentials.peer_chain.is_none() {
+            return Err(AuthnError::NoCredentials);
+        }
+        if let Some(certificates) = &self.client_certificates {
+            if let Some(caller) = certificates.authenticate(credentials).await? {
+                return Ok(caller);
+            }
+        }
+        let Some(token) = &credentials.bearer else {
+            return Err(AuthnError::BadClientCertificate(
+                "no authenticator accepts client certificates".into(),
+            ));
+        };
+        let jwt = self.jwt.read().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(jwt) = jwt {
+            if let Some(caller) = jwt.authenticate(credentials).await? {
+                return Ok(caller);
+            }
+        }
+        self.token_review.review(token).await
+    }
+}
+
+/// Every remote cluster known now, by ID.
+pub(crate) struct RemoteClusters {
+    local_cluster_id: String,
+    config: RemoteClusterConfig,
+    settings: RemoteAuthnSettings,
+    metrics: RemoteClusterMetrics,
+    clusters: RwLock<HashMap<String, Arc<RemoteCluster>>>,
+}
+
+impl std::fmt::Debug for RemoteClusters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteClusters")
+            .field("clusters", &self.ids())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a kubeconfig was not taken (for the log: never its content).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum KubeconfigError {
+    /// Not UTF-8 YAML of a kubeconfig.
+    #[error("not a kubeconfig (it does not parse as one)")]
+    Parse,
+    /// It asks for something a remote secret may not use.
+    #[error("refused: {0}")]
+    Refused(String),
+    /// kube could not make a client of it.
+    #[error("unusable: {0}")]
+    Unusable(String),
+}
+
+/// Refuses in a remote secret's kubeconfig what would make meshca run a
+/// program or read its own files (istiod refuses these by default too).
+fn sanitize(kubeconfig: &kube::config::Kubeconfig) -> Result<(), KubeconfigError> {
+    for named in &kubeconfig.auth_infos {
+        let Some(user) = &named.auth_info else {
+            continue;
+        };
+        let refused = |what: &str| {
+            Err(KubeconfigError::Refused(format!(
+                "user {:?} uses {what}, which a remote secret may not",
+                named.name.chars().take(64).collect::<String>()
+            )))
+        };
+        if user.exec.is_some() {
+            return refused("an exec plugin");
+        }
+        if user.auth_provider.is_some() {
+            return refused("an auth provider");
+        }
+        if user.token_file.is_some() {
+            return refused("tokenFile");
+        }
+        if user.client_certificate.is_some() || user.client_key.is_some() {
+            return refused("client-certificate/client-key files");
+        }
+    }
+    for named in &kubeconfig.clusters {
+        if named
+            .cluster
+            .as_ref()
+            .is_some_and(|c| c.certificate_authority.is_some())
+        {
+            return Err(KubeconfigError::Refused(format!(
+                "cluster {:?} uses a certificate-authority file, which a remote secret may not",
+                named.name.chars().take(64).collect::<String>()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A client for the API server `kubeconfig` (its current context) names,
+/// with meshca's connect and write timeouts.
+async fn client_of(
+    kubeconfig: kube::config::Kubeconfig,
+    timeout: Duration,
+) -> Result<kube::Client, KubeconfigError> {
+    let mut config = kube::Config::from_custom_kubeconfig(
+        kubeconfig,
+        &kube::config::KubeConfigOptions::default(),
+    )
+    .await
+    .map_err(|e| KubeconfigError::Unusable(e.to_string().chars().take(200).collect()))?;
+    config.connect_timeout = Some(timeout);
+    config.write_timeout = Some(timeout);
+    kube::Client::try_from(config)
+        .map_err(|e| KubeconfigError::Unusable(e.to_string().chars().take(200).collect()))
+}
+
+fn fingerprint(bytes: &[u8]) -> [u8; 32] {
+    let digest = ring::digest::digest(&ring::digest::SHA256, bytes);
+    let mut out = [0u8; 32];
+    out.copy_from_slice(digest.as_ref());
+    out
+}
+
+impl RemoteClusters {
+    /// No remote cluster yet; `local_cluster_id` is `--cluster-id`.
+    pub(crate) fn new(
+        local_cluster_id: String,
+        config: RemoteClusterConfig,
+        settings: RemoteAuthnSettings,
+        metrics: RemoteClusterMetrics,
+    ) -> Self {
+        Self {
+            local_cluster_id,
+            config,
+            settings,
+            metrics,
+            clusters: RwLock::new(HashMap::new()),
+        }
+    }
+
+    /// The cluster named `id`, if it is known.
+    pub(crate) fn get(&self, id: &str) -> Option<Arc<RemoteCluster>> {
+        self.read().get(id).cloned()
+    }
+
+    /// Every known cluster ID, sorted.
+    pub(crate) fn ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = self.read().keys().cloned().collect();
+        ids.sort();
+        ids
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<String, Arc<RemoteCluster>>> {
+        self.clusters.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<String, Arc<RemoteCluster>>> {
+        self.clusters.write().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Logs that the remote secret `secret`'s key `key` was left out.
+    fn reject(&self, secret: &str, key: &str, reason: &dyn std::fmt::Display) {
+        self.metrics.config_errors.inc();
+        tracing::error!(
+            secret = %secret,
+            key = %key.chars().take(MAX_CLUSTER_ID_LEN).collect::<String>(),
+            error = %reason,
+            "remote secret: this cluster is left out; the other clusters are unaffected"
+        );
+    }
+
+    /// A cluster of `id` from `bytes` (a kubeconfig), with its probe and,
+    /// when its issuer is configured, its offline keys started.
+    async fn build(
+        self: &Arc<Self>,
+        id: &str,
+        source: Source,
+        bytes: &[u8],
+    ) -> Result<Arc<RemoteCluster>, KubeconfigError> {
+        let text = std::str::from_utf8(bytes).map_err(|_| KubeconfigError::Parse)?;
+        let kubeconfig =
+            kube::config::Kubeconfig::from_yaml(text).map_err(|_| KubeconfigError::Parse)?;
+        if matches!(source, Source::Secret { .. }) {
+            sanitize(&kubeconfig)?;
+        }
+        let client = client_of(kubeconfig, self.settings.timeout).await?;
+        let s = &self.settings;
+        let label = ClusterLabel {
+            cluster: id.to_string(),
+        };
+        let token_review = TokenReviewAuthenticator::new(
+            client.clone(),
+            TokenReviewConfig {
+                audiences: s.audiences.clone(),
+                trust_domain: s.trust_domain.clone(),
+                cache_ttl: s.cache_ttl,
+                refusal_cache_ttl: s.refusal_cache_ttl,
+                timeout: s.timeout,
+                max_in_flight: s.max_in_flight,
+                max_waiting: s.max_waiting,
+            },
+        )
+        .with_cache_capacity(REMOTE_CACHE_ENTRIES, REMOTE_REFUSAL_ENTRIES)
+        .counting_cache_hits(s.cache_hits.clone());
+        let cluster = Arc::new(RemoteCluster {
+            id: id.to_string(),
+            source,
+            fingerprint: fingerprint(bytes),
+            token_review,
+            jwt: RwLock::new(None),
+            client_certificates: s.client_certificates.clone(),
+            failures: self
+                .metrics
+                .authentication_failures
+                .get_or_create(&label)
+                .clone(),
+            up: self.metrics.up.get_or_create(&label).clone(),
+            tasks: Mutex::new(Vec::new()),
+        });
+        let mut tasks = Vec::new();
+        tasks.push(
+            tokio::spawn(probe(
+                client.clone(),
+                id.to_string(),
+                cluster.up.clone(),
+                s.timeout,
+            ))
+            .abort_handle(),
+        );
+        if let Some(issuer) = self.config.jwt_issuers.get(id) {
+            tasks.push(
+                tokio::spawn(follow_keys(
+                    Arc::downgrade(&cluster),
+                    client,
+                    issuer.clone(),
+                    self.settings.clone(),
+                ))
+                .abort_handle(),
+            );
+        }
+        *cluster.tasks.lock().unwrap_or_else(|e| e.into_inner()) = tasks;
+        Ok(cluster)
+    }
+
+    /// Adds the `--remote-cluster` flags' clusters (their files are the
+    /// operator's: a bad one stops the start, naming the flag).
+    pub(crate) async fn add_static(self: &Arc<Self>) -> Result<(), String> {
+        for (id, path) in self.config.static_clusters.clone() {
+            let bytes = std::fs::read(&path)
+                .map_err(|e| format!("--remote-cluster {id}={}: {e}", path.display()))?;
+            let cluster = self
+                .build(&id, Source::Flag(path.clone()), &bytes)
+                .await
+                .map_err(|e| format!("--remote-cluster {id}={}: {e}", path.display()))?;
+            tracing::info!(cluster = %id, kubeconfig = %path.display(), "remote cluster added");
+            self.write().insert(id, cluster);
+        }
+        self.count();
+        Ok(())
+    }
+
+    fn count(&self) {
+        self.metrics.clusters.set(self.read().len() as i64);
+    }
+
+    fn forget(&self, cluster: &RemoteCluster) {
+        let label = ClusterLabel {
+            cluster: cluster.id.clone(),
+        };
+        self.metrics.up.remove(&label);
+        self.metrics.authentication_failures.remove(&label);
+    }
+
+    /// Takes the remote secret `name` as it is now (`data`: `None` when it
+    /// is gone or no longer labelled): its clusters added, changed or
+    /// removed; the clusters of other Secrets and flags untouched.
+    pub(crate) async fn apply_secret(
+        self: &Arc<Self>,
+        name: &str,
+        data: Option<&BTreeMap<String, Vec<u8>>>,
+    ) {
+        let ours = |c: &RemoteCluster| matches!(&c.source, Source::Secret { name: n } if n == name);
+        let wanted = data.cloned().unwrap_or_default();
+        // Clusters of this Secret whose key is gone.
+        let removed: Vec<Arc<RemoteCluster>> = {
+            let mut clusters = self.write();
+            let gone: Vec<String> = clusters
+                .values()
+                .filter(|c| ours(c) && !wanted.contains_key(&c.id))
+                .map(|c| c.id.clone())
+                .collect();
+            gone.iter().filter_map(|id| clusters.remove(id)).collect()
+        };
+        for cluster in removed {
+            self.forget(&cluster);
+            tracing::info!(cluster = %cluster.id, secret = %name, "remote cluster removed");
+        }
+        for (key, bytes) in &wanted {
+            if !valid_cluster_id(key) {
+                self.reject(name, key, &"the key is not a cluster ID");
+                continue;
+            }
+            if *key == self.local_cluster_id {
+                self.reject(name, key, &"names the local cluster (--cluster-id)");
+                continue;
+            }
+            let existing = self.get(key);
+            match &existing {
+                Some(c) if !ours(c) => {
+                    let other = match &c.source {
+                        Source::Flag(_) => "--remote-cluster".to_string(),
+                        Source::Secret { name } => format!("the remote secret {name}"),
+                    };
+                    self.reject(
+                        name,
+                        key,
+                        &format!("this cluster is already given by {other}"),
+                    );
+                    continue;
+                }
+                Some(c) if c.fingerprint == fingerprint(bytes) => continue,
+                Some(_) => {}
+                None if self.read().len() >= self.config.max_clusters => {
+                    self.reject(
+                        name,
+                        key,
+                        &format!(
+                            "already {} remote clusters (--max-remote-clusters)",
+                            self.config.max_clusters
+                        ),
+                    );
+                    continue;
+                }
+                None => {}
+            }
+            match self
+                .build(
+                    key,
+                    Source::Secret {
+                        name: name.to_string(),
+                    },
+                    bytes,
+                )
+                .await
+            {
+                Ok(cluster) => {
+                    // Requests in flight keep the cluster they took.
+                    self.write().insert(key.clone(), cluster);
+                    tracing::info!(
+                        cluster = %key,
+                        secret = %name,
+                        changed = existing.is_some(),
+                        "remote cluster from a remote secret"
+                    );
+                }
+                Err(e) => {
+                    // A changed kubeconfig that is bad: the cluster is gone
+                    // rather than served with credentials its Secret withdrew.
+                    if let Some(old) = existing {
+                        self.write().remove(key);
+                        self.forget(&old);
+                    }
+                    self.reject(name, key, &e);
+                }
+            }
+        }
+        self.count();
+    }
+
+    /// After a full listing: removes the clusters of Secrets not in `seen`.
+    async fn retain_secrets(self: &Arc<Self>, seen: &[String]) {
+        let stale: Vec<String> = {
+            let clusters = self.read();
+            let mut names: Vec<String> = clusters
+                .values()
+                .filter_map(|c| match &c.source {
+                    Source::Secret { name } if !seen.contains(name) => Some(name.clone()),
+                    _ => None,
+                })
+                .collect();
+            names.dedup();
+            names
+        };
+        for name in stale {
+            self.apply_secret(&name, None).await;
+        }
+    }
+}
+
+/// The data of a remote secret, or `None` when it is not one (the label
+/// removed: its clusters go).
+fn remote_data(secret: &Secret) -> Option<BTreeMap<String, Vec<u8>>> {
+    let labelled = secret
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(REMOTE_SECRET_LABEL))
+        .is_some_and(|v| v == "true");
+    labelled.then(|| {
+        secret
+            .data
+            .as_ref()
+            .map(|d| d.iter().map(|(k, v)| (k.clone(), v.0.clone())).collect())
+            .unwrap_or_default()
+    })
+}
+
+/// Follows the remote secrets in `namespace` until dropped: every Secret
+/// labelled `istio/multiCluster: "true"` added, changed or deleted takes
+/// effect at once.
+pub(crate) async fn watch_remote_secrets(
+    client: kube::Client,
+    namespace: String,
+    clusters: Arc<RemoteClusters>,
+) {
+    let api: Api<Secret> = Api::namespaced(client, &namespace);
+    let events = watcher::watcher(
+        api,
+        watcher::Config::default().labels(&format!("{REMOTE_SECRET_LABEL}=true")),
+    );
+    futures::pin_mut!(events);
+    let mut retry = meshca_kube::WatchRetry::new("remote secrets");
+    let mut listed: Vec<String> = Vec::new();
+    while let Some(event) = events.next().await {
+        retry.saw(&event);
+        match event {
+            Ok(Event::Apply(secret)) | Ok(Event::InitApply(secret)) => {
+                let name = secret.metadata.name.clone().unwrap_or_default();
+                listed.push(name.clone());
+                let data = remote_data(&secret);
+                clusters.apply_secret(&name, data.as_ref()).await;
+            }
+            Ok(Event::Delete(secret)) => {
+                let name = secret.metadata.name.clone().unwrap_or_default();
+                clusters.apply_secret(&name, None).await;
+            }
+            Ok(Event::Init) => listed.clear(),
+            Ok(Event::InitDone) => clusters.retain_secrets(&listed).await,
+            Err(e) => retry.failed(&e).await,
+        }
+    }
+}
+
+/// Asks `client`'s API server for `/version` every [`PROBE_INTERVAL`]:
+/// `up` 1 when it answers within `timeout`, else 0.
+async fn probe(client: kube::Client, cluster: String, up: Gauge, timeout: Duration) {
+    let mut was_up = None;
+    loop {
+        let ok = matches!(
+            tokio::time::timeout(timeout, client.apiserver_version()).await,
+            Ok(Ok(_))
+        );
+        up.set(i64::from(ok));
+        if was_up != Some(ok) {
+            if ok {
+                tracing::info!(cluster = %cluster, "remote cluster's API server answers");
+            } else {
+                tracing::warn!(cluster = %cluster, "remote cluster's API server does not answer; only its callers are affected");
+            }
+            was_up = Some(ok);
+        }
+        tokio::time::sleep(PROBE_INTERVAL).await;
+    }
+}
+
+/// Finds the cluster's keys by OIDC discovery (tried again every 10 s
+/// until it works; meanwhile its tokens go to TokenReview), then fetches
+/// them again every 5 minutes.
+async fn follow_keys(
+    cluster: Weak<RemoteCluster>,
+    client: kube::Client,
+    issuer: String,
+    settings: RemoteAuthnSettings,
+) {
+    let fetcher = Arc::new(KubernetesJwks::new(client).with_timeout(settings.timeout));
+    let authn = loop {
+        let Some(id) = cluster.upgrade().map(|c| c.id.clone()) else {
+            return;
+        };
+        let found = async {
+            let discovery = fetcher.discover().await?;
+            if discovery.issuer != issuer {
+                return Err(format!(
+                    "--remote-cluster-jwt-issuer {issuer:?}, but the cluster's OIDC discovery says its issuer is {:?}",
+                    discovery.issuer.chars().take(200).collect::<String>()
+                ));
+            }
+            let jwks = fetcher.fetch_jwks().await?;
+            JwtAuthenticator::from_jwks(
+                "remote-kubernetes-oidc",
+                &issuer,
+                &jwks,
+                settings.audiences.clone(),
+                settings.trust_domain.clone(),
+            )
+            .map_err(|e| format!("the cluster's JWKS: {e}"))
+        }
+        .await;
+        match found {
+            Ok(authn) => {
+                tracing::info!(cluster = %id, issuer = %issuer, "offline token validation with the remote cluster's keys");
+                break Arc::new(
+                    authn
+                        .with_refresher(fetcher.clone())
+                        .with_fetch_timeout(settings.timeout * 2)
+                        .with_cache_ttl(settings.jwt_cache_ttl)
+                        .counting_cache_hits(settings.cache_hits.clone()),
+                );
+            }
+            Err(e) => {
+                tracing::warn!(cluster = %id, error = %e, "OIDC discovery of the remote cluster failed; its tokens go to TokenReview meanwhile");
+                tokio::time::sleep(DISCOVERY_RETRY).await;
+            }
+        }
+    };
+    match cluster.upgrade() {
+        Some(c) => *c.jwt.write().unwrap_or_else(|e| e.into_inner()) = Some(authn.clone()),
+        None => return,
+    }
+    loop {
+        tokio::time::sleep(JWKS_REFRESH_PERIOD).await;
+        let Some(id) = cluster.upgrade().map(|c| c.id.clone()) else {
+            return;
+        };
+        if let Err(e) = authn.refresh().await {
+            tracing::warn!(cluster = %id, error = %e, "refreshing the remote cluster's JWKS failed; keeping the old keys");
+        }
+    }
+}
+
+/// Starts the remote clusters of `config`: the flags' at once (an error
+/// stops the start), the remote secrets of `local` (client, meshca's
+/// namespace) watched in the background.
+pub(crate) async fn start(
+    config: &crate::config::Config,
+    authority: &Arc<crate::authority::Authority>,
+    metrics: &crate::metrics::Metrics,
+    local: Option<(kube::Client, String)>,
+    background: &mut tokio::task::JoinSet<()>,
+) -> Result<Arc<RemoteClusters>, String> {
+    let settings = RemoteAuthnSettings {
+        audiences: config.token_audiences.clone(),
+        trust_domain: config.trust_domain.clone(),
+        cache_ttl: config.kubernetes.token_review_cache_ttl,
+        refusal_cache_ttl: config.kubernetes.token_review_refusal_cache_ttl,
+        jwt_cache_ttl: config.jwt_cache_ttl,
+        timeout: config.kubernetes.api_timeout,
+        max_in_flight: config.kubernetes.api_max_in_flight,
+        max_waiting: config.max_concurrent_requests.max(1) * crate::admission::QUEUE_PER_SLOT_MAX,
+        client_certificates: config.allow_cert_renewal.then(|| {
+            Arc::new(crate::authn::ClientCertAuthenticator::new(
+                authority.clone(),
+                config.trust_domain.clone(),
+            )) as Arc<dyn Authenticator>
+        }),
+        cache_hits: metrics.token_cache_hits.clone(),
+    };
+    let clusters = Arc::new(RemoteClusters::new(
+        config.cluster_id.clone(),
+        config.remote.clone(),
+        settings,
+        metrics.remote_clusters.clone(),
+    ));
+    clusters.add_static().await?;
+    if let Some((client, namespace)) = local {
+        tracing::info!(namespace = %namespace, "watching remote secrets (label {REMOTE_SECRET_LABEL}=true)");
+        background.spawn(watch_remote_secrets(client, namespace, clusters.clone()));
+    }
+    Ok(clusters)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(clusters: &[&str], issuers: &[&str]) -> RemoteClusterArgs {
+        RemoteClusterArgs {
+            remote_clusters: clusters.iter().map(|s| s.to_string()).collect(),
+            remote_jwt_issuers: issuers.iter().map(|s| s.to_string()).collect(),
+            max_remote_clusters: 2,
+        }
+    }
+
+    #[test]
+    fn flags_are_checked() {
+        let ok = RemoteClusterConfig::from_args(
+            args(&["west=/k/west", "east=/k/east"], &["west=https://west"]),
+            "Kubernetes",
+        )
+        .unwrap();
+        assert_eq!(ok.static_clusters.len(), 2);
+        assert_eq!(ok.jwt_issuers["west"], "https://west");
+        for (clusters, issuers, want) in [
+            (&["west"][..], &[][..], "must be ID=VALUE"),
+            (&["Kubernetes=/k"][..], &[][..], "names the local cluster"),
+            (&["a b=/k"][..], &[][..], "cluster ID must be"),
+            (&["west=/a", "west=/b"][..], &[][..], "given twice"),
+            (
+                &["a=/a", "b=/b", "c=/c"][..],
+                &[][..],
+                "more than --max-remote-clusters",
+            ),
+            (&[][..], &["west="][..], "nothing after"),
+        ] {
+            let e = RemoteClusterConfig::from_args(args(clusters, issuers), "Kubernetes")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{clusters:?} {issuers:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn a_remote_secret_may_not_run_programs_or_read_files() {
+        let base = "apiVersion: v1\nkind: Config\nclusters:\n- name: c\n  cluster:\n    server: https://10.0.0.1\n";
+        let user = |extra: &str| {
+            format!("{base}users:\n- name: u\n  user:\n{extra}contexts:\n- name: x\n  context:\n    cluster: c\n    user: u\ncurrent-context: x\n")
+        };
+        let ok = kube::config::Kubeconfig::from_yaml(&user("    token: abc\n")).unwrap();
+        assert!(sanitize(&ok).is_ok());
+        for (extra, want) in [
+            ("    exec:\n      apiVersion: client.authentication.k8s.io/v1\n      command: /bin/sh\n", "exec"),
+            ("    tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token\n", "tokenFile"),
+            ("    client-certificate: /etc/x.crt\n    client-key: /etc/x.key\n", "client-certificate"),
+            ("    auth-provider:\n      name: gcp\n", "auth provider"),
+        ] {
+            let config = kube::config::Kubeconfig::from_yaml(&user(extra)).unwrap();
+            let e = sanitize(&config).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+            assert!(!e.contains("/bin/sh") && !e.contains("/etc/x"), "{e}");
+        }
+        let ca_file = base.replace(
+            "server: https://10.0.0.1",
+            "server: https://10.0.0.1\n    certificate-authority: /etc/ca.pem",
+        );
+        let config = kube::config::Kubeconfig::from_yaml(&ca_file).unwrap();
+        assert!(sanitize(&config)
+            .unwrap_err()
+            .to_string()
+            .contains("certificate-authority"));
+    }
+
+    #[test]
+    fn cluster_ids_are_secret_keys() {
+        for id in ["west", "cluster-1", "eu.prod_2"] {
+            assert!(valid_cluster_id(id), "{id}");
+        }
+        for id in ["", "a b", "a/b", "é", &"x".repeat(254)] {
+            assert!(!valid_cluster_id(id), "{id}");
+        }
+    }
+}
