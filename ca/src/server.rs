@@ -874,7 +874,7 @@ async fn start_oidc(
         return Ok(());
     };
     let Some(jwt) = jwt else {
-        tracing::warn!(addr = %addr, "--oidc-listen ignored: JWT-SVIDs are off with a Kubernetes cluster");
+        tracing::warn!(addr = %addr, "--oidc-listen ignored: JWT-SVIDs are off");
         return Ok(());
     };
     let listener = TcpListener::bind(addr)
@@ -1164,13 +1164,15 @@ pub async fn run(
         draining.clone(),
         &mut background,
     );
-    let jwt = crate::jwt_svid::start(
+    let jwt = Some(crate::jwt_svid::start_in(
         &config.jwt_svid,
         &config.data_dir,
-        cluster.is_some(),
+        cluster
+            .as_ref()
+            .map(|c| (c.client.clone(), c.namespace.clone())),
         stop_rx.clone(),
         &mut background,
-    )?;
+    )?);
     start_oidc(&config, jwt.as_ref(), stop_rx.clone()).await?;
     let acceptor = start_server_identity(&config, &authority, stop_rx.clone(), &mut background)?;
     let listeners = bind_grpc(&config, monitoring_addr).await?;

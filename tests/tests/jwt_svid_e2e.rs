@@ -671,3 +671,58 @@ async fn measure_mint_rate_against_the_crypto_limit_and_the_cached_fetch_latency
         latencies[2500], latencies[4950], latencies[4999]
     );
 }
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_in_a_cluster_sign_with_the_one_key_of_the_secret() {
+    use meshca_tests::fake_kube::{FakeKube, FakeUser};
+    let dir = tempfile::tempdir().unwrap();
+    let kube = FakeKube::start(dir.path()).await;
+    let token = kube.add_review_token("web", FakeUser::service_account("default", "web"));
+    let args = |name: &str| {
+        (
+            dir.path().join(name),
+            vec![
+                "--kubeconfig".to_string(),
+                kube.kubeconfig.display().to_string(),
+                "--leader-lease-duration".into(),
+                "3s".into(),
+            ],
+        )
+    };
+    let (a, b) = tokio::join!(
+        start_off_runtime(args("a").0, args("a").1),
+        start_off_runtime(args("b").0, args("b").1)
+    );
+    assert!(
+        kube.get_object("secrets", "istio-system", "meshca-jwt-svid-keys")
+            .is_none(),
+        "nothing written before the first JWT request"
+    );
+    let mut clients = [
+        JwtSvidServiceClient::new(a.channel().await),
+        JwtSvidServiceClient::new(b.channel().await),
+    ];
+    // Both replicas at once: one creates the Secret, the other adopts it.
+    let [ca, cb] = &mut clients;
+    let (ta, tb) = tokio::join!(
+        ca.mint_jwt_svid(with_token(mint_request(&["vault"], 0, ""), &token)),
+        cb.mint_jwt_svid(with_token(mint_request(&["vault"], 0, ""), &token))
+    );
+    let kid = |token: &str| decode(token.split('.').next().unwrap())["kid"].clone();
+    let (ta, tb) = (ta.unwrap().into_inner(), tb.unwrap().into_inner());
+    assert_eq!(kid(&ta.token), kid(&tb.token), "one key for both replicas");
+    let stored = kube
+        .get_object("secrets", "istio-system", "meshca-jwt-svid-keys")
+        .expect("the keys' Secret");
+    assert!(stored["data"]["jwt-svid-keys.json"].is_string(), "{stored}");
+    for client in &mut clients {
+        let bundle = client
+            .fetch_jwt_bundle(with_token(FetchJwtBundleRequest {}, &token))
+            .await
+            .unwrap()
+            .into_inner();
+        let jwks: Value = serde_json::from_slice(&bundle.jwks).unwrap();
+        assert_eq!(jwks["keys"].as_array().unwrap().len(), 1, "{jwks}");
+        assert_eq!(jwks["keys"][0]["kid"], kid(&ta.token));
+    }
+    assert!(!a.log().contains(&ta.token) && !b.log().contains(&tb.token));
+}

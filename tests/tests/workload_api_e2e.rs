@@ -938,6 +938,29 @@ async fn node_mode_serves_each_pod_its_identity() {
     let web = x509_source(&socket).await.expect("the web pod's source");
     check_source(&web, WEB);
 
+    // JWT-SVIDs in node mode: the attested pod's identity, which the agent
+    // gets from the CA by impersonation, under the pod-on-node rule.
+    let mut raw = SpiffeWorkloadApiClient::new(unix_channel(&socket).await);
+    let mut request = tonic::Request::new(JwtsvidRequest {
+        audience: vec!["vault".into()],
+        spiffe_id: String::new(),
+    });
+    request
+        .metadata_mut()
+        .insert("workload.spiffe.io", "true".parse().unwrap());
+    let jwt = raw
+        .fetch_jwtsvid(request)
+        .await
+        .unwrap_or_else(|e| panic!("a JWT-SVID for the web pod: {e:?}\n{}", agent.log()));
+    assert_eq!(jwt.get_ref().svids[0].spiffe_id, WEB);
+    let audit = server.log();
+    assert!(
+        audit.lines().any(|l| l.contains("issued JWT-SVID")
+            && l.contains("caller=spiffe://cluster.local/ns/istio-system/sa/meshca-agent")
+            && l.contains(&format!("identity={WEB}"))),
+        "{audit}"
+    );
+
     // The db pod's process, in the systemd driver's form (cgroup v1 lines),
     // holding its own source while the web pod holds its one.
     let systemd_uid = DB_POD_UID.replace('-', "_");

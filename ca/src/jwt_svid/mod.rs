@@ -723,21 +723,6 @@ pub(crate) fn start_in(
     Ok(issuer)
 }
 
-/// As [`start_in`], but off in a cluster (`None`).
-pub(crate) fn start(
-    config: &JwtSvidConfig,
-    data_dir: &Path,
-    in_cluster: bool,
-    stop: tokio::sync::watch::Receiver<bool>,
-    background: &mut tokio::task::JoinSet<()>,
-) -> Result<Option<Arc<JwtIssuer>>, JwtKeyError> {
-    if in_cluster {
-        tracing::warn!("JWT-SVIDs are off with a Kubernetes cluster");
-        return Ok(None);
-    }
-    start_in(config, data_dir, None, stop, background).map(Some)
-}
-
 /// The state before the keys are loaded: nothing to sign with or publish.
 fn empty_state() -> KeyState {
     KeyState {
