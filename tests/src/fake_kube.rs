@@ -1,6 +1,6 @@
 //! A fake Kubernetes API server for end-to-end tests: HTTPS with its own
 //! CA, a kubeconfig pointing at it, and the real JSON of the endpoints
-//! meshca uses: `TokenReview`, OIDC discovery, and an object store for
+//! meshca uses: `TokenReview`, OIDC discovery, `/version`, and an object store for
 //! pods, namespaces, Secrets, ConfigMaps and Leases with the API's
 //! semantics: get, list, streamed watch from a resourceVersion, create
 //! (409 AlreadyExists), update with optimistic concurrency (409 Conflict on
@@ -696,6 +696,14 @@ async fn handle(
     };
     match (method.as_str(), path.as_str()) {
         ("POST", "/apis/authentication.k8s.io/v1/tokenreviews") => Ok(token_review(&shared, &body)),
+        ("GET", "/version") => Ok(json_response(
+            StatusCode::OK,
+            serde_json::json!({
+                "major": "1", "minor": "36", "gitVersion": "v1.36.0-fake", "gitCommit": "fake",
+                "gitTreeState": "clean", "buildDate": "2026-01-01T00:00:00Z", "goVersion": "go1.25",
+                "compiler": "gc", "platform": "linux/amd64",
+            }),
+        )),
         ("GET", "/.well-known/openid-configuration") => Ok(json_response(
             StatusCode::OK,
             serde_json::json!({
