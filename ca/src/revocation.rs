@@ -800,4 +800,49 @@ mod tests {
         assert_eq!(serials, ["2", "3"]);
         assert_eq!(metrics.issued_record_dropped.get(), 1);
     }
+
+    /// The cost per certificate in BENCHMARKS.md ("Revocation"): `cargo
+    /// test -p meshca-ca --lib revocation::tests::record_cost -- --ignored
+    /// --nocapture`.
+    #[test]
+    #[ignore = "a measurement: run by hand"]
+    fn record_cost_per_certificate_and_crl_with_a_full_record() {
+        let r = Revocations::new(DEFAULT_ISSUED_RECORD_SIZE, RevocationMetrics::default());
+        let key: Arc<str> = Arc::from("ab12");
+        let ids: Vec<SpiffeId> = (0..1000)
+            .map(|i| id(&format!("spiffe://cluster.local/ns/ns{}/sa/sa{i}", i % 50)))
+            .collect();
+        let now = OffsetDateTime::now_utc();
+        let later = now + time::Duration::hours(24);
+        let n = DEFAULT_ISSUED_RECORD_SIZE * 2;
+        let started = std::time::Instant::now();
+        for i in 0..n {
+            let serial = format!("{:034x}", (i as u128) << 20 | 0x5a5a5);
+            r.record_issued(
+                &serial,
+                &ids[i % ids.len()],
+                Some("node-1"),
+                &key,
+                now,
+                later,
+            );
+        }
+        let per = started.elapsed() / n as u32;
+        // Identity-level entries over a full record: the CRL's input.
+        let doc = (0..10)
+            .map(|i| format!("- {{\"service_account\": \"ns{i}/sa{i}\", \"revoked_at\": \"2026-12-03T11:30:00Z\"}}\n"))
+            .collect::<String>();
+        take_document(&r, Source::File, &format!("revocations:\n{doc}"), "bench");
+        let started = std::time::Instant::now();
+        let serials = r.revoked_serials(&[], now);
+        let scan = started.elapsed();
+        println!(
+            "record: {:.0} ns per certificate ({} pushed, {} kept); CRL input from a full record: {} serials in {:.1} ms",
+            per.as_nanos(),
+            n,
+            r.record.snapshot().len(),
+            serials.len(),
+            scan.as_secs_f64() * 1e3
+        );
+    }
 }

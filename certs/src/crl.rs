@@ -338,4 +338,49 @@ mod tests {
             assert_eq!(aki, key_identifier(&ca).unwrap());
         }
     }
+
+    /// The sizes and times in BENCHMARKS.md ("Revocation"): `cargo test -p
+    /// meshca-certs --lib crl::tests::size_and_time -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "a measurement: run by hand"]
+    fn size_and_time_for_1000_and_10000_serials() {
+        let (ca, key) = ca(KeyAlgorithm::EcdsaP256);
+        for n in [0usize, 1_000, 10_000] {
+            let revoked: Vec<RevokedCert> = (0..n)
+                .map(|i| RevokedCert {
+                    // meshca's serials: 17 random bytes, the first below 0x80.
+                    serial: Serial::from_bytes(
+                        &ring::digest::digest(&ring::digest::SHA256, &i.to_be_bytes()).as_ref()
+                            [..17]
+                            .iter()
+                            .enumerate()
+                            .map(|(j, b)| if j == 0 { b & 0x7f | 0x01 } else { *b })
+                            .collect::<Vec<u8>>(),
+                    ),
+                    revoked_at: times(0).this_update,
+                    reason: RevocationReason::KeyCompromise,
+                })
+                .collect();
+            let started = std::time::Instant::now();
+            let rounds = 5;
+            let mut der = Vec::new();
+            for _ in 0..rounds {
+                der = sign_crl(&ca, key.key_pair(), &revoked, times(1)).unwrap();
+            }
+            let took = started.elapsed() / rounds;
+            let pem = encode_crl_pem(&der);
+            let started = std::time::Instant::now();
+            let parsed = ParsedCrl::from_pem(&pem).unwrap();
+            parsed.verify(&ca, OffsetDateTime::now_utc()).unwrap();
+            let read = started.elapsed();
+            assert_eq!(parsed.revoked.len(), n);
+            println!(
+                "{n} serials: DER {} bytes, PEM {} bytes, signed in {:.2} ms, parsed and verified in {:.2} ms",
+                der.len(),
+                pem.len(),
+                took.as_secs_f64() * 1e3,
+                read.as_secs_f64() * 1e3
+            );
+        }
+    }
 }

@@ -493,3 +493,139 @@ async fn wait_until_ok(server: &MeshcaServer, token: &str, id: &str) -> Vec<Stri
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_serves_the_crl_on_the_workload_api_and_in_sds_once_it_verifies() {
+    use envoy_types::pb::envoy::extensions::transport_sockets::tls::v3::{secret, Secret};
+    use envoy_types::pb::envoy::service::discovery::v3::DiscoveryRequest;
+    use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_client::SecretDiscoveryServiceClient;
+    use meshca_proto::spiffe_workload::spiffe_workload_api_client::SpiffeWorkloadApiClient;
+    use meshca_proto::spiffe_workload::X509svidRequest;
+    use meshca_tests::agent_process::{unix_channel, Agent};
+    use prost::Message;
+
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let server = start_off_runtime(data.clone(), vec![]).await;
+    std::fs::write(dir.path().join("root-cert.pem"), server.root_pem()).unwrap();
+    let old = ask(
+        &server,
+        &server.token("default", "old"),
+        "spiffe://cluster.local/ns/default/sa/old",
+    )
+    .await
+    .unwrap();
+    revoke(&[
+        "--spiffe-id",
+        "spiffe://cluster.local/ns/default/sa/old",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ]);
+    let revoked = serial_of(&old);
+    wait_until("the CRL lists the serial", EFFECTIVE_WITHIN, || async {
+        crl_file(&data).is_some_and(|c| c.revoked.contains(&revoked))
+    })
+    .await;
+
+    let socket = dir.path().join("agent.sock");
+    let (socket_arg, crl_arg) = (
+        socket.display().to_string(),
+        data.join("ca-crl.pem").display().to_string(),
+    );
+    let mut agent = Agent::start(
+        &server,
+        dir.path(),
+        &server.token("default", "web"),
+        "agent",
+        &[
+            "--spiffe-id",
+            WEB,
+            "--workload-api-socket",
+            &socket_arg,
+            "--crl-file",
+            &crl_arg,
+            "--bundle-refresh",
+            "200ms",
+        ],
+    );
+    agent.wait_for_socket(&socket).await;
+    let channel = unix_channel(&socket).await;
+    let mut request = tonic::Request::new(X509svidRequest {});
+    request
+        .metadata_mut()
+        .insert("workload.spiffe.io", "true".parse().unwrap());
+    let mut stream = SpiffeWorkloadApiClient::new(channel.clone())
+        .fetch_x509svid(request)
+        .await
+        .unwrap()
+        .into_inner();
+    let first = tokio::time::timeout(Duration::from_secs(30), stream.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        first.crl.len(),
+        1,
+        "X509SVIDResponse.crl carries the CA's CRL"
+    );
+    let served = ParsedCrl::from_der(&first.crl[0]).unwrap();
+    assert!(served.revoked.contains(&revoked));
+
+    // A new revocation reaches the open stream.
+    let db = ask(&server, &server.token("default", "db"), DB)
+        .await
+        .unwrap();
+    revoke(&["--spiffe-id", DB, "--data-dir", data.to_str().unwrap()]);
+    let db_serial = serial_of(&db);
+    let took = Instant::now();
+    let updated = tokio::time::timeout(EFFECTIVE_WITHIN, async {
+        loop {
+            let next = stream.message().await.unwrap().unwrap();
+            if next
+                .crl
+                .first()
+                .and_then(|d| ParsedCrl::from_der(d).ok())
+                .is_some_and(|c| c.revoked.contains(&db_serial))
+            {
+                return next;
+            }
+        }
+    })
+    .await
+    .expect("the new CRL on the socket within 5 s");
+    eprintln!(
+        "the socket carried the new CRL {:?} after the edit",
+        took.elapsed()
+    );
+    assert_eq!(updated.svids[0].spiffe_id, WEB);
+
+    // Envoy's SDS: the validation context carries the CRL beside the roots.
+    let request = DiscoveryRequest {
+        type_url: "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret".into(),
+        resource_names: vec!["ROOTCA".into()],
+        ..Default::default()
+    };
+    let mut sds = SecretDiscoveryServiceClient::new(channel)
+        .stream_secrets(futures::stream::iter([request]))
+        .await
+        .unwrap()
+        .into_inner();
+    let answer = tokio::time::timeout(Duration::from_secs(10), sds.message())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    let secret = Secret::decode(answer.resources[0].value.as_slice()).unwrap();
+    let Some(secret::Type::ValidationContext(context)) = secret.r#type else {
+        panic!("not a validation context: {secret:?}");
+    };
+    let crl = context.crl.expect("a CRL in the validation context");
+    let Some(envoy_types::pb::envoy::config::core::v3::data_source::Specifier::InlineBytes(pem)) =
+        crl.specifier
+    else {
+        panic!("an inline CRL");
+    };
+    let parsed = ParsedCrl::from_pem(std::str::from_utf8(&pem).unwrap()).unwrap();
+    assert!(parsed.revoked.contains(&db_serial));
+}

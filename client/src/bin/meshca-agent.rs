@@ -108,6 +108,12 @@ struct Args {
     /// does not list yet waits for it before it is refused (0: not at all).
     #[arg(long, env = "MESHCA_ATTESTATION_WAIT", default_value = DEFAULT_ATTESTATION_WAIT_TEXT, value_parser = parse_duration)]
     attestation_wait: Duration,
+    /// The CA's CRL (PEM: meshca's ca-crl.pem, or the istio-ca-crl
+    /// ConfigMap mounted), re-read every --bundle-refresh and served on
+    /// the socket (the Workload API's crl, the SDS validation context)
+    /// while a trusted CA's signature verifies and its nextUpdate is ahead.
+    #[arg(long, env = "MESHCA_CRL_FILE")]
+    crl_file: Option<PathBuf>,
     /// How often to check --root-cert for a new trust bundle to push.
     #[arg(long, env = "MESHCA_BUNDLE_REFRESH", value_parser = parse_positive_duration, default_value = DEFAULT_BUNDLE_REFRESH, allow_hyphen_values = true)]
     bundle_refresh: Duration,
@@ -235,6 +241,14 @@ fn main() -> ExitCode {
     }
 }
 
+/// The `--crl-file` watch (none without the flag).
+fn crl_of(args: &Args) -> watch::Receiver<Option<Arc<workload_api::ServedCrl>>> {
+    match &args.crl_file {
+        Some(path) => workload_api::watch_crl_file(path.clone(), args.bundle_refresh),
+        None => watch::channel(None).1,
+    }
+}
+
 async fn run(args: Args) -> anyhow::Result<()> {
     let client = CaClient::new(CaClientConfig {
         ca_addr: args.ca_addr.clone(),
@@ -295,7 +309,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
             .await
             .with_context(|| format!("--workload-api-socket {}", path.display()))?;
         socket_file = SocketFile::of(path);
-        let feeds = Feeds::new(manager.clone(), bundle);
+        let feeds = Feeds::with_crl(manager.clone(), bundle, crl_of(&args));
         // Pinned: the configured identity is fetched now and kept managed
         // with no stream open.
         let pinned = feeds.get(&identity);
@@ -416,7 +430,7 @@ async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
     let bundle = workload_api::watch_root_file(client.clone(), args.bundle_refresh);
     let jwt = start_jwt_svids(&client);
     let manager = Arc::new(CertManager::new(Arc::new(client), ManagerConfig::default()));
-    let feeds = Feeds::new(manager, bundle);
+    let feeds = Feeds::with_crl(manager, bundle, crl_of(&args));
     let callers = Callers::new(
         CallerPolicy::Node {
             trust_domain: args.trust_domain.clone(),

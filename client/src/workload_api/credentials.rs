@@ -12,20 +12,66 @@ use time::OffsetDateTime;
 
 use crate::issuer::Svid;
 
-/// Every root to trust, DER and PEM.
+/// The CA's CRL as the agent serves it (`--crl-file`): the Workload API's
+/// `crl` field and the SDS validation context's `crl`.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ServedCrl {
+    /// The CRL, DER.
+    pub(crate) der: Vec<u8>,
+    /// The CRL, PEM.
+    pub(crate) pem: String,
+    /// Its nextUpdate: not served after it.
+    next_update: Option<OffsetDateTime>,
+}
+
+impl ServedCrl {
+    /// Reads a PEM CRL (its signature is checked against the roots when it
+    /// is served).
+    pub fn from_pem(pem: &str) -> Result<Self, meshca_certs::crl::CrlError> {
+        let parsed = meshca_certs::crl::ParsedCrl::from_pem(pem)?;
+        Ok(Self {
+            pem: meshca_certs::crl::encode_crl_pem(&parsed.der),
+            next_update: parsed.next_update,
+            der: parsed.der,
+        })
+    }
+
+    /// Whether one of `issuers` (roots, or the CA certificates of the
+    /// chain) signed it and its nextUpdate is still ahead: a CRL that does
+    /// not verify, or is stale, is not served (a client would refuse
+    /// every peer with it).
+    fn verifies_with(&self, issuers: &[Vec<u8>], now: OffsetDateTime) -> bool {
+        if self.next_update.is_some_and(|n| n <= now) {
+            return false;
+        }
+        let Ok(parsed) = meshca_certs::crl::ParsedCrl::from_der(&self.der) else {
+            return false;
+        };
+        issuers.iter().any(|ca| parsed.verify(ca, now).is_ok())
+    }
+}
+
+/// Every root to trust, DER and PEM, and the CA's CRL when one is given
+/// and verifies.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) struct Roots {
     /// Every trusted root, DER.
     pub(crate) der: Vec<Vec<u8>>,
     /// Every trusted root, PEM.
     pub(crate) pem: String,
+    /// The CRL, checked against the roots and the answer's CA certificates.
+    pub(crate) crl: Option<Arc<ServedCrl>>,
 }
 
 impl Roots {
     /// The roots in the last element of `svid`'s answer (during a root
     /// rotation it carries every root), if there is one, then those of
     /// `file_bundle` not already among them.
-    pub(crate) fn new(svid: Option<&Svid>, file_bundle: &TrustBundle) -> Arc<Self> {
+    pub(crate) fn new(
+        svid: Option<&Svid>,
+        file_bundle: &TrustBundle,
+        crl: Option<&Arc<ServedCrl>>,
+    ) -> Arc<Self> {
         let mut der: Vec<Vec<u8>> = svid
             .and_then(|svid| {
                 let n = svid.chain_pem.len();
@@ -37,9 +83,25 @@ impl Roots {
                 der.push(root.clone());
             }
         }
+        let crl = crl.filter(|crl| {
+            // The signing CA is a root, or an intermediate of the answer.
+            let mut issuers = der.clone();
+            if let Some(svid) = svid {
+                let n = svid.chain_pem.len();
+                for pem in svid.chain_pem.iter().take(n.saturating_sub(1)).skip(1) {
+                    issuers.extend(parse_certs_pem(pem).unwrap_or_default());
+                }
+            }
+            let ok = crl.verifies_with(&issuers, OffsetDateTime::now_utc());
+            if !ok {
+                tracing::warn!("the CRL is not signed by a trusted CA or is past its nextUpdate; not served");
+            }
+            ok
+        });
         Arc::new(Self {
             pem: encode_certs_pem(&der),
             der,
+            crl: crl.cloned(),
         })
     }
 
@@ -89,7 +151,11 @@ impl fmt::Debug for Credentials {
 impl Credentials {
     /// Builds the served form of `svid`, trusting its answer's roots and
     /// those of `file_bundle`.
-    pub(crate) fn new(svid: &Svid, file_bundle: &TrustBundle) -> Arc<Self> {
+    pub(crate) fn new(
+        svid: &Svid,
+        file_bundle: &TrustBundle,
+        crl: Option<&Arc<ServedCrl>>,
+    ) -> Arc<Self> {
         let n = svid.chain_pem.len();
         let chain_elements = if n > 1 {
             &svid.chain_pem[..n - 1]
@@ -107,7 +173,7 @@ impl Credentials {
             serial_hex: svid.leaf.serial_hex.clone(),
             not_after: svid.leaf.not_after,
             chain_pem: encode_certs_pem(&chain_der),
-            roots: Roots::new(Some(svid), file_bundle),
+            roots: Roots::new(Some(svid), file_bundle, crl),
             key_pkcs8_der: svid.key.to_pkcs8_der(),
             key_pem: svid.key.to_pkcs8_pem(),
             chain_der,

@@ -27,7 +27,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tonic::Status;
 
-use super::credentials::{Credentials, Roots};
+use super::credentials::{Credentials, Roots, ServedCrl};
 use crate::issuer::{ClientError, Svid};
 use crate::manager::{CertManager, CertState};
 
@@ -94,6 +94,8 @@ const LINGER_SWEEP: Duration = Duration::from_secs(30);
 pub struct Feeds {
     manager: Arc<CertManager>,
     bundle: watch::Receiver<TrustBundle>,
+    /// The CA's CRL to serve (`--crl-file`), if any.
+    crl: watch::Receiver<Option<Arc<ServedCrl>>>,
     live: Mutex<HashMap<SpiffeId, Weak<Feed>>>,
     /// Feeds kept after a stream closed, until when; one entry per
     /// identity, so no larger than the identities served.
@@ -114,9 +116,20 @@ pub struct Feed {
 impl Feeds {
     /// Feeds over `manager`, trusting also the roots `bundle` holds.
     pub fn new(manager: Arc<CertManager>, bundle: watch::Receiver<TrustBundle>) -> Arc<Self> {
+        Self::with_crl(manager, bundle, watch::channel(None).1)
+    }
+
+    /// As [`Feeds::new`], serving also the CRL `crl` holds (when it
+    /// verifies with the roots or the answer's CA certificates).
+    pub fn with_crl(
+        manager: Arc<CertManager>,
+        bundle: watch::Receiver<TrustBundle>,
+        crl: watch::Receiver<Option<Arc<ServedCrl>>>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             manager,
             bundle,
+            crl,
             live: Mutex::new(HashMap::new()),
             lingering: Mutex::new(HashMap::new()),
             sweeping: std::sync::atomic::AtomicBool::new(false),
@@ -189,13 +202,14 @@ impl Feeds {
         let certificates = self.manager.add(identity.clone());
         // The file's roots are served at once, before any certificate.
         let (tx, state) = watch::channel(FeedState {
-            roots: Roots::new(None, &self.bundle.borrow()),
+            roots: Roots::new(None, &self.bundle.borrow(), self.crl.borrow().as_ref()),
             svid: SvidState::Pending { last_error: None },
         });
         let task = tokio::spawn(follow(
             identity.clone(),
             certificates,
             self.bundle.clone(),
+            self.crl.clone(),
             tx,
         ));
         let feed = Arc::new(Feed {
@@ -298,9 +312,11 @@ async fn follow(
     identity: SpiffeId,
     mut certificates: watch::Receiver<CertState>,
     mut bundle: watch::Receiver<TrustBundle>,
+    mut crl: watch::Receiver<Option<Arc<ServedCrl>>>,
     tx: watch::Sender<FeedState>,
 ) {
     let mut bundle_open = true;
+    let mut crl_open = true;
     // The last certificate seen (the manager forgets it once it fails).
     let mut last: Option<Arc<Svid>> = None;
     // The serial whose notAfter has passed.
@@ -308,6 +324,7 @@ async fn follow(
     loop {
         let state = certificates.borrow_and_update().clone();
         let file_bundle = bundle.borrow_and_update().clone();
+        let served_crl = crl.borrow_and_update().clone();
         if let CertState::Available(svid) = &state {
             last = Some(svid.clone());
         }
@@ -327,14 +344,14 @@ async fn follow(
                     )
                 } else {
                     expires_at = Some(Instant::now() + left);
-                    SvidState::Ready(Credentials::new(svid, &file_bundle))
+                    SvidState::Ready(Credentials::new(svid, &file_bundle, served_crl.as_ref()))
                 }
             }
         };
         let fresh = FeedState {
             roots: match &svid_state {
                 SvidState::Ready(credentials) => credentials.roots.clone(),
-                _ => Roots::new(last.as_deref(), &file_bundle),
+                _ => Roots::new(last.as_deref(), &file_bundle, served_crl.as_ref()),
             },
             svid: svid_state,
         };
@@ -362,6 +379,9 @@ async fn follow(
             }
             changed = bundle.changed(), if bundle_open => {
                 bundle_open = changed.is_ok();
+            }
+            changed = crl.changed(), if crl_open => {
+                crl_open = changed.is_ok();
             }
             () = expiry => {
                 expired = last.as_ref().map(|svid| svid.leaf.serial_hex.clone());

@@ -62,6 +62,7 @@ use crate::caclient::CaClient;
 #[doc(hidden)]
 pub use authority_fix::fuzz_authority_fix;
 pub use callers::{CallerPolicy, Callers, DEFAULT_ATTESTATION_WAIT};
+pub use credentials::ServedCrl;
 pub use feeds::{Feed, Feeds};
 pub use jwt::{JwtSvids, ALLOWED_ALGORITHMS, MAX_AUDIENCES, MAX_CACHED_JWT_SVIDS};
 pub use node_pods::{watch_node_pods, NodePods};
@@ -302,6 +303,59 @@ pub fn watch_root_file(client: CaClient, interval: Duration) -> watch::Receiver<
                 *current = bundle;
                 true
             });
+        }
+    });
+    rx
+}
+
+/// The CA's CRL in `path` (e.g. a mounted `istio-ca-crl` ConfigMap, or
+/// the CA's `ca-crl.pem`), re-read every `interval`; the receiver sees
+/// each new one. A missing or unreadable file keeps the last good CRL
+/// (logged); the feeds serve it only while it verifies.
+pub fn watch_crl_file(
+    path: std::path::PathBuf,
+    interval: Duration,
+) -> watch::Receiver<Option<Arc<ServedCrl>>> {
+    let read = |path: &std::path::Path| -> Result<ServedCrl, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| e.to_string())?;
+        ServedCrl::from_pem(&text).map_err(|e| e.to_string())
+    };
+    let first = match read(&path) {
+        Ok(crl) => Some(Arc::new(crl)),
+        Err(e) => {
+            tracing::warn!(file = %path.display(), error = %e, "no CRL to serve yet");
+            None
+        }
+    };
+    let (tx, rx) = watch::channel(first);
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_error: Option<String> = None;
+        loop {
+            tokio::select! {
+                _ = ticks.tick() => {}
+                _ = tx.closed() => return,
+            }
+            match read(&path) {
+                Ok(crl) => {
+                    last_error = None;
+                    tx.send_if_modified(|current| {
+                        if current.as_deref() == Some(&crl) {
+                            return false;
+                        }
+                        tracing::info!(file = %path.display(), "the CRL changed");
+                        *current = Some(Arc::new(crl));
+                        true
+                    });
+                }
+                Err(e) => {
+                    if last_error.as_ref() != Some(&e) {
+                        tracing::warn!(file = %path.display(), error = %e, "reading the CRL failed; the last one stays served");
+                    }
+                    last_error = Some(e);
+                }
+            }
         }
     });
     rx

@@ -164,6 +164,7 @@ fn secret_for(name: &str, identity: &SpiffeId, material: &Material) -> Option<Se
         (SecretKind::Roots, material) => {
             secret::Type::ValidationContext(CertificateValidationContext {
                 trusted_ca: inline(&material.roots().pem),
+                crl: material.roots().crl.as_ref().and_then(|c| inline(&c.pem)),
                 ..Default::default()
             })
         }

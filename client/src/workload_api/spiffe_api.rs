@@ -187,7 +187,7 @@ fn svid_response(credentials: &Credentials) -> X509svidResponse {
             bundle: credentials.roots.der_concat(),
             hint: String::new(),
         }],
-        crl: Vec::new(),
+        crl: credentials.roots.crl.iter().map(|c| c.der.clone()).collect(),
         federated_bundles: HashMap::new(),
     }
 }
@@ -219,7 +219,7 @@ impl SpiffeWorkloadApi for WorkloadApiService {
         let lease = self.callers.lease(&request, &identity)?;
         let stream = futures::StreamExt::map(root_updates(lease), move |roots| {
             roots.map(|roots| X509BundlesResponse {
-                crl: Vec::new(),
+                crl: roots.crl.iter().map(|c| c.der.clone()).collect(),
                 bundles: bundles(&identity, &roots),
             })
         });
