@@ -305,7 +305,7 @@ enum Store {
     /// `jwt-svid-keys.json` in the data directory.
     Dir(PathBuf),
     /// The cluster Secret, shared by every replica.
-    Secret(secret::SecretStore),
+    Secret(Box<secret::SecretStore>),
 }
 
 /// Mints JWT-SVIDs with the current key and keeps the keys rotating.
@@ -350,7 +350,7 @@ impl JwtIssuer {
         Self {
             state: ArcSwap::from_pointee(empty_state()),
             config,
-            store: Store::Secret(store),
+            store: Store::Secret(Box::new(store)),
             changes: tokio::sync::watch::channel(0).0,
             loaded: tokio::sync::OnceCell::new(),
             stop,
