@@ -196,6 +196,14 @@ impl CaService {
 
         let caller = self.caller_of(&request).await?;
         let _slot = self.admit("certificate").await?;
+        // Authenticated: the clusterid is the local cluster or a known remote one.
+        let cluster = request
+            .metadata()
+            .get(CLUSTER_ID_HEADER)
+            .and_then(|c| c.to_str().ok())
+            .filter(|c| !c.is_empty())
+            .unwrap_or(&self.cluster_id)
+            .to_string();
         let request = request.into_inner();
         let csr = VerifiedCsr::from_pem(&request.csr).map_err(|e| {
             self.metrics.csr_parsing_err_count.inc();
@@ -268,6 +276,7 @@ impl CaService {
         };
         tracing::info!(
             target: "meshca::audit",
+            cluster = %cluster,
             caller = %caller.identity,
             authn = method,
             pod = caller.pod_name.as_deref().unwrap_or(""),

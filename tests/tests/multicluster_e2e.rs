@@ -127,6 +127,8 @@ async fn each_token_is_checked_against_its_own_cluster() {
             format!("central={OIDC_ISSUER}"),
             "--kube-api-timeout".into(),
             "2s".into(),
+            "--trusted-node-agent".into(),
+            "istio-system/ztunnel".into(),
         ],
     )
     .await;
@@ -156,6 +158,39 @@ async fn each_token_is_checked_against_its_own_cluster() {
         .unwrap();
     assert_eq!(leaf_uri(&chain), WEB, "one trust domain for every cluster");
     assert_eq!(reviews(), (1, 0, 1, 0));
+    assert!(
+        server
+            .log()
+            .lines()
+            .any(|l| l.contains("issued certificate") && l.contains("cluster=east")),
+        "the audit line names the cluster:\n{}",
+        server.log()
+    );
+
+    // A node agent of a remote cluster: not yet given impersonation (the
+    // pod index is the local cluster's), refused rather than decided on
+    // another cluster's pods.
+    let ztunnel = east.add_review_token(
+        "ztunnel",
+        FakeUser::service_account("istio-system", "ztunnel"),
+    );
+    let mut client = server.client().await;
+    let (_, mut request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
+    request.metadata = Some(prost_types::Struct {
+        fields: [(
+            "ImpersonatedIdentity".to_string(),
+            prost_types::Value {
+                kind: Some(prost_types::value::Kind::StringValue(WEB.to_string())),
+            },
+        )]
+        .into(),
+    });
+    let mut request = with_token(request, &ztunnel);
+    request
+        .metadata_mut()
+        .insert("clusterid", "east".parse().unwrap());
+    let status = client.create_certificate(request).await.unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
 
     // A token of one cluster naming another is refused by that other,
     // even while the first has it cached.
@@ -171,7 +206,7 @@ async fn each_token_is_checked_against_its_own_cluster() {
     }
     assert_eq!(
         reviews(),
-        (2, 0, 2, 0),
+        (2, 0, 3, 0),
         "each refusal asked its own cluster"
     );
 
@@ -185,7 +220,7 @@ async fn each_token_is_checked_against_its_own_cluster() {
     }
     assert_eq!(
         reviews(),
-        (2, 0, 2, 0),
+        (2, 0, 3, 0),
         "no API call for an unknown cluster"
     );
 

@@ -25,10 +25,10 @@
 //!   by default) is logged naming the Secret and key, counted
 //!   (`meshca_remote_cluster_config_errors_count`) and left out; every
 //!   other cluster keeps working. Credentials are never logged.
-//! - Bounds: at most `--max-remote-clusters` (64); each remote cluster's
-//!   caches hold [`REMOTE_CACHE_ENTRIES`] results and
-//!   [`REMOTE_REFUSAL_ENTRIES`] refusals, a sixteenth of the local
-//!   cluster's, so 64 clusters hold no more than 4 local clusters' worth.
+//! - Bounds: at most `--max-remote-clusters` (64); the remote clusters'
+//!   TokenReview caches share the local cluster's bound
+//!   ([`remote_cache_entries`]: 781 results and 156 refusals each with
+//!   the default 64), so all of them together hold no more than it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -57,11 +57,22 @@ use crate::metrics::IstioCounter;
 pub(crate) const REMOTE_SECRET_LABEL: &str = "istio/multiCluster";
 /// Remote clusters at most, unless `--max-remote-clusters` says otherwise.
 pub(crate) const DEFAULT_MAX_REMOTE_CLUSTERS: usize = 64;
-/// Positive TokenReview (and offline) results one remote cluster keeps.
-pub(crate) const REMOTE_CACHE_ENTRIES: usize = crate::authn::cache::MAX_CACHED_TOKENS / 16;
-/// Refusals one remote cluster remembers.
-pub(crate) const REMOTE_REFUSAL_ENTRIES: usize =
-    crate::authn::token_review::MAX_REMEMBERED_REFUSALS / 16;
+/// Positive TokenReview results and refusals one remote cluster keeps
+/// when there may be `max_clusters`: together, every remote cluster holds
+/// no more than the local cluster's caches ([`MAX_CACHED_TOKENS`],
+/// [`MAX_REMEMBERED_REFUSALS`]), and each at least [`MIN_REMOTE_CACHE_ENTRIES`].
+///
+/// [`MAX_CACHED_TOKENS`]: crate::authn::cache::MAX_CACHED_TOKENS
+/// [`MAX_REMEMBERED_REFUSALS`]: crate::authn::token_review::MAX_REMEMBERED_REFUSALS
+pub(crate) fn remote_cache_entries(max_clusters: usize) -> (usize, usize) {
+    let share = |total: usize| (total / max_clusters.max(1)).max(MIN_REMOTE_CACHE_ENTRIES);
+    (
+        share(crate::authn::cache::MAX_CACHED_TOKENS),
+        share(crate::authn::token_review::MAX_REMEMBERED_REFUSALS),
+    )
+}
+/// The smallest cache of a remote cluster.
+pub(crate) const MIN_REMOTE_CACHE_ENTRIES: usize = 128;
 /// How often each remote cluster's API server is asked for `/version`
 /// (`meshca_remote_cluster_up`).
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(10);
@@ -538,6 +549,7 @@ impl RemoteClusters {
         }
         let client = client_of(kubeconfig, self.settings.timeout).await?;
         let s = &self.settings;
+        let (results, refusals) = remote_cache_entries(self.config.max_clusters);
         let label = ClusterLabel {
             cluster: id.to_string(),
         };
@@ -553,7 +565,7 @@ impl RemoteClusters {
                 max_waiting: s.max_waiting,
             },
         )
-        .with_cache_capacity(REMOTE_CACHE_ENTRIES, REMOTE_REFUSAL_ENTRIES)
+        .with_cache_capacity(results, refusals)
         .counting_cache_hits(s.cache_hits.clone());
         let cluster = Arc::new(RemoteCluster {
             id: id.to_string(),
@@ -990,6 +1002,14 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("certificate-authority"));
+    }
+
+    #[test]
+    fn remote_caches_share_the_local_bound() {
+        assert_eq!(remote_cache_entries(64), (781, 156));
+        assert_eq!(remote_cache_entries(1), (50_000, 10_000));
+        assert_eq!(remote_cache_entries(0), (50_000, 10_000));
+        assert_eq!(remote_cache_entries(10_000), (128, 128));
     }
 
     #[test]
