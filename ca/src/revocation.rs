@@ -232,6 +232,11 @@ pub(crate) struct Revocations {
     metrics: RevocationMetrics,
     /// The signing CA's key identifier (hex), set as the material changes.
     signing_key_id: ArcSwap<Arc<str>>,
+    /// In a cluster: the revoked serials other replicas issued, by the
+    /// name of the ConfigMap each shares them in.
+    peers: Mutex<BTreeMap<String, Vec<KeptSerial>>>,
+    /// The revoked serials of this replica's own record, for the others.
+    own_covered: watch::Sender<Vec<KeptSerial>>,
 }
 
 /// A request refused by an entry: what the caller is told.
@@ -251,6 +256,8 @@ impl Revocations {
             record: IssuedRecord::new(record_size),
             metrics,
             signing_key_id: ArcSwap::from_pointee(Arc::from("")),
+            peers: Mutex::default(),
+            own_covered: watch::channel(Vec::new()).0,
         }
     }
 
@@ -458,6 +465,7 @@ impl Revocations {
             }
         }
         let mut not_after_of: BTreeMap<&Serial, OffsetDateTime> = BTreeMap::new();
+        let mut own = Vec::new();
         for issued in &record {
             not_after_of.insert(&issued.serial, issued.not_after);
             if issued.not_after <= now {
@@ -471,12 +479,33 @@ impl Revocations {
                 issued_at: issued.issued_at,
             };
             if let Some(entry) = list.covering(&summary) {
-                out.entry(issued.serial.to_string()).or_insert(KeptSerial {
+                let kept = KeptSerial {
                     serial: issued.serial.to_string(),
                     reason: entry.reason,
                     revoked_at: entry.revoked_at.max(issued.issued_at),
                     not_after: Some(issued.not_after),
-                });
+                };
+                own.push(kept.clone());
+                out.entry(issued.serial.to_string()).or_insert(kept);
+            }
+        }
+        self.own_covered.send_if_modified(|current| {
+            if *current == own {
+                return false;
+            }
+            *current = own;
+            true
+        });
+        for shared in self
+            .peers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+        {
+            for k in shared {
+                if k.not_after.is_some_and(|na| na > now) {
+                    out.entry(k.serial.clone()).or_insert_with(|| k.clone());
+                }
             }
         }
         for (serial, entry) in list.serials() {
@@ -498,6 +527,155 @@ impl Revocations {
             });
         }
         out.into_values().collect()
+    }
+}
+
+/// The label of the ConfigMaps in which replicas share the revoked
+/// serials of their records.
+pub(crate) const SHARED_LABEL: &str = "meshca.io/revoked-serials";
+/// The data key of those ConfigMaps (JSON: serial, reason, revoked_at,
+/// not_after).
+const SHARED_KEY: &str = "serials.json";
+/// Revoked serials one replica shares (about 130 bytes each in JSON, so
+/// the ConfigMap stays under 1 MiB); beyond it, the latest to expire are
+/// kept.
+const MAX_SHARED_SERIALS: usize = 7_000;
+
+/// The name of this replica's ConfigMap: from `POD_NAME` (stable across
+/// container restarts), else the host name.
+pub(crate) fn shared_configmap_name() -> String {
+    let base = std::env::var("POD_NAME")
+        .or_else(|_| std::env::var("HOSTNAME"))
+        .unwrap_or_else(|_| "meshca".into());
+    let clean: String = base
+        .to_ascii_lowercase()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(200)
+        .collect();
+    format!("meshca-revoked-{}", clean.trim_matches('-'))
+}
+
+/// In a cluster, until dropped: writes the revoked serials of this
+/// replica's record to the ConfigMap `name` (labelled [`SHARED_LABEL`]) in
+/// `namespace` whenever they change, and follows the other replicas'
+/// ConfigMaps into the CRL. Only revoked serials travel, and only when the
+/// list or the record changes them: nothing is written per certificate.
+pub(crate) async fn share_with_replicas(
+    client: kube::Client,
+    namespace: String,
+    name: String,
+    revocations: Arc<Revocations>,
+) {
+    let api: Api<ConfigMap> = Api::namespaced(client, &namespace);
+    let events = watcher::watcher(
+        api.clone(),
+        watcher::Config::default().labels(&format!("{SHARED_LABEL}=true")),
+    );
+    futures::pin_mut!(events);
+    let mut retry = meshca_kube::WatchRetry::new("shared revoked serials");
+    let mut own = revocations.own_covered.subscribe();
+    let mut pending = true;
+    let mut tick = tokio::time::interval(Duration::from_secs(2));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            changed = own.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+                pending = true;
+            }
+            _ = tick.tick() => {}
+            event = events.next() => {
+                let Some(event) = event else { return };
+                retry.saw(&event);
+                let changed = match event {
+                    Ok(Event::Apply(cm)) | Ok(Event::InitApply(cm)) => {
+                        let Some(peer) = cm.metadata.name.clone().filter(|n| *n != name) else {
+                            continue;
+                        };
+                        let serials: Vec<KeptSerial> = cm
+                            .data
+                            .as_ref()
+                            .and_then(|d| d.get(SHARED_KEY))
+                            .and_then(|t| serde_json::from_str(t).ok())
+                            .unwrap_or_default();
+                        let serials: Vec<KeptSerial> = serials.into_iter().take(MAX_SHARED_SERIALS).collect();
+                        let mut peers = revocations.peers.lock().unwrap_or_else(|e| e.into_inner());
+                        let changed = peers.get(&peer) != Some(&serials);
+                        peers.insert(peer, serials);
+                        changed
+                    }
+                    Ok(Event::Delete(cm)) => cm
+                        .metadata
+                        .name
+                        .as_ref()
+                        .is_some_and(|n| revocations.peers.lock().unwrap_or_else(|e| e.into_inner()).remove(n).is_some()),
+                    Ok(_) => false,
+                    Err(e) => {
+                        retry.failed(&e).await;
+                        false
+                    }
+                };
+                if changed {
+                    revocations.changes.send_modify(|g| *g += 1);
+                }
+            }
+        }
+        if !pending {
+            continue;
+        }
+        let mut serials = own.borrow_and_update().clone();
+        serials.sort_by_key(|k| std::cmp::Reverse(k.not_after));
+        serials.truncate(MAX_SHARED_SERIALS);
+        let json = serde_json::to_string(&serials).unwrap_or_default();
+        match write_shared(&api, &namespace, &name, json).await {
+            Ok(()) => pending = false,
+            Err(e) => {
+                tracing::warn!(configmap = %name, error = %meshca_kube::describe(&e), "sharing the revoked serials failed; retrying");
+            }
+        }
+    }
+}
+
+async fn write_shared(
+    api: &Api<ConfigMap>,
+    namespace: &str,
+    name: &str,
+    json: String,
+) -> Result<(), kube::Error> {
+    let data = std::collections::BTreeMap::from([(SHARED_KEY.to_string(), json)]);
+    match api.get_opt(name).await? {
+        Some(cm) if cm.data.as_ref() == Some(&data) => Ok(()),
+        Some(mut cm) => {
+            cm.metadata.managed_fields = None;
+            cm.data = Some(data);
+            api.replace(name, &Default::default(), &cm)
+                .await
+                .map(|_| ())
+        }
+        // Nothing to share and nothing shared before: no ConfigMap.
+        None if data.get(SHARED_KEY).is_some_and(|j| j == "[]") => Ok(()),
+        None => {
+            let cm = ConfigMap {
+                metadata: kube::api::ObjectMeta {
+                    name: Some(name.into()),
+                    namespace: Some(namespace.into()),
+                    labels: Some([(SHARED_LABEL.to_string(), "true".to_string())].into()),
+                    ..Default::default()
+                },
+                data: Some(data),
+                ..Default::default()
+            };
+            api.create(&Default::default(), &cm).await.map(|_| ())
+        }
     }
 }
 

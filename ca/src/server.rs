@@ -591,6 +591,13 @@ fn start_revocations(
             namespace.clone(),
             revocations.clone(),
         ));
+        // Every replica's revoked serials reach every replica's CRL.
+        background.spawn(revocation::share_with_replicas(
+            client.clone(),
+            namespace.clone(),
+            revocation::shared_configmap_name(),
+            revocations.clone(),
+        ));
     }
     let (crl_tx, crl_rx) = tokio::sync::watch::channel(None);
     background.spawn(revocation::maintain_crl(

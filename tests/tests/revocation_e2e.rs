@@ -629,3 +629,87 @@ async fn the_agent_serves_the_crl_on_the_workload_api_and_in_sds_once_it_verifie
     let parsed = ParsedCrl::from_pem(std::str::from_utf8(&pem).unwrap()).unwrap();
     assert!(parsed.revoked.contains(&db_serial));
 }
+
+/// Starts a replica named `pod` (its `POD_NAME`) off the runtime.
+async fn replica(data: std::path::PathBuf, args: Vec<String>, pod: &'static str) -> MeshcaServer {
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        MeshcaServer::start_with_env(&data, &args, &[("POD_NAME", pod)])
+    })
+    .await
+    .unwrap()
+    .unwrap_or_else(|f| panic!("{f:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_serial_issued_by_one_replica_is_in_every_replicas_crl() {
+    let Some(plane) = ControlPlane::start().await else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let web = plane.running_pod("default", "web-1", "web", "node-a").await;
+    let kubeconfig = plane.meshca_kubeconfig().await;
+    let args: Vec<String> = [
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+        "--namespace",
+        MESHCA_NAMESPACE,
+        "--leader-lease-duration",
+        "4s",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let (a_data, b_data) = (dir.path().join("a"), dir.path().join("b"));
+    let a = replica(a_data.clone(), args.clone(), "meshca-a").await;
+    let b = replica(b_data.clone(), args, "meshca-b").await;
+    let token = plane
+        .token(
+            "default",
+            "web",
+            Some(&web),
+            &["istio-ca"],
+            Duration::from_secs(3600),
+        )
+        .await;
+    // Issued by replica a only.
+    let issued = serial_of(&ask(&a, &token, WEB).await.unwrap());
+    let admin_kubeconfig = plane.admin_kubeconfig.to_str().unwrap().to_string();
+    revoke(&[
+        "--spiffe-id",
+        WEB,
+        "--kubeconfig",
+        &admin_kubeconfig,
+        "--namespace",
+        MESHCA_NAMESPACE,
+    ]);
+    let took = wait_until("b's CRL lists a's serial", EFFECTIVE_WITHIN, || async {
+        crl_file(&b_data).is_some_and(|c| c.revoked.contains(&issued))
+    })
+    .await;
+    eprintln!("replica b's CRL listed replica a's serial {took:?} after the edit");
+    assert!(crl_file(&a_data).is_some_and(|c| c.revoked.contains(&issued)));
+    assert_eq!(
+        ask(&b, &token, WEB).await.unwrap_err().code(),
+        Code::PermissionDenied
+    );
+    // The published ConfigMap (whichever replica leads) lists it too.
+    let crls: Api<ConfigMap> = Api::namespaced(plane.admin().await, "default");
+    wait_until(
+        "istio-ca-crl lists a's serial",
+        EFFECTIVE_WITHIN,
+        || async {
+            crls.get_opt("istio-ca-crl")
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|cm| {
+                    cm.data
+                        .and_then(|d| d.get("ca-crl.pem").cloned())
+                        .and_then(|pem| ParsedCrl::from_pem(&pem).ok())
+                        .is_some_and(|c| c.revoked.contains(&issued))
+                })
+        },
+    )
+    .await;
+}
