@@ -94,6 +94,20 @@ pub struct Serial(String);
 impl Serial {
     /// Parses hex, with or without `:` between bytes and an optional `0x`.
     pub fn parse(text: &str) -> Result<Self, RevocationError> {
+        // The common case (meshca's own lowercase hex): one allocation.
+        if !text.is_empty()
+            && text.len() <= 80
+            && text
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        {
+            let digits = text.trim_start_matches('0');
+            return Ok(Self(if digits.is_empty() {
+                "0".into()
+            } else {
+                digits.into()
+            }));
+        }
         let trimmed = text.trim();
         let body = trimmed
             .strip_prefix("0x")
@@ -449,10 +463,12 @@ impl RawEntry {
             Some(serde_json::Value::String(s)) => {
                 targets.push(RevocationTarget::Serial(Serial::parse(s)?))
             }
-            Some(other) => return Err(RevocationError::InvalidEntry(format!(
+            Some(other) => {
+                return Err(RevocationError::InvalidEntry(format!(
                 "serial {} is not a string: quote it (\"…\") so its hex digits are read as written",
                 crate::untrusted_text::shortened(&other.to_string(), 60)
-            ))),
+            )))
+            }
         }
         if let Some(s) = &self.spiffe_id {
             targets.push(RevocationTarget::spiffe_id(s)?);
