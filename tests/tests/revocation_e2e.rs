@@ -713,3 +713,67 @@ async fn a_serial_issued_by_one_replica_is_in_every_replicas_crl() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_revoked_intermediate_signs_nothing_more_and_its_crl_lists_its_leaves() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path().join("pki");
+    let root = pki.join("root");
+    certs_cli(&["root-ca", "--out", root.to_str().unwrap()]);
+    let east = intermediate_ca(&pki, &root, "east", &[]);
+    let data = dir.path().join("data");
+    let server = start_off_runtime(
+        data.clone(),
+        vec!["--ca-dir".into(), east.display().to_string()],
+    )
+    .await;
+    let root_pem = std::fs::read_to_string(east.join("root-cert.pem")).unwrap();
+    let mut client = server.client_trusting(&root_pem).await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    let leaf = client
+        .create_certificate(with_token(request, &server.token("default", "web")))
+        .await
+        .unwrap()
+        .into_inner()
+        .cert_chain;
+    let intermediate = east.join("ca-cert.pem");
+    revoke(&[
+        "--intermediate",
+        intermediate.to_str().unwrap(),
+        "--reason",
+        "cACompromise",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ]);
+    wait_until(
+        "signing with the revoked intermediate refused",
+        EFFECTIVE_WITHIN,
+        || {
+            let mut client = client.clone();
+            let token = server.token("default", "api");
+            async move {
+                let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, API, 3600);
+                client
+                    .create_certificate(with_token(request, &token))
+                    .await
+                    .is_err_and(|s| {
+                        s.code() == Code::PermissionDenied && s.message().contains("intermediate")
+                    })
+            }
+        },
+    )
+    .await;
+    // Its leaves are in the CRL it signed (the intermediate is the issuer).
+    let serial = serial_of(&leaf);
+    wait_until("the leaf in the CRL", EFFECTIVE_WITHIN, || async {
+        crl_file(&data).is_some_and(|c| c.revoked.contains(&serial))
+    })
+    .await;
+    let crl = crl_file(&data).unwrap();
+    crl.verify(
+        &meshca_certs::bundle::parse_certs_pem(&std::fs::read_to_string(&intermediate).unwrap())
+            .unwrap()[0],
+        time::OffsetDateTime::now_utc(),
+    )
+    .unwrap();
+}
