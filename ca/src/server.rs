@@ -761,6 +761,7 @@ fn start_authority(config: &Config, material: CaMaterial) -> Arc<Authority> {
 fn build_authorizer(
     config: &Config,
     kube: Option<kube::Client>,
+    remote: &Arc<cluster::remote::RemoteClusters>,
     background: &mut tokio::task::JoinSet<()>,
 ) -> Result<Authorizer, ServeError> {
     if config.trusted_node_agents.is_empty() {
@@ -774,8 +775,13 @@ fn build_authorizer(
     ));
     background.spawn(watch_pods(client, pods.clone()));
     tracing::info!(agents = ?config.trusted_node_agents, "node-agent impersonation enabled");
+    // Each remote cluster's callers are judged on that cluster's own pods.
+    let local = Arc::new(NodeAgentPolicy::new(
+        config.trusted_node_agents.clone(),
+        pods,
+    ));
     Ok(Authorizer::with_impersonation(Arc::new(
-        NodeAgentPolicy::new(config.trusted_node_agents.clone(), pods),
+        cluster::remote::ClusterPolicies::new(local, remote.clone()),
     )))
 }
 
@@ -1147,11 +1153,11 @@ pub async fn run(
         &mut background,
     )
     .await?;
-    let authz = build_authorizer(&config, kube, &mut background)?;
     let local = cluster.as_ref().map(|c| (c.client.clone(), c.namespace.clone()));
     let remote = cluster::remote::start(&config, &authority, &metrics, local, &mut background)
         .await
         .map_err(ServeError::Kubernetes)?;
+    let authz = build_authorizer(&config, kube, &remote, &mut background)?;
     let (draining_tx, draining) = tokio::sync::watch::channel(false);
     follow_ca_material(&config, &authority, &metrics, &mut background);
     let (revocations, crl) = start_revocations(

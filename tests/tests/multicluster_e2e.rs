@@ -167,30 +167,59 @@ async fn each_token_is_checked_against_its_own_cluster() {
         server.log()
     );
 
-    // A node agent of a remote cluster: not yet given impersonation (the
-    // pod index is the local cluster's), refused rather than decided on
-    // another cluster's pods.
+    // A node agent of a remote cluster gets the certificates of the pods on
+    // its node in its own cluster, judged on that cluster's pods only.
+    east.add_pod(
+        "istio-system",
+        "ztunnel-pod",
+        "uid-ztunnel",
+        "ztunnel",
+        "node-1",
+    );
+    east.add_pod("default", "web-pod", "uid-web-east", "web", "node-1");
+    local.add_pod("default", "db-pod", "uid-db-local", "db", "node-1");
     let ztunnel = east.add_review_token(
         "ztunnel",
         FakeUser::service_account("istio-system", "ztunnel"),
     );
+    let as_node_agent = |target: &str| {
+        let (_, mut request) = csr_request(KeyAlgorithm::EcdsaP256, target, 0);
+        request.metadata = Some(prost_types::Struct {
+            fields: [(
+                "ImpersonatedIdentity".to_string(),
+                prost_types::Value {
+                    kind: Some(prost_types::value::Kind::StringValue(target.to_string())),
+                },
+            )]
+            .into(),
+        });
+        let mut request = with_token(request, &ztunnel);
+        request
+            .metadata_mut()
+            .insert("clusterid", "east".parse().unwrap());
+        request
+    };
     let mut client = server.client().await;
-    let (_, mut request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 0);
-    request.metadata = Some(prost_types::Struct {
-        fields: [(
-            "ImpersonatedIdentity".to_string(),
-            prost_types::Value {
-                kind: Some(prost_types::value::Kind::StringValue(WEB.to_string())),
-            },
-        )]
-        .into(),
-    });
-    let mut request = with_token(request, &ztunnel);
-    request
-        .metadata_mut()
-        .insert("clusterid", "east".parse().unwrap());
-    let status = client.create_certificate(request).await.unwrap_err();
+    eventually!(
+        Duration::from_secs(10),
+        "east's pods indexed",
+        client.create_certificate(as_node_agent(WEB)).await.is_ok()
+    );
+    let chain = client
+        .create_certificate(as_node_agent(WEB))
+        .await
+        .unwrap()
+        .into_inner()
+        .cert_chain;
+    assert_eq!(leaf_uri(&chain), WEB);
+    // db runs on a node-1 too, but of the local cluster: not east's.
+    let status = client
+        .create_certificate(as_node_agent("spiffe://cluster.local/ns/default/sa/db"))
+        .await
+        .unwrap_err();
     assert_eq!(status.code(), Code::PermissionDenied, "{status:?}");
+    assert!(status.message().contains("node"), "{status:?}");
+    let east_reviews = east.reviews();
 
     // A token of one cluster naming another is refused by that other,
     // even while the first has it cached.
@@ -206,7 +235,7 @@ async fn each_token_is_checked_against_its_own_cluster() {
     }
     assert_eq!(
         reviews(),
-        (2, 0, 3, 0),
+        (2, 0, east_reviews + 1, 0),
         "each refusal asked its own cluster"
     );
 
@@ -220,7 +249,7 @@ async fn each_token_is_checked_against_its_own_cluster() {
     }
     assert_eq!(
         reviews(),
-        (2, 0, 3, 0),
+        (2, 0, east_reviews + 1, 0),
         "no API call for an unknown cluster"
     );
 

@@ -216,6 +216,7 @@ mod tests {
             },
             pod_name: None,
             pod_uid: None,
+            cluster: None,
         }
     }
 

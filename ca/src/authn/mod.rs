@@ -84,6 +84,9 @@ pub struct Caller {
     pub pod_name: Option<String>,
     /// Pod UID, if the credential names one.
     pub pod_uid: Option<String>,
+    /// The remote cluster the caller was authenticated against (its
+    /// `clusterid`); `None`: the local cluster.
+    pub cluster: Option<String>,
 }
 
 /// Why authentication failed (gRPC `UNAUTHENTICATED`, except
@@ -738,6 +741,7 @@ impl JwtAuthenticator {
             },
             pod_name: pod.as_ref().map(|p| p.name.clone()),
             pod_uid: pod.map(|p| p.uid).filter(|u| !u.is_empty()),
+            cluster: None,
         })
     }
 }
@@ -935,6 +939,7 @@ impl ClientCertAuthenticator {
             },
             pod_name: None,
             pod_uid: None,
+            cluster: None,
         };
         Ok((caller, valid_until))
     }

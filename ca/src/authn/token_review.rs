@@ -392,6 +392,7 @@ pub fn caller_from_review(config: &TokenReviewConfig, review: TokenReview) -> Re
         },
         pod_name: first(POD_NAME_EXTRA),
         pod_uid: first(POD_UID_EXTRA),
+        cluster: None,
     })
 }
 

@@ -151,6 +151,7 @@ mod tests {
             kind: CallerKind::Token { issuer: "x".into() },
             pod_name: None,
             pod_uid: None,
+            cluster: None,
         }
     }
 

@@ -540,6 +540,7 @@ mod tests {
             kind: CallerKind::Token { issuer: "k".into() },
             pod_name: pod_name.map(String::from),
             pod_uid: uid.map(String::from),
+            cluster: None,
         }
     }
 

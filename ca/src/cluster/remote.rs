@@ -51,6 +51,8 @@ use crate::authn::{
     Authenticator, AuthnError, Caller, Credentials, JwtAuthenticator, TokenReviewAuthenticator,
     TokenReviewConfig,
 };
+use crate::authz::node_agent::{watch_pods, NodeAgentPolicy, PodIndex};
+use crate::authz::{AuthzError, ImpersonationPolicy};
 use crate::metrics::IstioCounter;
 
 /// Label of a remote secret (Istio's).
@@ -293,6 +295,10 @@ pub(crate) struct RemoteAuthnSettings {
     pub(crate) client_certificates: Option<Arc<dyn Authenticator>>,
     /// Cache hits (`meshca_token_cache_hit_count`).
     pub(crate) cache_hits: IstioCounter,
+    /// `--trusted-node-agent`: in every cluster, each with its own pod index.
+    pub(crate) node_agents: Vec<(String, String)>,
+    /// `--pod-watch-failure-limit`.
+    pub(crate) pod_watch_failure_limit: Duration,
 }
 
 /// Where a remote cluster comes from.
@@ -316,6 +322,9 @@ pub(crate) struct RemoteCluster {
     token_review: TokenReviewAuthenticator,
     jwt: RwLock<Option<Arc<JwtAuthenticator>>>,
     client_certificates: Option<Arc<dyn Authenticator>>,
+    /// Node-agent impersonation on this cluster's own pods (with
+    /// `--trusted-node-agent`).
+    node_agents: Option<Arc<NodeAgentPolicy>>,
     failures: IstioCounter,
     up: Gauge,
     tasks: Mutex<Vec<tokio::task::AbortHandle>>,
@@ -352,7 +361,10 @@ impl RemoteCluster {
         &self,
         credentials: &Credentials,
     ) -> Result<Caller, AuthnError> {
-        let result = self.authenticate_here(credentials).await;
+        let result = self.authenticate_here(credentials).await.map(|caller| Caller {
+            cluster: Some(self.id.clone()),
+            ..caller
+        });
         match &result {
             Err(e) if e.is_refusal() => self.failures.inc(),
             Err(AuthnError::Unavailable(_)) => {
@@ -550,6 +562,8 @@ impl RemoteClusters {
         let client = client_of(kubeconfig, self.settings.timeout).await?;
         let s = &self.settings;
         let (results, refusals) = remote_cache_entries(self.config.max_clusters);
+        let pods = (!s.node_agents.is_empty())
+            .then(|| Arc::new(PodIndex::with_max_watch_failure(s.pod_watch_failure_limit)));
         let label = ClusterLabel {
             cluster: id.to_string(),
         };
@@ -574,6 +588,9 @@ impl RemoteClusters {
             token_review,
             jwt: RwLock::new(None),
             client_certificates: s.client_certificates.clone(),
+            node_agents: pods.as_ref().map(|pods| {
+                Arc::new(NodeAgentPolicy::new(s.node_agents.clone(), pods.clone()))
+            }),
             failures: self
                 .metrics
                 .authentication_failures
@@ -583,6 +600,9 @@ impl RemoteClusters {
             tasks: Mutex::new(Vec::new()),
         });
         let mut tasks = Vec::new();
+        if let Some(pods) = pods {
+            tasks.push(tokio::spawn(watch_pods(client.clone(), pods)).abort_handle());
+        }
         tasks.push(
             tokio::spawn(probe(
                 client.clone(),
@@ -748,6 +768,62 @@ impl RemoteClusters {
         };
         for name in stale {
             self.apply_secret(&name, None).await;
+        }
+    }
+}
+
+/// Node-agent impersonation in every cluster: a caller authenticated
+/// against a remote cluster is judged on that cluster's pods only (its own
+/// pod index), a local caller on the local cluster's.
+pub(crate) struct ClusterPolicies {
+    local: Arc<dyn ImpersonationPolicy>,
+    remote: Arc<RemoteClusters>,
+}
+
+impl ClusterPolicies {
+    /// `local` for local callers, each remote cluster's own for its callers.
+    pub(crate) fn new(local: Arc<dyn ImpersonationPolicy>, remote: Arc<RemoteClusters>) -> Self {
+        Self { local, remote }
+    }
+
+    fn remote_policy(&self, caller: &Caller) -> Result<Arc<NodeAgentPolicy>, String> {
+        let Some(id) = &caller.cluster else {
+            return Err("no cluster".into());
+        };
+        match self.remote.get(id) {
+            Some(cluster) => cluster
+                .node_agents
+                .clone()
+                .ok_or_else(|| "no trusted node agents".into()),
+            None => Err(format!("its cluster {id:?} is no longer known")),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl ImpersonationPolicy for ClusterPolicies {
+    fn node_of(&self, caller: &Caller) -> Option<String> {
+        match &caller.cluster {
+            None => self.local.node_of(caller),
+            Some(_) => self.remote_policy(caller).ok()?.node_of(caller),
+        }
+    }
+
+    async fn may_impersonate(
+        &self,
+        caller: &Caller,
+        target: &meshca_certs::SpiffeId,
+    ) -> Result<(), AuthzError> {
+        if caller.cluster.is_none() {
+            return self.local.may_impersonate(caller, target).await;
+        }
+        match self.remote_policy(caller) {
+            Ok(policy) => policy.may_impersonate(caller, target).await,
+            Err(reason) => Err(AuthzError::ImpersonationDenied {
+                caller: caller.identity.to_string(),
+                target: target.to_string(),
+                reason,
+            }),
         }
     }
 }
@@ -919,6 +995,8 @@ pub(crate) async fn start(
             )) as Arc<dyn Authenticator>
         }),
         cache_hits: metrics.token_cache_hits.clone(),
+        node_agents: config.trusted_node_agents.clone(),
+        pod_watch_failure_limit: config.pod_watch_failure_limit,
     };
     let clusters = Arc::new(RemoteClusters::new(
         config.cluster_id.clone(),
