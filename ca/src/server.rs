@@ -1153,7 +1153,9 @@ pub async fn run(
         &mut background,
     )
     .await?;
-    let local = cluster.as_ref().map(|c| (c.client.clone(), c.namespace.clone()));
+    let local = cluster
+        .as_ref()
+        .map(|c| (c.client.clone(), c.namespace.clone()));
     let remote = cluster::remote::start(&config, &authority, &metrics, local, &mut background)
         .await
         .map_err(ServeError::Kubernetes)?;

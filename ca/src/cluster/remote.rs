@@ -361,10 +361,13 @@ impl RemoteCluster {
         &self,
         credentials: &Credentials,
     ) -> Result<Caller, AuthnError> {
-        let result = self.authenticate_here(credentials).await.map(|caller| Caller {
-            cluster: Some(self.id.clone()),
-            ..caller
-        });
+        let result = self
+            .authenticate_here(credentials)
+            .await
+            .map(|caller| Caller {
+                cluster: Some(self.id.clone()),
+                ..caller
+            });
         match &result {
             Err(e) if e.is_refusal() => self.failures.inc(),
             Err(AuthnError::Unavailable(_)) => {
@@ -588,9 +591,9 @@ impl RemoteClusters {
             token_review,
             jwt: RwLock::new(None),
             client_certificates: s.client_certificates.clone(),
-            node_agents: pods.as_ref().map(|pods| {
-                Arc::new(NodeAgentPolicy::new(s.node_agents.clone(), pods.clone()))
-            }),
+            node_agents: pods
+                .as_ref()
+                .map(|pods| Arc::new(NodeAgentPolicy::new(s.node_agents.clone(), pods.clone()))),
             failures: self
                 .metrics
                 .authentication_failures
