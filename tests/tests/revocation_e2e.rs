@@ -528,9 +528,11 @@ async fn the_agent_serves_the_crl_on_the_workload_api_and_in_sds_once_it_verifie
     .await;
 
     let socket = dir.path().join("agent.sock");
-    let (socket_arg, crl_arg) = (
+    let out = dir.path().join("out");
+    let (socket_arg, crl_arg, out_arg) = (
         socket.display().to_string(),
         data.join("ca-crl.pem").display().to_string(),
+        out.display().to_string(),
     );
     let mut agent = Agent::start(
         &server,
@@ -546,6 +548,8 @@ async fn the_agent_serves_the_crl_on_the_workload_api_and_in_sds_once_it_verifie
             &crl_arg,
             "--bundle-refresh",
             "200ms",
+            "--out",
+            &out_arg,
         ],
     );
     agent.wait_for_socket(&socket).await;
@@ -599,6 +603,17 @@ async fn the_agent_serves_the_crl_on_the_workload_api_and_in_sds_once_it_verifie
         took.elapsed()
     );
     assert_eq!(updated.svids[0].spiffe_id, WEB);
+    // The output directory: ca-crl.pem beside root-cert.pem, the new one.
+    wait_until(
+        "out/ca-crl.pem lists db's serial",
+        EFFECTIVE_WITHIN,
+        || async {
+            crl_file(&out)
+                .is_some_and(|c| c.revoked.contains(&db_serial) && c.revoked.contains(&revoked))
+        },
+    )
+    .await;
+    assert!(out.join("root-cert.pem").exists());
 
     // Envoy's SDS: the validation context carries the CRL beside the roots.
     let request = DiscoveryRequest {

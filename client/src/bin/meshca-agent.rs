@@ -241,6 +241,36 @@ fn main() -> ExitCode {
     }
 }
 
+/// Writes the CRL `crl` holds as `out/ca-crl.pem` (Istio's name, beside
+/// `root-cert.pem`) when the CA of `svid` signed it and it is not stale;
+/// else leaves the last one (logged).
+async fn write_crl(
+    out: Option<&std::path::Path>,
+    crl: &watch::Receiver<Option<Arc<workload_api::ServedCrl>>>,
+    svid: Option<&Arc<meshca_client::issuer::Svid>>,
+) {
+    let (Some(out), Some(svid)) = (out, svid) else {
+        return;
+    };
+    let Some(crl) = crl.borrow().clone() else {
+        return;
+    };
+    if !crl.is_signed_for(svid, time::OffsetDateTime::now_utc()) {
+        tracing::warn!("the CRL is not signed by the certificate's CA or is past its nextUpdate; ca-crl.pem not written");
+        return;
+    }
+    let path = out.join(meshca_certs::crl::CRL_FILE);
+    let written = tokio::task::spawn_blocking(move || {
+        meshca_certs::bundle::write_file_atomic(&path, crl.pem().as_bytes(), 0o644).map(|()| path)
+    })
+    .await;
+    match written {
+        Ok(Ok(path)) => tracing::info!(file = %path.display(), "CRL written"),
+        Ok(Err(e)) => tracing::error!(error = %e, "writing ca-crl.pem failed"),
+        Err(e) => tracing::error!(error = %e, "the CRL writer task failed"),
+    }
+}
+
 /// The `--crl-file` watch (none without the flag).
 fn crl_of(args: &Args) -> watch::Receiver<Option<Arc<workload_api::ServedCrl>>> {
     match &args.crl_file {
@@ -304,12 +334,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut socket = None;
     let mut socket_file = None;
+    let mut crl = crl_of(&args);
+    let mut crl_open = args.crl_file.is_some();
+    let mut last_svid: Option<Arc<meshca_client::issuer::Svid>> = None;
     if let Some(path) = &args.workload_api_socket {
         let listener = workload_api::bind(path)
             .await
             .with_context(|| format!("--workload-api-socket {}", path.display()))?;
         socket_file = SocketFile::of(path);
-        let feeds = Feeds::with_crl(manager.clone(), bundle, crl_of(&args));
+        let feeds = Feeds::with_crl(manager.clone(), bundle, crl.clone());
         // Pinned: the configured identity is fetched now and kept managed
         // with no stream open.
         let pinned = feeds.get(&identity);
@@ -350,8 +383,19 @@ async fn run(args: Args) -> anyhow::Result<()> {
                 break;
             }
             result = wait_socket(&mut socket) => return result,
+            changed = crl.changed(), if crl_open => {
+                crl_open = changed.is_ok();
+                write_crl(args.out.as_deref(), &crl, last_svid.as_ref()).await;
+                continue;
+            }
         }
         let state = updates.borrow_and_update().clone();
+        if let CertState::Available(svid) = &state {
+            if last_svid.as_ref().map(|s| &s.leaf.serial_hex) != Some(&svid.leaf.serial_hex) {
+                last_svid = Some(svid.clone());
+                write_crl(args.out.as_deref(), &crl, last_svid.as_ref()).await;
+            }
+        }
         match state {
             CertState::Available(svid) if last_serial.as_ref() != Some(&svid.leaf.serial_hex) => {
                 let Some(out) = &args.out else {

@@ -36,6 +36,24 @@ impl ServedCrl {
         })
     }
 
+    /// Whether the CA that issued `svid` (one of its roots, or a CA
+    /// certificate of its chain) signed this CRL and its nextUpdate is
+    /// ahead at `now`: what `meshca-agent --out` checks before it writes
+    /// `ca-crl.pem`.
+    pub fn is_signed_for(&self, svid: &Svid, now: OffsetDateTime) -> bool {
+        let mut issuers: Vec<Vec<u8>> = svid.bundle.roots().to_vec();
+        let n = svid.chain_pem.len();
+        for pem in svid.chain_pem.iter().take(n.saturating_sub(1)).skip(1) {
+            issuers.extend(parse_certs_pem(pem).unwrap_or_default());
+        }
+        self.verifies_with(&issuers, now)
+    }
+
+    /// The CRL, PEM.
+    pub fn pem(&self) -> &str {
+        &self.pem
+    }
+
     /// Whether one of `issuers` (roots, or the CA certificates of the
     /// chain) signed it and its nextUpdate is still ahead: a CRL that does
     /// not verify, or is stale, is not served (a client would refuse
@@ -94,7 +112,9 @@ impl Roots {
             }
             let ok = crl.verifies_with(&issuers, OffsetDateTime::now_utc());
             if !ok {
-                tracing::warn!("the CRL is not signed by a trusted CA or is past its nextUpdate; not served");
+                tracing::warn!(
+                    "the CRL is not signed by a trusted CA or is past its nextUpdate; not served"
+                );
             }
             ok
         });
