@@ -448,6 +448,7 @@ fn start_cluster_tasks(
         &Arc<crate::revocation::Revocations>,
         tokio::sync::watch::Receiver<Option<Arc<String>>>,
     ),
+    remote: &Arc<cluster::remote::RemoteClusters>,
     metrics: &Metrics,
     draining: tokio::sync::watch::Receiver<bool>,
     background: &mut tokio::task::JoinSet<()>,
@@ -523,6 +524,14 @@ fn start_cluster_tasks(
             ),
         ));
     }
+    let (to_remotes, remote) = (
+        (authority.clone(), excluded.clone(), metrics.clone()),
+        remote.clone(),
+    );
+    background.spawn(leader::while_leader(leader_rx.clone(), move || {
+        let (authority, excluded, metrics) = to_remotes.clone();
+        cluster::remote::publish_to_remote_clusters(remote.clone(), authority, excluded, metrics)
+    }));
     background.spawn(leader::while_leader(leader_rx, move || {
         let bundles = bundle_publisher::publish_bundles(
             client.clone(),
@@ -1175,6 +1184,7 @@ pub async fn run(
         root_in_secret,
         &authority,
         (&revocations, crl),
+        &remote,
         &metrics,
         draining.clone(),
         &mut background,

@@ -289,6 +289,24 @@ async fn each_token_is_checked_against_its_own_cluster() {
             .is_ok()
     );
     assert_eq!(west.reviews(), 1);
+
+    // The leader publishes the bundle into every namespace of every remote
+    // cluster, as into the local one.
+    let root = server.root_pem();
+    for (name, kube) in [("local", &local), ("east", &east), ("west", &west)] {
+        eventually!(
+            Duration::from_secs(10),
+            format!("the bundle in {name}"),
+            ["default", "istio-system"].iter().all(|ns| kube
+                .get_object("configmaps", ns, "istio-ca-root-cert")
+                .is_some_and(|cm| cm["data"]["root-cert.pem"].as_str() == Some(root.as_str())))
+        );
+    }
+    assert!(
+        east.get_object("configmaps", "kube-system", "istio-ca-root-cert")
+            .is_none(),
+        "--bundle-exclude-namespace applies in remote clusters"
+    );
     let status = ask_in(&server, Some("west"), &east_token, WEB)
         .await
         .unwrap_err();

@@ -316,6 +316,8 @@ pub(crate) enum Source {
 /// One remote cluster: its API server's client and authentication.
 pub(crate) struct RemoteCluster {
     id: String,
+    /// Its API server (its own connections).
+    client: kube::Client,
     source: Source,
     /// SHA-256 of its kubeconfig: an unchanged one keeps the cluster as is.
     fingerprint: [u8; 32],
@@ -586,6 +588,7 @@ impl RemoteClusters {
         .counting_cache_hits(s.cache_hits.clone());
         let cluster = Arc::new(RemoteCluster {
             id: id.to_string(),
+            client: client.clone(),
             source,
             fingerprint: fingerprint(bytes),
             token_review,
@@ -828,6 +831,57 @@ impl ImpersonationPolicy for ClusterPolicies {
                 reason,
             }),
         }
+    }
+}
+
+/// How often the leader looks for remote clusters added, changed or
+/// removed, to publish the bundle into them.
+const PUBLISH_RECONCILE: Duration = Duration::from_secs(1);
+
+/// While leader (until dropped): the bundle ConfigMap `istio-ca-root-cert`
+/// in every namespace (but `excluded`) of every remote cluster, kept right
+/// as in the local cluster (`bundle_publisher::publish_bundles`: every
+/// change of the bundle, a root rotation's both roots included, reaches
+/// every cluster), as istiod's namespace controller does for remote
+/// clusters. A cluster added gets it within a second; one removed or
+/// changed stops (the new one starts); one whose API server fails is
+/// retried on its own, the others unaffected.
+pub(crate) async fn publish_to_remote_clusters(
+    remote: Arc<RemoteClusters>,
+    authority: Arc<crate::authority::Authority>,
+    excluded: Vec<String>,
+    metrics: crate::metrics::Metrics,
+) {
+    // Dropped with this future (leadership lost): every publisher stops.
+    let mut publishers = tokio::task::JoinSet::new();
+    let mut running: HashMap<String, (Weak<RemoteCluster>, tokio::task::AbortHandle)> =
+        HashMap::new();
+    loop {
+        let now: HashMap<String, Arc<RemoteCluster>> = remote.read().clone();
+        running.retain(|id, (cluster, task)| {
+            let same = now
+                .get(id)
+                .is_some_and(|c| std::ptr::eq(Arc::as_ptr(c), cluster.as_ptr()));
+            if !same {
+                task.abort();
+            }
+            same
+        });
+        for (id, cluster) in now {
+            if running.contains_key(&id) {
+                continue;
+            }
+            tracing::info!(cluster = %id, "publishing the bundle into the remote cluster");
+            let task = publishers.spawn(crate::cluster::bundle_publisher::publish_bundles(
+                cluster.client.clone(),
+                authority.clone(),
+                excluded.clone(),
+                metrics.clone(),
+            ));
+            running.insert(id, (Arc::downgrade(&cluster), task));
+        }
+        while publishers.try_join_next().is_some() {}
+        tokio::time::sleep(PUBLISH_RECONCILE).await;
     }
 }
 
