@@ -792,3 +792,74 @@ async fn a_revoked_intermediate_signs_nothing_more_and_its_crl_lists_its_leaves(
     )
     .unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_entry_does_not_stop_a_ca_change_and_the_crl_follows_the_new_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path().join("pki");
+    let root = pki.join("root");
+    certs_cli(&["root-ca", "--out", root.to_str().unwrap()]);
+    let east = intermediate_ca(&pki, &root, "east", &[]);
+    let west = intermediate_ca(&pki, &root, "west", &[]);
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    std::fs::write(
+        data.join("revocations.yaml"),
+        "revocations:\n- {\"serial\": 12, \"revoked_at\": \"2026-12-03T00:00:00Z\"}\n- {\"spiffe_id\": \"spiffe://cluster.local/ns/default/sa/api\", \"revoked_at\": \"2026-12-03T00:00:00Z\"}\n",
+    )
+    .unwrap();
+    let live = dir.path().join("live");
+    std::fs::create_dir(&live).unwrap();
+    for name in [
+        "ca-cert.pem",
+        "ca-key.pem",
+        "cert-chain.pem",
+        "root-cert.pem",
+    ] {
+        std::fs::copy(east.join(name), live.join(name)).unwrap();
+    }
+    let server = start_off_runtime(
+        data.clone(),
+        vec![
+            "--ca-dir".into(),
+            live.display().to_string(),
+            "--ca-dir-check-interval".into(),
+            "200ms".into(),
+        ],
+    )
+    .await;
+    let first = |dir: &Path| {
+        meshca_certs::bundle::parse_certs_pem(
+            &std::fs::read_to_string(dir.join("ca-cert.pem")).unwrap(),
+        )
+        .unwrap()
+        .remove(0)
+    };
+    let now = time::OffsetDateTime::now_utc;
+    wait_until("a CRL signed by east", EFFECTIVE_WITHIN, || async {
+        crl_file(&data).is_some_and(|c| c.verify(&first(&east), now()).is_ok())
+    })
+    .await;
+    // The operator switches to west (a new intermediate): taken, and the CRL follows.
+    for name in ["ca-key.pem", "ca-cert.pem", "cert-chain.pem"] {
+        std::fs::copy(west.join(name), live.join(name)).unwrap();
+    }
+    wait_until("a CRL signed by west", Duration::from_secs(10), || async {
+        crl_file(&data).is_some_and(|c| c.verify(&first(&west), now()).is_ok())
+    })
+    .await;
+    // The good entry still applies, the malformed one is still refused.
+    let root_pem = std::fs::read_to_string(west.join("root-cert.pem")).unwrap();
+    let mut client = server.client_trusting(&root_pem).await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, API, 3600);
+    let refused = client
+        .create_certificate(with_token(request, &server.token("default", "api")))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::PermissionDenied, "{refused:?}");
+    let (_, metrics) = http_get(server.monitoring, "/metrics").unwrap();
+    assert!(
+        metrics.contains("meshca_revocation_entries_rejected{source=\"file\",entry=\"1\"} 1"),
+        "{metrics}"
+    );
+}
