@@ -23,6 +23,7 @@ pub(crate) mod remote;
 pub(crate) mod root_secret;
 
 pub use cluster_trust_bundle::TRUST_DOMAIN_LABEL;
+pub use remote::REMOTE_RBAC_RULES;
 pub use root_secret::RootSecretError;
 
 use std::sync::Arc;

@@ -55,6 +55,42 @@ use crate::authz::node_agent::{watch_pods, NodeAgentPolicy, PodIndex};
 use crate::authz::{AuthzError, ImpersonationPolicy};
 use crate::metrics::IstioCounter;
 
+/// Every Kubernetes API call meshca makes in a remote cluster, as RBAC
+/// rules (all cluster-wide); `deploy/kustomize/remote-cluster` grants
+/// exactly these. Beyond them: `/version`, and with
+/// `--remote-cluster-jwt-issuer` the OIDC discovery URLs every cluster
+/// grants.
+pub const REMOTE_RBAC_RULES: &[super::RbacRule] = &[
+    super::RbacRule {
+        api_group: "authentication.k8s.io",
+        resource: "tokenreviews",
+        verbs: &["create"],
+        own_namespace_only: false,
+        resource_names: &[],
+    },
+    super::RbacRule {
+        api_group: "",
+        resource: "pods",
+        verbs: &["get", "list", "watch"],
+        own_namespace_only: false,
+        resource_names: &[],
+    },
+    super::RbacRule {
+        api_group: "",
+        resource: "namespaces",
+        verbs: &["get", "list", "watch"],
+        own_namespace_only: false,
+        resource_names: &[],
+    },
+    super::RbacRule {
+        api_group: "",
+        resource: "configmaps",
+        verbs: &["create", "get", "list", "update", "watch"],
+        own_namespace_only: false,
+        resource_names: &[],
+    },
+];
+
 /// Label of a remote secret (Istio's).
 pub(crate) const REMOTE_SECRET_LABEL: &str = "istio/multiCluster";
 /// Remote clusters at most, unless `--max-remote-clusters` says otherwise.
