@@ -187,7 +187,12 @@ fn svid_response(credentials: &Credentials) -> X509svidResponse {
             bundle: credentials.roots.der_concat(),
             hint: String::new(),
         }],
-        crl: credentials.roots.crl.iter().map(|c| c.der.clone()).collect(),
+        crl: credentials
+            .roots
+            .crl
+            .iter()
+            .map(|c| c.der.clone())
+            .collect(),
         federated_bundles: HashMap::new(),
     }
 }
