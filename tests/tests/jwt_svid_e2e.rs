@@ -1,7 +1,8 @@
 //! End-to-end tests of JWT-SVIDs with the real binaries: `meshca`'s
 //! `meshca.v1.JwtSvidService` and its OIDC discovery endpoint, and
-//! `meshca-agent`'s Workload API JWT methods, checked by an independent
-//! validator, Python's PyJWT, that knows nothing but the discovery
+//! `meshca-agent`'s Workload API JWT methods, checked by independent
+//! clients: the `spiffe` crate's `JwtSource` on the agent's socket, and
+//! Python's PyJWT, a validator that knows nothing but the discovery
 //! document's URL (as a cloud's STS or Vault would).
 
 // Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
@@ -436,6 +437,28 @@ async fn the_agent_serves_caches_and_validates_jwt_svids_and_refuses_what_the_sp
             .any(|k| k["kid"] == kid && k["use"] == "jwt-svid"),
         "{jwks}"
     );
+
+    // The `spiffe` crate's JwtSource, an independent Workload API client:
+    // it parses the agent's JWT-SVID and JWT bundle per the SPIFFE specs,
+    // and the bundle holds the token's key.
+    let source = spiffe::jwt_source::JwtSource::builder()
+        .endpoint(format!("unix://{}", socket.display()))
+        .initial_sync_timeout(Duration::from_secs(30))
+        .build()
+        .await
+        .expect("a JwtSource on the agent's socket");
+    let from_source = source.fetch_jwt_svid(["vault"]).await.unwrap();
+    assert_eq!(from_source.spiffe_id().to_string(), WEB);
+    assert_eq!(from_source.audience(), ["vault".to_string()]);
+    let trust_domain = spiffe::TrustDomain::new("cluster.local").unwrap();
+    let bundle = source
+        .try_bundle_for_trust_domain(&trust_domain)
+        .expect("the trust domain's JWT bundle");
+    assert!(
+        bundle.find_jwt_authority(from_source.key_id()).is_some(),
+        "the JwtSource's bundle holds the token's key"
+    );
+    source.shutdown().await;
 
     // Validation: the good token, then each refusal named.
     let valid = api
