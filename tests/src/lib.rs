@@ -85,7 +85,8 @@ fn build(bin: &str) -> PathBuf {
 
 /// Builds (if needed) and returns the binaries. `MESHCA_TESTS_MESHCA_BIN`
 /// names another `meshca` to test instead (e.g. an older build, to see a
-/// new test fail on it).
+/// new test fail on it), `MESHCA_TESTS_AGENT_BIN` another `meshca-agent`
+/// (e.g. a release build, to measure it).
 pub fn binaries() -> &'static Binaries {
     static BINARIES: OnceLock<Binaries> = OnceLock::new();
     BINARIES.get_or_init(|| Binaries {
@@ -93,7 +94,9 @@ pub fn binaries() -> &'static Binaries {
             .map(PathBuf::from)
             .unwrap_or_else(|| build("meshca")),
         meshca_certs: build("meshca-certs"),
-        meshca_agent: build("meshca-agent"),
+        meshca_agent: std::env::var_os("MESHCA_TESTS_AGENT_BIN")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| build("meshca-agent")),
     })
 }
 
