@@ -102,7 +102,7 @@ async fn each_token_is_checked_against_its_own_cluster() {
     let dirs: Vec<tempfile::TempDir> = (0..5).map(|_| tempfile::tempdir().unwrap()).collect();
     let local = FakeKube::start(dirs[0].path()).await;
     let west = FakeKube::start(dirs[1].path()).await;
-    let east = FakeKube::start(dirs[2].path()).await;
+    let mut east = FakeKube::start(dirs[2].path()).await;
     let central = FakeKube::start(dirs[3].path()).await;
     let kubeconfig = |kube: &FakeKube| std::fs::read(&kube.kubeconfig).unwrap();
 
@@ -129,6 +129,11 @@ async fn each_token_is_checked_against_its_own_cluster() {
             "2s".into(),
             "--trusted-node-agent".into(),
             "istio-system/ztunnel".into(),
+            "--pod-watch-failure-limit".into(),
+            "2s".into(),
+            // Node agents' reviews outlive east's outage below.
+            "--token-review-cache-ttl".into(),
+            "10m".into(),
         ],
     )
     .await;
@@ -459,6 +464,44 @@ async fn each_token_is_checked_against_its_own_cluster() {
         )
         .is_some_and(|n| n >= 2),
         "east's refusals counted by cluster"
+    );
+
+    // east's API server gone: its pod watch fails, and past
+    // --pod-watch-failure-limit east's node agent gets UNAVAILABLE (its
+    // token still reviewed, from the cache); the local cluster's node
+    // agent is served from the local pod index all along.
+    local.add_pod(
+        "istio-system",
+        "ztunnel-local",
+        "uid-ztunnel-local",
+        "ztunnel",
+        "node-9",
+    );
+    local.add_pod("default", "web-local", "uid-web-local", "web", "node-9");
+    let mut local_agent = FakeUser::service_account("istio-system", "ztunnel");
+    local_agent.pod = Some(("ztunnel-local".into(), "uid-ztunnel-local".into()));
+    let local_ztunnel = local.add_review_token("ztunnel-local", local_agent);
+    eventually!(
+        Duration::from_secs(10),
+        "the local node agent served",
+        impersonate(&server, &local_ztunnel, WEB).await.is_ok()
+    );
+    east.stop();
+    eventually!(
+        Duration::from_secs(20),
+        "east's impersonation unavailable",
+        client
+            .create_certificate(as_node_agent(WEB))
+            .await
+            .is_err_and(
+                |s| s.code() == Code::Unavailable && s.message().contains("pod index is stale")
+            )
+    );
+    let chain = impersonate(&server, &local_ztunnel, WEB).await.unwrap();
+    assert_eq!(
+        leaf_uri(&chain),
+        WEB,
+        "the local cluster's node agent unaffected"
     );
 }
 
