@@ -47,7 +47,8 @@ fn main() -> anyhow::Result<()> {
         })
         .collect();
     for w in workers {
-        w.join().map_err(|_| anyhow::anyhow!("a signing thread panicked"))??;
+        w.join()
+            .map_err(|_| anyhow::anyhow!("a signing thread panicked"))??;
     }
     let secs = start.elapsed().as_secs_f64();
     let n = count.load(Ordering::Relaxed);
