@@ -113,11 +113,30 @@ fn decode_text(name: &str, value: &str) -> Result<String, String> {
     String::from_utf8(percent_decode(value)?).map_err(|_| format!("{name} is not UTF-8"))
 }
 
+/// The URI as error messages show it: at most 512 characters, and
+/// nothing from a `pin-value` attribute on (however it is spelt or
+/// wherever it stands: an error found before the parser reaches it must
+/// not show the PIN either).
+fn shown_in_messages(text: &str) -> String {
+    let lower = text.to_ascii_lowercase();
+    let pin_at = ["pin-value", "pin%2dvalue"]
+        .iter()
+        .filter_map(|name| lower.find(name))
+        .min();
+    let visible = match pin_at {
+        // `find` on the ASCII-lowercased copy: the same byte offsets, at
+        // a character boundary.
+        Some(at) => format!("{}pin-value=<hidden>", &text[..at]),
+        None => text.to_string(),
+    };
+    visible.chars().take(512).collect()
+}
+
 impl FromStr for Pkcs11Uri {
     type Err = UriError;
 
     fn from_str(text: &str) -> Result<Self, UriError> {
-        let shown: String = text.chars().take(512).collect();
+        let shown = shown_in_messages(text);
         let err = |reason: String| UriError {
             uri: shown.clone(),
             reason,
@@ -238,9 +257,8 @@ impl FromStr for Pkcs11Uri {
                 "pin-value" => {
                     // The URI, with the PIN in it, would be shown in
                     // messages: refuse without repeating it.
-                    let without: String = text.split("pin-value=").next().unwrap_or("").into();
                     return Err(UriError {
-                        uri: format!("{without}pin-value=<hidden>"),
+                        uri: shown.clone(),
                         reason: "the PIN is never taken from the URI: put it in a file \
                                  readable only by meshca and name it with pin-source=file:PATH"
                             .into(),
@@ -336,6 +354,22 @@ mod tests {
                 message.starts_with(&text[..text.len().min(20)]),
                 "{message}"
             );
+        }
+    }
+
+    #[test]
+    fn a_pin_value_never_shows_in_any_error_even_one_found_before_it() {
+        for text in [
+            "pkcs11:object=k;slot-id=x?module-path=/m.so&pin-value=1234",
+            "pkcs11:object=k;bad%zz?pin-value=1234",
+            "pkcs11:object=k?module-path=/a&module-path=/b&pin-value=1234",
+            "pkcs11:object=k?PIN-VALUE=1234&module-path=/m.so",
+            "pkcs11:object=k?pin%2Dvalue=1234",
+            "nope:object=k?pin-value=1234",
+        ] {
+            let e = text.parse::<Pkcs11Uri>().unwrap_err();
+            let shown = e.to_string();
+            assert!(!shown.contains("1234"), "{text}: {shown}");
         }
     }
 }
