@@ -84,10 +84,55 @@ async fn jwks(State(issuer): State<Arc<JwtIssuer>>) -> axum::response::Response 
         .into_response()
 }
 
-/// The routes of the discovery endpoint.
+/// The path of an issuer URL (`https://host/tenant` → `/tenant`; none:
+/// empty), without a trailing `/`.
+fn issuer_path(issuer: &str) -> &str {
+    let after_scheme = issuer.split_once("://").map_or(issuer, |(_, rest)| rest);
+    after_scheme
+        .find('/')
+        .map_or("", |at| &after_scheme[at..])
+        .trim_end_matches('/')
+}
+
+/// The routes of the discovery endpoint: at the root and, for an issuer
+/// URL with a path, under that path too (where OIDC relying parties look:
+/// `ISSUER/.well-known/openid-configuration`, and the document's
+/// `jwks_uri`, `ISSUER/keys`).
 pub(crate) fn router(issuer: Arc<JwtIssuer>) -> axum::Router {
-    axum::Router::new()
+    let prefix = issuer
+        .issuer()
+        .map(issuer_path)
+        .unwrap_or_default()
+        .to_string();
+    let mut router = axum::Router::new()
         .route(DISCOVERY_PATH, get(discovery))
-        .route(JWKS_PATH, get(jwks))
-        .with_state(issuer)
+        .route(JWKS_PATH, get(jwks));
+    // Characters axum's router would read as parameters or wildcards are
+    // not routed (the root paths still are).
+    let routable = prefix
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"-._~/%".contains(&b))
+        && !prefix.contains("//");
+    if !prefix.is_empty() && !routable {
+        tracing::warn!(path = %prefix, "the --jwt-svid-issuer path holds characters that cannot be routed; the discovery document is served at the root only");
+    }
+    if !prefix.is_empty() && routable {
+        router = router
+            .route(&format!("{prefix}{DISCOVERY_PATH}"), get(discovery))
+            .route(&format!("{prefix}{JWKS_PATH}"), get(jwks));
+    }
+    router.with_state(issuer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::issuer_path;
+
+    #[test]
+    fn the_routes_follow_the_issuers_path() {
+        assert_eq!(issuer_path("https://oidc.example.com"), "");
+        assert_eq!(issuer_path("https://oidc.example.com/"), "");
+        assert_eq!(issuer_path("https://h:8443/tenant/a"), "/tenant/a");
+        assert_eq!(issuer_path("http://h/x/"), "/x");
+    }
 }

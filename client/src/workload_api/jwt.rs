@@ -120,6 +120,17 @@ fn status_of(error: &ClientError) -> Status {
     }
 }
 
+/// Whether a failed renewal may fall back on the cached token: only when
+/// the CA could not answer (unreachable, overloaded, out of time), never
+/// when it refused the identity (`PERMISSION_DENIED` for a revoked
+/// identity, `UNAUTHENTICATED`, …).
+fn renewal_may_wait(code: tonic::Code) -> bool {
+    matches!(
+        code,
+        tonic::Code::Unavailable | tonic::Code::ResourceExhausted | tonic::Code::DeadlineExceeded
+    )
+}
+
 impl JwtSvids {
     /// Tokens and the bundle from `client`'s CA.
     pub fn new(client: CaClient) -> Arc<Self> {
@@ -221,13 +232,23 @@ impl JwtSvids {
                 slot.token = Some(token.clone());
                 Ok(token)
             }
-            Err(e) => match &slot.token {
-                Some(token) if now < token.expires_at => {
-                    tracing::warn!(identity = %identity, error = %e, "renewing a JWT-SVID failed; serving the cached one");
-                    Ok(token.clone())
+            Err(e) => {
+                let status = status_of(&e);
+                match &slot.token {
+                    // The CA could not answer now: the token it gave is
+                    // still good until its exp.
+                    Some(token) if now < token.expires_at && renewal_may_wait(status.code()) => {
+                        tracing::warn!(identity = %identity, error = %e, "renewing a JWT-SVID failed; serving the cached one");
+                        Ok(token.clone())
+                    }
+                    // The CA refused (revoked, no longer authorized): the
+                    // cached token is dropped, not served on.
+                    _ => {
+                        slot.token = None;
+                        Err(status)
+                    }
                 }
-                _ => Err(status_of(&e)),
-            },
+            }
         }
     }
 
@@ -517,5 +538,25 @@ mod tests {
         let forged = token(&retired, header("k1"), claims("vault", now + 60));
         let e = validate(&bundle, &forged, "vault").unwrap_err();
         assert!(e.contains("signature does not verify"), "{e}");
+    }
+
+    #[test]
+    fn only_a_ca_that_could_not_answer_lets_the_cached_token_be_served() {
+        use tonic::Code;
+        for code in [
+            Code::Unavailable,
+            Code::ResourceExhausted,
+            Code::DeadlineExceeded,
+        ] {
+            assert!(super::renewal_may_wait(code), "{code:?}");
+        }
+        for code in [
+            Code::PermissionDenied,
+            Code::Unauthenticated,
+            Code::InvalidArgument,
+            Code::Internal,
+        ] {
+            assert!(!super::renewal_may_wait(code), "{code:?}");
+        }
     }
 }
