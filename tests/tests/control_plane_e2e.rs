@@ -426,8 +426,14 @@ async fn every_watch_is_back_within_seconds_of_an_api_server_outage() {
     let log = server.log();
     assert!(lines_at(&log, "ERROR").is_empty(), "no ERROR lines:\n{log}");
     let warnings = lines_at(&log, "WARN");
+    // Each watch logs its failure once, then once per 30 s while it lasts
+    // (meshca_kube::WatchRetry): the bound grows with the watches. Eleven
+    // since issue 39 added four (the revocation ConfigMap, the replicas'
+    // revoked serials, the CRL ConfigMaps and their namespaces), at most
+    // about four lines each per outage here (an outage lasts over 30 s
+    // when the API server must be killed).
     assert!(
-        warnings.len() <= 60,
+        warnings.len() <= 11 * 3 * 4 + 18,
         "{} WARN lines over three outages:\n{}",
         warnings.len(),
         warnings.join("\n")

@@ -174,9 +174,8 @@ pub(crate) async fn publish_everywhere(
                     }
                 }
                 Some(Ok(_)) => {}
-                Some(Err(e)) => {
-                    tracing::warn!(configmap = what.name, error = %e, "watching ConfigMaps failed; retrying");
-                }
+                // Backoff and rate-limited logging as for every watch.
+                Some(Err(e)) => configmaps_retry.failed(&e).await,
                 None => return,
             },
             changed = value.changed() => {
