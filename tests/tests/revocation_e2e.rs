@@ -635,6 +635,9 @@ async fn the_agent_serves_the_crl_on_the_workload_api_and_in_sds_once_it_verifie
     let Some(secret::Type::ValidationContext(context)) = secret.r#type else {
         panic!("not a validation context: {secret:?}");
     };
+    // Only the leaf is checked against it (Envoy would otherwise want a
+    // CRL for every CA of the chain).
+    assert!(context.only_verify_leaf_cert_crl);
     let crl = context.crl.expect("a CRL in the validation context");
     let Some(envoy_types::pb::envoy::config::core::v3::data_source::Specifier::InlineBytes(pem)) =
         crl.specifier

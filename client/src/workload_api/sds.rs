@@ -165,6 +165,10 @@ fn secret_for(name: &str, identity: &SpiffeId, material: &Material) -> Option<Se
             secret::Type::ValidationContext(CertificateValidationContext {
                 trusted_ca: inline(&material.roots().pem),
                 crl: material.roots().crl.as_ref().and_then(|c| inline(&c.pem)),
+                // The CRL is the signing CA's: without this Envoy would
+                // want one for every CA of a peer's chain too, and refuse
+                // every peer whose chain has an intermediate.
+                only_verify_leaf_cert_crl: material.roots().crl.is_some(),
                 ..Default::default()
             })
         }
