@@ -232,6 +232,10 @@ pub(crate) struct Revocations {
     metrics: RevocationMetrics,
     /// The signing CA's key identifier (hex), set as the material changes.
     signing_key_id: ArcSwap<Arc<str>>,
+    /// The key identifiers (hex) of the CA certificates above the signing
+    /// one up to the root (e.g. the HSM-held CA above its in-memory
+    /// intermediate): revoking one of them stops issuance too.
+    upper_key_ids: ArcSwap<Vec<Arc<str>>>,
     /// In a cluster: the revoked serials other replicas issued, by the
     /// name of the ConfigMap each shares them in.
     peers: Mutex<BTreeMap<String, Vec<KeptSerial>>>,
@@ -256,6 +260,7 @@ impl Revocations {
             record: IssuedRecord::new(record_size),
             metrics,
             signing_key_id: ArcSwap::from_pointee(Arc::from("")),
+            upper_key_ids: ArcSwap::from_pointee(Vec::new()),
             peers: Mutex::default(),
             own_covered: watch::channel(Vec::new()).0,
         }
@@ -274,6 +279,19 @@ impl Revocations {
             .unwrap_or_default();
             self.signing_key_id
                 .store(Arc::new(Arc::from(key_id.as_str())));
+            // The chain holds the signing certificate first, then the CAs
+            // above it (roots are not in it: the anchor is kept apart).
+            let upper: Vec<Arc<str>> = state
+                .material
+                .chain
+                .iter()
+                .skip(1)
+                .chain(std::iter::once(&state.material.anchor_root))
+                .filter_map(|der| meshca_certs::revocation::IntermediateRef::from_der(der).ok())
+                .map(|r| Arc::from(r.key_id.as_str()))
+                .filter(|k: &Arc<str>| !k.is_empty() && **k != *key_id)
+                .collect();
+            self.upper_key_ids.store(Arc::new(upper));
             if changes.changed().await.is_err() {
                 return;
             }
@@ -300,9 +318,14 @@ impl Revocations {
             Some(identity),
             (caller.identity != *identity).then_some(&caller.identity),
         ];
-        for id in checks.into_iter().flatten() {
-            if let Err(revoked) = self.check(id, presented, node, key_id, OffsetDateTime::now_utc())
-            {
+        let upper = self.upper_key_ids.load();
+        let cas = std::iter::once(key_id).chain(upper.iter().map(|k| Some(&**k)));
+        for (id, ca) in checks
+            .into_iter()
+            .flatten()
+            .flat_map(|id| cas.clone().map(move |ca| (id, ca)))
+        {
+            if let Err(revoked) = self.check(id, presented, node, ca, OffsetDateTime::now_utc()) {
                 tracing::info!(caller = %caller.identity, identity = %identity, entry = %revoked.entry, "certificate refused: revoked");
                 return Err(tonic::Status::permission_denied(format!(
                     "{identity} may not get a certificate: revoked by the entry {}",

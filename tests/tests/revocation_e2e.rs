@@ -796,6 +796,58 @@ async fn a_revoked_intermediate_signs_nothing_more_and_its_crl_lists_its_leaves(
     .unwrap();
 }
 
+/// A CA above the signing one (here the root above `--ca-dir`'s
+/// intermediate; with an HSM, the HSM-held CA above the in-memory
+/// intermediate) revoked: nothing more is issued under it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revoking_a_ca_above_the_signing_one_stops_issuance_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let pki = dir.path().join("pki");
+    let root = pki.join("root");
+    certs_cli(&["root-ca", "--out", root.to_str().unwrap()]);
+    let east = intermediate_ca(&pki, &root, "east", &[]);
+    let data = dir.path().join("data");
+    let server = start_off_runtime(
+        data.clone(),
+        vec!["--ca-dir".into(), east.display().to_string()],
+    )
+    .await;
+    let root_pem = std::fs::read_to_string(east.join("root-cert.pem")).unwrap();
+    let mut client = server.client_trusting(&root_pem).await;
+    let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
+    client
+        .create_certificate(with_token(request, &server.token("default", "web")))
+        .await
+        .expect("issued before the revocation");
+    let root_cert = root.join("root-cert.pem");
+    revoke(&[
+        "--intermediate",
+        root_cert.to_str().unwrap(),
+        "--reason",
+        "cACompromise",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ]);
+    wait_until(
+        "issuance under the revoked root refused",
+        EFFECTIVE_WITHIN,
+        || {
+            let mut client = client.clone();
+            let token = server.token("default", "api");
+            async move {
+                let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, API, 3600);
+                client
+                    .create_certificate(with_token(request, &token))
+                    .await
+                    .is_err_and(|s| {
+                        s.code() == Code::PermissionDenied && s.message().contains("intermediate")
+                    })
+            }
+        },
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_entry_does_not_stop_a_ca_change_and_the_crl_follows_the_new_ca() {
     let dir = tempfile::tempdir().unwrap();
