@@ -49,6 +49,12 @@ impl ServedCrl {
         self.verifies_with(&issuers, now)
     }
 
+    /// Whether its nextUpdate has passed at `now` (a stale CRL is not
+    /// served).
+    pub fn is_stale(&self, now: OffsetDateTime) -> bool {
+        self.next_update.is_some_and(|n| n <= now)
+    }
+
     /// The CRL, PEM.
     pub fn pem(&self) -> &str {
         &self.pem
@@ -59,7 +65,7 @@ impl ServedCrl {
     /// not verify, or is stale, is not served (a client would refuse
     /// every peer with it).
     fn verifies_with(&self, issuers: &[Vec<u8>], now: OffsetDateTime) -> bool {
-        if self.next_update.is_some_and(|n| n <= now) {
+        if self.is_stale(now) {
             return false;
         }
         let Ok(parsed) = meshca_certs::crl::ParsedCrl::from_der(&self.der) else {

@@ -51,6 +51,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
+use time::OffsetDateTime;
+
 use envoy_types::pb::envoy::service::secret::v3::secret_discovery_service_server::SecretDiscoveryServiceServer;
 use futures::StreamExt;
 use meshca_certs::TrustBundle;
@@ -321,6 +323,10 @@ pub fn watch_crl_file(
         ServedCrl::from_pem(&text).map_err(|e| e.to_string())
     };
     let first = match read(&path) {
+        Ok(crl) if crl.is_stale(OffsetDateTime::now_utc()) => {
+            tracing::warn!(file = %path.display(), "the CRL is past its nextUpdate; none is served until the CA signs a new one");
+            None
+        }
         Ok(crl) => Some(Arc::new(crl)),
         Err(e) => {
             tracing::warn!(file = %path.display(), error = %e, "no CRL to serve yet");
@@ -337,7 +343,9 @@ pub fn watch_crl_file(
                 _ = ticks.tick() => {}
                 _ = tx.closed() => return,
             }
+            let now = OffsetDateTime::now_utc();
             match read(&path) {
+                Ok(crl) if crl.is_stale(now) => last_error = None,
                 Ok(crl) => {
                     last_error = None;
                     tx.send_if_modified(|current| {
@@ -351,11 +359,21 @@ pub fn watch_crl_file(
                 }
                 Err(e) => {
                     if last_error.as_ref() != Some(&e) {
-                        tracing::warn!(file = %path.display(), error = %e, "reading the CRL failed; the last one stays served");
+                        tracing::warn!(file = %path.display(), error = %e, "reading the CRL failed; the last one stays served while it is current");
                     }
                     last_error = Some(e);
                 }
             }
+            // A CRL past its nextUpdate is withdrawn, never served on (a
+            // client would refuse every peer with it).
+            tx.send_if_modified(|current| {
+                if !current.as_ref().is_some_and(|crl| crl.is_stale(now)) {
+                    return false;
+                }
+                tracing::warn!(file = %path.display(), "the CRL is past its nextUpdate; withdrawn until the CA signs a new one");
+                *current = None;
+                true
+            });
         }
     });
     rx
@@ -975,5 +993,48 @@ mod tests {
         assert_eq!(connection_cap(4096, None), 4096);
         assert_eq!(connection_cap(4096, Some(10)), 1, "at least one");
         assert_eq!(connection_cap(0, Some(1024)), 1);
+    }
+
+    /// A CRL whose nextUpdate passes while its file stays the same is
+    /// withdrawn (and one already stale is never served).
+    #[tokio::test]
+    async fn a_crl_past_its_next_update_is_withdrawn() {
+        use meshca_certs::crl::{encode_crl_pem, sign_crl, CrlTimes};
+        use meshca_certs::keys::{KeyAlgorithm, PrivateKey};
+        use meshca_certs::profile::{self_signed_root, SubjectName, Validity};
+        let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let name = SubjectName {
+            common_name: Some("Root CA".into()),
+            ..Default::default()
+        };
+        let now = OffsetDateTime::now_utc().replace_nanosecond(0).unwrap();
+        let root = self_signed_root(
+            &key,
+            &name,
+            Validity::backdated(now, time::Duration::days(1)),
+        )
+        .unwrap();
+        let crl = |next_update| {
+            let times = CrlTimes {
+                number: 1,
+                this_update: now - time::Duration::minutes(1),
+                next_update,
+            };
+            encode_crl_pem(&sign_crl(&root.der, key.key_pair(), &[], times).unwrap())
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let stale = dir.path().join("stale.pem");
+        std::fs::write(&stale, crl(now - time::Duration::seconds(1))).unwrap();
+        let watched = watch_crl_file(stale, Duration::from_millis(50));
+        assert!(watched.borrow().is_none(), "a stale CRL is not served");
+
+        let soon = dir.path().join("soon.pem");
+        std::fs::write(&soon, crl(now + time::Duration::seconds(2))).unwrap();
+        let mut watched = watch_crl_file(soon, Duration::from_millis(50));
+        assert!(watched.borrow().is_some());
+        tokio::time::timeout(Duration::from_secs(10), watched.wait_for(Option::is_none))
+            .await
+            .expect("withdrawn within 10 s")
+            .unwrap();
     }
 }
