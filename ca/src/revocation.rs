@@ -830,12 +830,7 @@ pub(crate) fn sign_with(
 ) -> Result<Vec<u8>, crl::CrlError> {
     let state = authority.current();
     let signing = &state.material.signing;
-    let key = signing.key().software().ok_or_else(|| {
-        crl::CrlError::Signing(
-            "the CA key is held outside the process; CRL signing needs a software key".into(),
-        )
-    })?;
-    crl::sign_crl(signing.cert_der(), key.key_pair(), revoked, times)
+    crl::sign_crl_with_ca_key(signing.cert_der(), signing.key(), revoked, times)
 }
 
 /// Keeps `ca-crl.pem` in `dir` current, until dropped: a new CRL when the
@@ -854,6 +849,9 @@ pub(crate) async fn maintain_crl(
     let mut last_number = 0;
     let mut tick = tokio::time::interval(refresh);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // After a failed signing (an HSM busy or away): tried again in 1 s,
+    // doubling up to a minute, not only at the next change or refresh.
+    let mut retry_in: Option<Duration> = None;
     loop {
         let now = OffsetDateTime::now_utc();
         let serials = revocations.revoked_serials(&kept, now);
@@ -905,9 +903,24 @@ pub(crate) async fn maintain_crl(
                     .set(times.next_update.unix_timestamp());
                 tracing::info!(number, serials = revoked.len(), bytes = der.len(), took_ms = started.elapsed().as_millis() as u64, next_update = %meshca_certs::Rfc3339(times.next_update), "signed the CRL");
                 out.send_replace(Some(Arc::new(pem)));
+                retry_in = None;
             }
             Err(e) => {
-                tracing::error!(error = %e, "signing the CRL failed; the last one stays published until its nextUpdate");
+                let wait = retry_in.map_or(Duration::from_secs(1), |w| {
+                    (w * 2).min(Duration::from_secs(60))
+                });
+                retry_in = Some(wait);
+                tracing::error!(error = %e, retry_in = ?wait, "signing the CRL failed; the last one stays published until its nextUpdate");
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => continue,
+                    closed = list_changes.changed() => {
+                        if closed.is_err() {
+                            return;
+                        }
+                        list_changes.mark_unchanged();
+                        continue;
+                    }
+                }
             }
         }
         tokio::select! {

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use meshca_certs::keys::{KeyAlgorithm, PrivateKey};
-use meshca_certs::profile::SubjectKey;
+use meshca_certs::profile::{ProfileError, SubjectKey};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
@@ -93,7 +93,19 @@ pub(crate) fn new_resolver(
     authority: &Authority,
     dns: &[String],
 ) -> Result<Arc<ServerCertResolver>, TlsError> {
-    let (key, not_after) = issue_server_identity(authority, dns, OffsetDateTime::now_utc())?;
+    // An HSM key in direct mode may be busy for a moment at start (the
+    // CRL is signed at the same time): waited for, a little.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (key, not_after) = loop {
+        match issue_server_identity(authority, dns, OffsetDateTime::now_utc()) {
+            Err(TlsError::Issue(SignError::Signing(ProfileError::KeyBusy(_))))
+                if std::time::Instant::now() < deadline =>
+            {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            issued => break issued?,
+        }
+    };
     Ok(Arc::new(ServerCertResolver {
         current: ArcSwap::new(key),
         not_after: ArcSwap::from_pointee(not_after),

@@ -122,6 +122,74 @@ pub fn sign_crl(
     Ok(crl.der().to_vec())
 }
 
+/// Signs a CRL as [`sign_crl`] does, with the CA's key wherever it is
+/// held: in memory, or outside the process (an HSM: one signature per CRL).
+pub fn sign_crl_with_ca_key(
+    ca_cert_der: &[u8],
+    key: &crate::profile::CaKey,
+    revoked: &[RevokedCert],
+    times: CrlTimes,
+) -> Result<Vec<u8>, CrlError> {
+    match key {
+        crate::profile::CaKey::Software(key) => {
+            sign_crl(ca_cert_der, key.key_pair(), revoked, times)
+        }
+        crate::profile::CaKey::External(key) => {
+            let signer = ExternalSigner::new(key.as_ref())?;
+            sign_crl(ca_cert_der, &signer, revoked, times)
+        }
+    }
+}
+
+/// An external key ([`crate::profile::ExternalKey`]) as rcgen signs with.
+struct ExternalSigner<'k> {
+    key: &'k dyn crate::profile::ExternalKey,
+    /// The public key's bits (the SubjectPublicKeyInfo's BIT STRING).
+    public_key: Vec<u8>,
+    algorithm: &'static rcgen::SignatureAlgorithm,
+}
+
+impl<'k> ExternalSigner<'k> {
+    fn new(key: &'k dyn crate::profile::ExternalKey) -> Result<Self, CrlError> {
+        use crate::keys::KeyKind;
+        let algorithm = match key.kind() {
+            KeyKind::EcdsaP256 => &rcgen::PKCS_ECDSA_P256_SHA256,
+            KeyKind::EcdsaP384 => &rcgen::PKCS_ECDSA_P384_SHA384,
+            KeyKind::Rsa(_) => &rcgen::PKCS_RSA_SHA256,
+            other => {
+                return Err(CrlError::Signing(format!(
+                    "{} is a {other:?} key, which CRLs are not signed with",
+                    key.name()
+                )))
+            }
+        };
+        let (_, spki) =
+            x509_parser::x509::SubjectPublicKeyInfo::from_der(key.public_key_spki_der())
+                .map_err(|e| CrlError::Signing(format!("{}: {e}", key.name())))?;
+        Ok(Self {
+            key,
+            public_key: spki.subject_public_key.data.to_vec(),
+            algorithm,
+        })
+    }
+}
+
+impl rcgen::PublicKeyData for ExternalSigner<'_> {
+    fn der_bytes(&self) -> &[u8] {
+        &self.public_key
+    }
+
+    fn algorithm(&self) -> &'static rcgen::SignatureAlgorithm {
+        self.algorithm
+    }
+}
+
+impl rcgen::SigningKey for ExternalSigner<'_> {
+    fn sign(&self, msg: &[u8]) -> Result<Vec<u8>, rcgen::Error> {
+        self.key.sign(msg).map_err(|_| rcgen::Error::RemoteKeyError)
+    }
+}
+
 fn ca_public_key(ca_der: &[u8]) -> Result<Vec<u8>, CrlError> {
     let (_, cert) =
         X509Certificate::from_der(ca_der).map_err(|e| CrlError::Signing(e.to_string()))?;
@@ -269,6 +337,48 @@ mod tests {
             number,
             this_update: now,
             next_update: now + Duration::hours(2),
+        }
+    }
+
+    /// A software key seen only through [`crate::profile::ExternalKey`], as
+    /// an HSM key is.
+    #[derive(Debug)]
+    struct OutsideKey {
+        key: PrivateKey,
+        spki: Vec<u8>,
+    }
+
+    impl crate::profile::ExternalKey for OutsideKey {
+        fn public_key_spki_der(&self) -> &[u8] {
+            &self.spki
+        }
+        fn kind(&self) -> crate::keys::KeyKind {
+            self.key.kind()
+        }
+        fn sign(&self, message: &[u8]) -> Result<Vec<u8>, crate::profile::ProfileError> {
+            rcgen::SigningKey::sign(self.key.key_pair(), message)
+                .map_err(|e| crate::profile::ProfileError::Signing(e.to_string()))
+        }
+        fn name(&self) -> &str {
+            "pkcs11:object=test"
+        }
+    }
+
+    #[test]
+    fn a_key_held_outside_the_process_signs_a_crl_that_verifies() {
+        for alg in [
+            KeyAlgorithm::EcdsaP256,
+            KeyAlgorithm::EcdsaP384,
+            KeyAlgorithm::Rsa2048,
+        ] {
+            let (ca, key) = ca(alg);
+            let spki = key.public_key_spki_der();
+            let outside =
+                crate::profile::CaKey::External(std::sync::Arc::new(OutsideKey { key, spki }));
+            let der = sign_crl_with_ca_key(&ca, &outside, &[], times(3)).unwrap();
+            let parsed = ParsedCrl::from_der(&der).unwrap();
+            parsed.verify(&ca, OffsetDateTime::now_utc()).unwrap();
+            assert_eq!(parsed.number, Some(3));
         }
     }
 

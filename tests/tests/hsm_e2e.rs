@@ -433,6 +433,19 @@ async fn direct_mode_signs_every_leaf_with_the_hsm_key_and_refuses_beyond_its_qu
     assert_eq!(certs[1], east_der);
     let (ok, out) = openssl_verify(work.path(), &certs[2], &[&certs[1]], &certs[0]);
     assert!(ok, "openssl verify: {out}");
+    // The CRL is signed by the HSM key too (an empty one at start).
+    let crl_file = work.path().join("data").join("ca-crl.pem");
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !crl_file.exists() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let crl = meshca_certs::crl::ParsedCrl::from_pem(
+        &std::fs::read_to_string(&crl_file).expect("ca-crl.pem in direct mode"),
+    )
+    .unwrap();
+    crl.verify(&east_der, time::OffsetDateTime::now_utc())
+        .expect("the CRL verifies with east's certificate");
+    assert!(crl.revoked.is_empty());
 
     // One session, no queue: requests at once beyond it are refused
     // RESOURCE_EXHAUSTED, the rest issued.
