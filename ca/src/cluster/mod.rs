@@ -289,7 +289,9 @@ pub(crate) async fn follow_root_secret(
                 latest.send_replace(Some(Some(secret)));
             }
             Ok(Event::Delete(_)) => {
-                tracing::error!(namespace = %namespace, secret = SECRET_NAME, "the CA Secret was deleted; still signing with the root in memory (the leader writes it back)");
+                // Repaired without an operator (the leader writes it
+                // back from memory): a warning, not an error.
+                tracing::warn!(namespace = %namespace, secret = SECRET_NAME, "the CA Secret was deleted; still signing with the root in memory (the leader writes it back)");
                 latest.send_replace(Some(None));
             }
             Ok(Event::Init) => found = false,
