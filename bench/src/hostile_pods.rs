@@ -481,18 +481,20 @@ async fn measure(args: &HostilePodsArgs) -> anyhow::Result<Value> {
             .filter(|(at, _)| (from..to).contains(at))
             .map(|(_, d)| *d)
             .collect();
-        let errors = good_lines
+        let errors: Vec<&str> = good_lines
             .iter()
             .filter_map(|l| l.strip_prefix("ERROR "))
             .filter_map(|l| l.split_once(' '))
             .filter(|(at, _)| at.parse::<u64>().is_ok_and(|at| (from..to).contains(&at)))
-            .count();
+            .map(|(_, what)| what)
+            .collect();
         json!({
             "rotations": delays.len(),
             "rotation_delay_ms": summary(&delays),
             "svid_fetches": fetched.len(),
             "svid_fetch_latency_ms": summary(&fetched),
-            "errors": errors,
+            "errors": errors.len(),
+            "error_kinds": errors.iter().take(8).collect::<Vec<_>>(),
         })
     };
     let alone = phase(a_start, a_end);
