@@ -833,6 +833,33 @@ pub(crate) fn sign_with(
     crl::sign_crl_with_ca_key(signing.cert_der(), signing.key(), revoked, times)
 }
 
+/// The nextUpdate of the CRL in `path`, if there is a readable one; a
+/// stale one (left by a run that could not sign for a while) is removed.
+fn read_next_update(path: &Path) -> Option<OffsetDateTime> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let next = crl::ParsedCrl::from_pem(&text).ok()?.next_update?;
+    if next <= OffsetDateTime::now_utc() {
+        tracing::warn!(file = %path.display(), next_update = %meshca_certs::Rfc3339(next), "the CRL left in the data directory is past its nextUpdate; removed until a new one is signed");
+        let _ = std::fs::remove_file(path);
+        return None;
+    }
+    Some(next)
+}
+
+/// Stops serving the CRL whose nextUpdate passed while no new one could
+/// be signed: `ca-crl.pem` removed, the agents' and publishers' copy
+/// withdrawn. The `istio-ca-crl` ConfigMaps keep the last one (meshca does
+/// not delete ConfigMaps); `meshca_crl_next_update_timestamp` tells.
+fn withdraw_crl(path: &Path, out: &watch::Sender<Option<Arc<String>>>) {
+    tracing::error!(file = %path.display(), "the CRL reached its nextUpdate and no new one could be signed: withdrawn (ca-crl.pem removed) until signing works again");
+    if let Err(e) = std::fs::remove_file(path) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            tracing::warn!(file = %path.display(), error = %e, "removing the stale ca-crl.pem failed");
+        }
+    }
+    out.send_replace(None);
+}
+
 /// Keeps `ca-crl.pem` in `dir` current, until dropped: a new CRL when the
 /// list or the CA material changes, and every `refresh` (nextUpdate =
 /// thisUpdate + 2 × `refresh`). Its PEM goes to `out` too.
@@ -847,6 +874,10 @@ pub(crate) async fn maintain_crl(
     let mut material_changes = authority.subscribe();
     let mut kept = read_kept(&dir);
     let mut last_number = 0;
+    let crl_path = dir.join(crl::CRL_FILE);
+    // The nextUpdate of the CRL served now (the file left by the last run
+    // until the first signing): never served past it.
+    let mut served_until = read_next_update(&crl_path);
     let mut tick = tokio::time::interval(refresh);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // After a failed signing (an HSM busy or away): tried again in 1 s,
@@ -878,13 +909,12 @@ pub(crate) async fn maintain_crl(
             Ok(der) => {
                 last_number = number;
                 let pem = crl::encode_crl_pem(&der);
-                if let Err(e) = meshca_certs::bundle::write_file_atomic(
-                    &dir.join(crl::CRL_FILE),
-                    pem.as_bytes(),
-                    0o644,
-                ) {
+                if let Err(e) =
+                    meshca_certs::bundle::write_file_atomic(&crl_path, pem.as_bytes(), 0o644)
+                {
                     tracing::warn!(dir = %dir.display(), error = %e, "writing ca-crl.pem failed");
                 }
+                served_until = Some(times.next_update);
                 if serials != kept {
                     let json = serde_json::to_vec(&serials).unwrap_or_default();
                     if let Err(e) = meshca_certs::bundle::write_file_atomic(
@@ -911,6 +941,21 @@ pub(crate) async fn maintain_crl(
                 });
                 retry_in = Some(wait);
                 tracing::error!(error = %e, retry_in = ?wait, "signing the CRL failed; the last one stays published until its nextUpdate");
+                // Never served past its nextUpdate (a client would refuse
+                // every peer with it): withdrawn then, and the retry wakes
+                // up at that moment.
+                let wait = match served_until {
+                    Some(until) if until <= now => {
+                        withdraw_crl(&crl_path, &out);
+                        served_until = None;
+                        wait
+                    }
+                    Some(until) => wait.min(
+                        Duration::try_from(until - now).unwrap_or(Duration::ZERO)
+                            + Duration::from_millis(10),
+                    ),
+                    None => wait,
+                };
                 tokio::select! {
                     () = tokio::time::sleep(wait) => continue,
                     closed = list_changes.changed() => {
@@ -986,6 +1031,47 @@ mod tests {
         // A document that is not a list keeps the last good one.
         take_document(&r, Source::File, "revocations: [", "test");
         assert_eq!(r.list().entries().len(), 3);
+    }
+
+    #[test]
+    fn a_crl_past_its_next_update_is_never_served_on() {
+        use meshca_certs::{KeyAlgorithm, PrivateKey};
+        let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let now = OffsetDateTime::now_utc().replace_nanosecond(0).unwrap();
+        let root = meshca_certs::profile::self_signed_root(
+            &key,
+            &Default::default(),
+            meshca_certs::profile::Validity::backdated(now, time::Duration::days(1)),
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(crl::CRL_FILE);
+        let write = |next_update: OffsetDateTime| {
+            let times = CrlTimes {
+                number: 1,
+                this_update: now - time::Duration::hours(3),
+                next_update,
+            };
+            let der = crl::sign_crl(&root.der, key.key_pair(), &[], times).unwrap();
+            std::fs::write(&path, crl::encode_crl_pem(&der)).unwrap();
+        };
+        // A current one left by the last run is served until its nextUpdate.
+        write(now + time::Duration::hours(1));
+        assert_eq!(
+            read_next_update(&path),
+            Some(now + time::Duration::hours(1))
+        );
+        assert!(path.exists());
+        // A stale one is removed at start.
+        write(now - time::Duration::minutes(1));
+        assert_eq!(read_next_update(&path), None);
+        assert!(!path.exists());
+        // Withdrawn when its time comes while signing fails.
+        write(now + time::Duration::hours(1));
+        let (tx, rx) = watch::channel(Some(Arc::new("pem".to_string())));
+        withdraw_crl(&path, &tx);
+        assert!(!path.exists());
+        assert!(rx.borrow().is_none());
     }
 
     #[test]

@@ -241,6 +241,8 @@ pub struct ParsedCrl {
     pub next_update: Option<OffsetDateTime>,
     /// The revoked serials, in order.
     pub revoked: Vec<Serial>,
+    /// The issuer's name, DER (the serials are that issuer's).
+    pub issuer_der: Vec<u8>,
 }
 
 impl ParsedCrl {
@@ -282,7 +284,22 @@ impl ParsedCrl {
                 .iter_revoked_certificates()
                 .map(|r| Serial::from_bytes(r.raw_serial()))
                 .collect(),
+            issuer_der: crl.issuer().as_raw().to_vec(),
         })
+    }
+
+    /// The serial of the certificate `cert_der` when this CRL lists it:
+    /// its issuer is the CRL's issuer and its serial is on the list (a
+    /// serial means something only with its issuer). `None` when it is not
+    /// listed or not a certificate. The signature is not checked here:
+    /// [`ParsedCrl::verify`] first.
+    pub fn lists(&self, cert_der: &[u8]) -> Option<Serial> {
+        let (_, cert) = X509Certificate::from_der(cert_der).ok()?;
+        if cert.issuer().as_raw() != self.issuer_der.as_slice() {
+            return None;
+        }
+        let serial = Serial::from_bytes(cert.raw_serial());
+        self.revoked.contains(&serial).then_some(serial)
     }
 
     /// Checks that `ca_der` signed this CRL (signature and issuer name) and
@@ -380,6 +397,76 @@ mod tests {
             parsed.verify(&ca, OffsetDateTime::now_utc()).unwrap();
             assert_eq!(parsed.number, Some(3));
         }
+    }
+
+    #[test]
+    fn a_crl_lists_a_certificate_only_under_its_own_issuer() {
+        use crate::profile::{SigningCa, SubjectKey};
+        let (root_der, root_key) = ca(KeyAlgorithm::EcdsaP256);
+        let root = SigningCa::new(root_der.clone(), root_key).unwrap();
+        let now = OffsetDateTime::now_utc();
+        let mid_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let mid_name = SubjectName {
+            common_name: Some("Intermediate CA".into()),
+            ..Default::default()
+        };
+        let mid_cert = root
+            .issue_ca(
+                &SubjectKey::of(&mid_key).unwrap(),
+                &mid_name,
+                Some(0),
+                Validity::backdated(now, Duration::days(1)),
+            )
+            .unwrap();
+        let mid = SigningCa::new(mid_cert.der.clone(), mid_key).unwrap();
+        let leaf_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let id = crate::SpiffeId::parse("spiffe://cluster.local/ns/default/sa/web").unwrap();
+        let leaf = mid
+            .issue_workload(
+                &SubjectKey::of(&leaf_key).unwrap(),
+                &id,
+                Validity::backdated(now, Duration::hours(1)),
+            )
+            .unwrap();
+        let entry = |hex: &str| RevokedCert {
+            serial: Serial::parse(hex).unwrap(),
+            revoked_at: times(0).this_update,
+            reason: RevocationReason::KeyCompromise,
+        };
+        // The intermediate's CRL lists its leaf.
+        let by_mid = ParsedCrl::from_der(
+            &sign_crl_with_ca_key(
+                mid.cert_der(),
+                mid.key(),
+                &[entry(&leaf.serial_hex)],
+                times(1),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            by_mid.lists(&leaf.der),
+            Some(Serial::parse(&leaf.serial_hex).unwrap())
+        );
+        assert_eq!(by_mid.lists(&mid_cert.der), None);
+        // The root's CRL with the same serials: the leaf is not the root's
+        // to list, the intermediate is.
+        let by_root = ParsedCrl::from_der(
+            &sign_crl_with_ca_key(
+                &root_der,
+                root.key(),
+                &[entry(&leaf.serial_hex), entry(&mid_cert.serial_hex)],
+                times(2),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(by_root.lists(&leaf.der), None);
+        assert_eq!(
+            by_root.lists(&mid_cert.der),
+            Some(Serial::parse(&mid_cert.serial_hex).unwrap())
+        );
+        assert_eq!(by_root.lists(b"not a certificate"), None);
     }
 
     #[test]

@@ -18,6 +18,7 @@ use meshca_proto::{IstioCertificateRequest, IMPERSONATED_IDENTITY_KEY};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::issuer::{CertificateIssuer, ClientError, Svid};
+use crate::workload_api::ServedCrl;
 
 /// Default CA address.
 pub const DEFAULT_CA_ADDR: &str = "https://127.0.0.1:15012";
@@ -89,11 +90,16 @@ struct Connection {
     stamp: Option<(std::time::SystemTime, u64)>,
 }
 
+/// The CA's CRL as the client knows it (e.g. `meshca-agent --crl-file`).
+pub type CrlSource = tokio::sync::watch::Receiver<Option<Arc<ServedCrl>>>;
+
 /// The client. Cloning is cheap and shares the connection.
 #[derive(Debug, Clone)]
 pub struct CaClient {
     config: Arc<CaClientConfig>,
     connection: Arc<Mutex<Arc<Connection>>>,
+    /// Every fetched chain is checked against it (none: not checked).
+    crl: Option<CrlSource>,
 }
 
 fn file_stamp(path: &std::path::Path) -> Option<(std::time::SystemTime, u64)> {
@@ -108,7 +114,20 @@ impl CaClient {
         Ok(Self {
             config: Arc::new(config),
             connection: Arc::new(Mutex::new(Arc::new(connection))),
+            crl: None,
         })
+    }
+
+    /// Checks every fetched chain against the CRL `crl` holds at the time
+    /// (the CA's `ca-crl.pem` or a mounted `istio-ca-crl`, read by
+    /// [`crate::workload_api::watch_crl_file`]): a chain whose leaf or
+    /// intermediate it lists is refused with [`ClientError::Revoked`] and
+    /// never reaches the manager's subscribers, the socket or the files.
+    /// The CRL applies only while a CA of the chain signed it and it is
+    /// not past its nextUpdate ([`ServedCrl::check_chain`]).
+    pub fn with_crl(mut self, crl: CrlSource) -> Self {
+        self.crl = Some(crl);
+        self
     }
 
     fn connect(config: &CaClientConfig) -> Result<Connection, ClientError> {
@@ -233,12 +252,20 @@ impl CaClient {
             &connection.bundle,
             SystemTime::now(),
         )?;
-        Ok(Svid {
+        let svid = Svid {
             key,
             chain_pem: response.cert_chain,
             bundle: checked.roots,
             leaf: checked.leaf,
-        })
+        };
+        let crl = self.crl.as_ref().and_then(|crl| crl.borrow().clone());
+        if let Some(crl) = crl {
+            if let Err(e) = crl.check_chain(&svid, time::OffsetDateTime::now_utc()) {
+                tracing::error!(identity = %identity, serial = %svid.leaf.serial_hex, error = %e, "the CA's answer is listed in its CRL; refused, not published");
+                return Err(e);
+            }
+        }
+        Ok(svid)
     }
 }
 
@@ -592,6 +619,90 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("does not chain"), "{err}");
+    }
+
+    /// The agent library's CRL check: a chain whose leaf its CA's CRL
+    /// lists, or whose intermediate the root's CRL lists, is refused; a
+    /// CRL of another CA, or a stale one, checks nothing.
+    #[test]
+    fn a_chain_the_crl_lists_is_refused_before_it_is_handed_on() {
+        use meshca_certs::crl::{encode_crl_pem, sign_crl_with_ca_key, CrlTimes, RevokedCert};
+        use meshca_certs::revocation::{RevocationReason, Serial};
+        let root = root_ca("Root");
+        let mid_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let now = OffsetDateTime::now_utc();
+        let mid_cert = root
+            .issue_ca(
+                &SubjectKey::of(&mid_key).unwrap(),
+                &SubjectName {
+                    common_name: Some("Intermediate".into()),
+                    ..Default::default()
+                },
+                Some(0),
+                Validity::backdated(now, time::Duration::hours(2)),
+            )
+            .unwrap();
+        let mid = SigningCa::new(mid_cert.der.clone(), mid_key).unwrap();
+        let (key, leaf_pem) = leaf(&mid);
+        let chain = vec![leaf_pem, mid_cert.to_pem(), roots(&[&root])];
+        let trusted = TrustBundle::new(vec![root.cert_der().to_vec()]);
+        let checked = check_answer(&key, &id(), &chain, &trusted, SystemTime::now()).unwrap();
+        let svid = Svid {
+            key,
+            chain_pem: chain,
+            bundle: checked.roots,
+            leaf: checked.leaf,
+        };
+        let crl = |ca: &SigningCa, serials: &[&str], next_update: time::Duration| {
+            let this_update = now.replace_nanosecond(0).unwrap() - time::Duration::hours(3);
+            let revoked: Vec<RevokedCert> = serials
+                .iter()
+                .map(|s| RevokedCert {
+                    serial: Serial::parse(s).unwrap(),
+                    revoked_at: this_update,
+                    reason: RevocationReason::KeyCompromise,
+                })
+                .collect();
+            let times = CrlTimes {
+                number: 1,
+                this_update,
+                next_update: now + next_update,
+            };
+            let der = sign_crl_with_ca_key(ca.cert_der(), ca.key(), &revoked, times).unwrap();
+            ServedCrl::from_pem(&encode_crl_pem(&der)).unwrap()
+        };
+        let hour = time::Duration::hours(1);
+        let leaf_serial = svid.leaf.serial_hex.clone();
+        // The issuing CA's CRL lists the leaf.
+        let err = crl(&mid, &[&leaf_serial], hour)
+            .check_chain(&svid, now)
+            .unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Revoked { certificate, serial }
+                if certificate == "leaf" && Serial::parse(serial).unwrap() == Serial::parse(&leaf_serial).unwrap()),
+            "{err:?}"
+        );
+        assert!(err.to_string().contains("not published"), "{err}");
+        // The root's CRL lists the intermediate.
+        let err = crl(&root, &[&mid_cert.serial_hex], hour)
+            .check_chain(&svid, now)
+            .unwrap_err();
+        assert!(
+            matches!(&err, ClientError::Revoked { certificate, .. } if certificate == "intermediate 1"),
+            "{err:?}"
+        );
+        // The root's CRL naming the leaf's serial: not the root's to list.
+        crl(&root, &[&leaf_serial], hour)
+            .check_chain(&svid, now)
+            .unwrap();
+        // Nothing listed, another CA's CRL, a stale CRL: accepted.
+        crl(&mid, &["01"], hour).check_chain(&svid, now).unwrap();
+        crl(&root_ca("Other"), &[&leaf_serial], hour)
+            .check_chain(&svid, now)
+            .unwrap();
+        crl(&mid, &[&leaf_serial], -time::Duration::minutes(1))
+            .check_chain(&svid, now)
+            .unwrap();
     }
 
     /// A CA that accepts the connection and then says nothing (a paused

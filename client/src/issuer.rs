@@ -73,6 +73,16 @@ pub enum ClientError {
     /// The CA's answer is not a valid certificate for us.
     #[error("the CA's answer is not acceptable: {0}")]
     BadAnswer(String),
+    /// The CA's answer chains through a certificate the CA's CRL lists
+    /// (`CaClient::with_crl`): it is not published.
+    #[error("the CA's answer is revoked: the CRL lists the {certificate}'s serial {serial}; not published")]
+    Revoked {
+        /// Which certificate of the chain: `leaf`, or `intermediate N`
+        /// (from 1, above the leaf).
+        certificate: String,
+        /// Its serial, hex.
+        serial: String,
+    },
 }
 
 impl From<FileError> for ClientError {

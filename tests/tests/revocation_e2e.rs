@@ -9,7 +9,7 @@
 // Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
 #![allow(clippy::unwrap_used)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -63,6 +63,74 @@ where
 fn crl_file(dir: &Path) -> Option<ParsedCrl> {
     let pem = std::fs::read_to_string(dir.join("ca-crl.pem")).ok()?;
     ParsedCrl::from_pem(&pem).ok()
+}
+
+/// A root, its intermediate `east` (a `--ca-dir`) and meshca signing
+/// with it: the set-up of the tests that revoke a CA.
+struct CaDirServer {
+    root: PathBuf,
+    east: PathBuf,
+    data: PathBuf,
+    server: MeshcaServer,
+    /// east's `root-cert.pem`.
+    root_pem: String,
+}
+
+async fn ca_dir_server(dir: &Path) -> CaDirServer {
+    let pki = dir.join("pki");
+    let root = pki.join("root");
+    certs_cli(&["root-ca", "--out", root.to_str().unwrap()]);
+    let east = intermediate_ca(&pki, &root, "east", &[]);
+    let data = dir.join("data");
+    let server = start_off_runtime(
+        data.clone(),
+        vec!["--ca-dir".into(), east.display().to_string()],
+    )
+    .await;
+    let root_pem = std::fs::read_to_string(east.join("root-cert.pem")).unwrap();
+    CaDirServer {
+        root,
+        east,
+        data,
+        server,
+        root_pem,
+    }
+}
+
+/// Waits until `server` refuses a new certificate naming a revoked
+/// intermediate.
+async fn wait_until_a_ca_is_refused(what: &str, server: &MeshcaServer, root_pem: &str) {
+    let client = server.client_trusting(root_pem).await;
+    wait_until(what, EFFECTIVE_WITHIN, || {
+        let mut client = client.clone();
+        let token = server.token("default", "api");
+        async move {
+            let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, API, 3600);
+            client
+                .create_certificate(with_token(request, &token))
+                .await
+                .is_err_and(|s| {
+                    s.code() == Code::PermissionDenied && s.message().contains("intermediate")
+                })
+        }
+    })
+    .await;
+}
+
+/// `meshca serve`'s arguments in the cluster of `kubeconfig`, then `extra`.
+fn cluster_args(kubeconfig: &Path, extra: &[&str]) -> Vec<String> {
+    [
+        "--kubeconfig",
+        kubeconfig.to_str().unwrap(),
+        "--namespace",
+        MESHCA_NAMESPACE,
+        "--leader-lease-duration",
+        "4s",
+    ]
+    .iter()
+    .chain(extra)
+    .map(|s| s.to_string())
+    .collect()
 }
 
 /// `openssl crl -verify` of `crl_pem` against `root_pem`, and its text.
@@ -340,19 +408,10 @@ async fn the_configmap_list_revokes_a_node_on_every_path_and_the_crl_reaches_eve
     let web = plane.running_pod("default", "web-1", "web", "node-a").await;
     let api = plane.running_pod("default", "api-1", "api", "node-b").await;
     let kubeconfig = plane.meshca_kubeconfig().await;
-    let args: Vec<String> = [
-        "--kubeconfig",
-        kubeconfig.to_str().unwrap(),
-        "--namespace",
-        MESHCA_NAMESPACE,
-        "--leader-lease-duration",
-        "4s",
-        "--trusted-node-agent",
-        "istio-system/ztunnel",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let args = cluster_args(
+        &kubeconfig,
+        &["--trusted-node-agent", "istio-system/ztunnel"],
+    );
     let server = start_off_runtime(dir.path().join("data"), args).await;
     let hour = Duration::from_secs(3600);
     let web_token = plane
@@ -470,15 +529,16 @@ async fn the_configmap_list_revokes_a_node_on_every_path_and_the_crl_reaches_eve
         .replace("meshca-revocations", &Default::default(), &cm)
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    wait_until(
+        "the malformed document refused (logged)",
+        EFFECTIVE_WITHIN,
+        || async { server.log().contains("revocation list refused") },
+    )
+    .await;
     assert_eq!(
         ask(&server, &web_token, WEB).await.unwrap_err().code(),
-        Code::PermissionDenied
-    );
-    assert!(
-        server.log().contains("revocation list refused"),
-        "{}",
-        server.log()
+        Code::PermissionDenied,
+        "the last good list stays in use"
     );
 }
 
@@ -667,17 +727,7 @@ async fn a_serial_issued_by_one_replica_is_in_every_replicas_crl() {
     let dir = tempfile::tempdir().unwrap();
     let web = plane.running_pod("default", "web-1", "web", "node-a").await;
     let kubeconfig = plane.meshca_kubeconfig().await;
-    let args: Vec<String> = [
-        "--kubeconfig",
-        kubeconfig.to_str().unwrap(),
-        "--namespace",
-        MESHCA_NAMESPACE,
-        "--leader-lease-duration",
-        "4s",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+    let args = cluster_args(&kubeconfig, &[]);
     let (a_data, b_data) = (dir.path().join("a"), dir.path().join("b"));
     let a = replica(a_data.clone(), args.clone(), "meshca-a").await;
     let b = replica(b_data.clone(), args, "meshca-b").await;
@@ -735,17 +785,13 @@ async fn a_serial_issued_by_one_replica_is_in_every_replicas_crl() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_revoked_intermediate_signs_nothing_more_and_its_crl_lists_its_leaves() {
     let dir = tempfile::tempdir().unwrap();
-    let pki = dir.path().join("pki");
-    let root = pki.join("root");
-    certs_cli(&["root-ca", "--out", root.to_str().unwrap()]);
-    let east = intermediate_ca(&pki, &root, "east", &[]);
-    let data = dir.path().join("data");
-    let server = start_off_runtime(
-        data.clone(),
-        vec!["--ca-dir".into(), east.display().to_string()],
-    )
-    .await;
-    let root_pem = std::fs::read_to_string(east.join("root-cert.pem")).unwrap();
+    let CaDirServer {
+        east,
+        data,
+        server,
+        root_pem,
+        ..
+    } = ca_dir_server(dir.path()).await;
     let mut client = server.client_trusting(&root_pem).await;
     let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
     let leaf = client
@@ -763,22 +809,10 @@ async fn a_revoked_intermediate_signs_nothing_more_and_its_crl_lists_its_leaves(
         "--data-dir",
         data.to_str().unwrap(),
     ]);
-    wait_until(
+    wait_until_a_ca_is_refused(
         "signing with the revoked intermediate refused",
-        EFFECTIVE_WITHIN,
-        || {
-            let mut client = client.clone();
-            let token = server.token("default", "api");
-            async move {
-                let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, API, 3600);
-                client
-                    .create_certificate(with_token(request, &token))
-                    .await
-                    .is_err_and(|s| {
-                        s.code() == Code::PermissionDenied && s.message().contains("intermediate")
-                    })
-            }
-        },
+        &server,
+        &root_pem,
     )
     .await;
     // Its leaves are in the CRL it signed (the intermediate is the issuer).
@@ -802,17 +836,13 @@ async fn a_revoked_intermediate_signs_nothing_more_and_its_crl_lists_its_leaves(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn revoking_a_ca_above_the_signing_one_stops_issuance_too() {
     let dir = tempfile::tempdir().unwrap();
-    let pki = dir.path().join("pki");
-    let root = pki.join("root");
-    certs_cli(&["root-ca", "--out", root.to_str().unwrap()]);
-    let east = intermediate_ca(&pki, &root, "east", &[]);
-    let data = dir.path().join("data");
-    let server = start_off_runtime(
-        data.clone(),
-        vec!["--ca-dir".into(), east.display().to_string()],
-    )
-    .await;
-    let root_pem = std::fs::read_to_string(east.join("root-cert.pem")).unwrap();
+    let CaDirServer {
+        root,
+        data,
+        server,
+        root_pem,
+        ..
+    } = ca_dir_server(dir.path()).await;
     let mut client = server.client_trusting(&root_pem).await;
     let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
     client
@@ -828,22 +858,111 @@ async fn revoking_a_ca_above_the_signing_one_stops_issuance_too() {
         "--data-dir",
         data.to_str().unwrap(),
     ]);
-    wait_until(
+    wait_until_a_ca_is_refused(
         "issuance under the revoked root refused",
-        EFFECTIVE_WITHIN,
-        || {
-            let mut client = client.clone();
-            let token = server.token("default", "api");
-            async move {
-                let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, API, 3600);
-                client
-                    .create_certificate(with_token(request, &token))
-                    .await
-                    .is_err_and(|s| {
-                        s.code() == Code::PermissionDenied && s.message().contains("intermediate")
-                    })
-            }
-        },
+        &server,
+        &root_pem,
+    )
+    .await;
+}
+
+/// A CRL the root signs (offline, by the operator) listing the
+/// intermediate of a CA that has not been told: `meshca-agent --crl-file`
+/// refuses every chain through it and publishes nothing (no files, no
+/// SVID on the socket), then publishes as soon as the CRL no longer lists it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agent_publishes_no_chain_its_crl_lists() {
+    use meshca_certs::crl::{encode_crl_pem, sign_crl, CrlTimes, RevokedCert};
+    use meshca_certs::revocation::RevocationReason;
+    use meshca_tests::agent_process::Agent;
+
+    let dir = tempfile::tempdir().unwrap();
+    let CaDirServer {
+        root,
+        east,
+        server,
+        root_pem,
+        ..
+    } = ca_dir_server(dir.path()).await;
+    std::fs::write(dir.path().join("root-cert.pem"), &root_pem).unwrap();
+    let root_der = meshca_certs::bundle::parse_certs_pem(
+        &std::fs::read_to_string(root.join("root-cert.pem")).unwrap(),
+    )
+    .unwrap()
+    .remove(0);
+    let root_key = meshca_certs::PrivateKey::from_pem(
+        &std::fs::read_to_string(root.join("root-key.pem")).unwrap(),
+    )
+    .unwrap();
+    let east_der = meshca_certs::bundle::parse_certs_pem(
+        &std::fs::read_to_string(east.join("ca-cert.pem")).unwrap(),
+    )
+    .unwrap()
+    .remove(0);
+    let east_serial = Serial::parse(&CertSummary::from_der(&east_der).unwrap().serial).unwrap();
+    let root_crl = |revoked: &[Serial], number: u64| {
+        let now = time::OffsetDateTime::now_utc()
+            .replace_nanosecond(0)
+            .unwrap();
+        let revoked: Vec<RevokedCert> = revoked
+            .iter()
+            .map(|serial| RevokedCert {
+                serial: serial.clone(),
+                revoked_at: now,
+                reason: RevocationReason::CaCompromise,
+            })
+            .collect();
+        let times = CrlTimes {
+            number,
+            this_update: now,
+            next_update: now + time::Duration::hours(2),
+        };
+        encode_crl_pem(&sign_crl(&root_der, root_key.key_pair(), &revoked, times).unwrap())
+    };
+    let crl_path = dir.path().join("root-crl.pem");
+    std::fs::write(&crl_path, root_crl(std::slice::from_ref(&east_serial), 1)).unwrap();
+
+    let out = dir.path().join("out");
+    let (crl_arg, out_arg) = (crl_path.display().to_string(), out.display().to_string());
+    let agent = Agent::start(
+        &server,
+        dir.path(),
+        &server.token("default", "web"),
+        "agent",
+        &[
+            "--spiffe-id",
+            WEB,
+            "--crl-file",
+            &crl_arg,
+            "--bundle-refresh",
+            "200ms",
+            "--out",
+            &out_arg,
+        ],
+    );
+    wait_until(
+        "the agent refuses the chain its CRL lists",
+        Duration::from_secs(20),
+        || async { agent.log().contains("listed in its CRL") },
+    )
+    .await;
+    let log = agent.log();
+    assert!(
+        log.contains(&format!(
+            "the CRL lists the intermediate 1's serial {east_serial}; not published"
+        )),
+        "{log}"
+    );
+    assert!(
+        !out.join("cert-chain.pem").exists() && !out.join("key.pem").exists(),
+        "nothing written"
+    );
+    // The root's next CRL no longer lists it: the next attempt is published.
+    std::fs::write(&crl_path, root_crl(&[], 2)).unwrap();
+    wait_until(
+        "the chain written once the CRL no longer lists it",
+        Duration::from_secs(20),
+        || async { out.join("cert-chain.pem").exists() },
     )
     .await;
 }

@@ -223,6 +223,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 create_dir(&out)?;
                 write_key(&key_path, &key)?;
                 write_public(&cert_path, &root.to_pem())?;
+                remove_old_crl(&out)?;
                 println!(
                     "wrote {} and {} (serial {}, valid until {})",
                     cert_path.display(),
@@ -244,6 +245,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
                 .with_context(|| format!("making the root certificate with {uri}"))?;
             create_dir(&out)?;
             write_public(&cert_path, &root.to_pem())?;
+            remove_old_crl(&out)?;
             println!(
                 "wrote {} (serial {}, valid until {}); the key is in the token: {uri}",
                 cert_path.display(),
@@ -344,6 +346,7 @@ fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             write_public(&paths[1], &cert.to_pem())?;
             write_public(&paths[2], &bundle::encode_certs_pem(&chain))?;
             write_public(&paths[3], &root_ca.bundle.to_pem())?;
+            remove_old_crl(&dir)?;
             let files = match &pkcs11 {
                 None => "ca-cert.pem, ca-key.pem, cert-chain.pem, root-cert.pem".to_string(),
                 Some(uri) => format!(
@@ -572,6 +575,25 @@ fn refuse_overwrite(paths: &[&PathBuf], force: bool) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Removes a `ca-crl.pem` left in `dir` by the CA the new material
+/// replaces (with `--force`): it is signed by that CA, and Istio (a
+/// `cacerts` directory) or meshca (a data directory, until it signs its
+/// own at start) would hand it on with the new CA.
+fn remove_old_crl(dir: &Path) -> anyhow::Result<()> {
+    let path = dir.join(meshca_certs::crl::CRL_FILE);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {
+            eprintln!(
+                "removed {}: it was signed by the CA this replaces (meshca signs a new one when it starts with this material)",
+                path.display()
+            );
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e).with_context(|| format!("removing the old CA's {}", path.display())),
+    }
 }
 
 fn create_dir(dir: &Path) -> anyhow::Result<()> {

@@ -112,6 +112,8 @@ struct Args {
     /// ConfigMap mounted), re-read every --bundle-refresh and served on
     /// the socket (the Workload API's crl, the SDS validation context)
     /// while a trusted CA's signature verifies and its nextUpdate is ahead.
+    /// A certificate from the CA whose leaf or intermediate it lists is
+    /// refused (logged) and never written or served.
     #[arg(long, env = "MESHCA_CRL_FILE")]
     crl_file: Option<PathBuf>,
     /// How often to check --root-cert for a new trust bundle to push.
@@ -295,8 +297,12 @@ async fn run(args: Args) -> anyhow::Result<()> {
         },
     })
     .with_context(|| format!("--root-cert {}", args.root_cert.display()))?;
+    // One reader of --crl-file: every fetched chain is checked against it
+    // before anything publishes it, and the socket serves it.
+    let mut crl = crl_of(&args);
+    let client = client.with_crl(crl.clone());
     if args.node_agent {
-        return run_node_agent(args, client).await;
+        return run_node_agent(args, client, crl).await;
     }
     let identity = match (&args.spiffe_id, &args.namespace, &args.service_account) {
         (Some(id), _, _) => id.clone(),
@@ -334,7 +340,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut socket = None;
     let mut socket_file = None;
-    let mut crl = crl_of(&args);
     let mut crl_open = args.crl_file.is_some();
     let mut last_svid: Option<Arc<meshca_client::issuer::Svid>> = None;
     if let Some(path) = &args.workload_api_socket {
@@ -455,7 +460,11 @@ fn start_jwt_svids(client: &CaClient) -> Arc<workload_api::JwtSvids> {
 }
 
 /// Node mode: attest each caller, serve its pod's identity.
-async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
+async fn run_node_agent(
+    args: Args,
+    client: CaClient,
+    crl: watch::Receiver<Option<Arc<workload_api::ServedCrl>>>,
+) -> anyhow::Result<()> {
     let path = args
         .workload_api_socket
         .clone()
@@ -474,7 +483,7 @@ async fn run_node_agent(args: Args, client: CaClient) -> anyhow::Result<()> {
     let bundle = workload_api::watch_root_file(client.clone(), args.bundle_refresh);
     let jwt = start_jwt_svids(&client);
     let manager = Arc::new(CertManager::new(Arc::new(client), ManagerConfig::default()));
-    let feeds = Feeds::with_crl(manager, bundle, crl_of(&args));
+    let feeds = Feeds::with_crl(manager, bundle, crl);
     let callers = Callers::new(
         CallerPolicy::Node {
             trust_domain: args.trust_domain.clone(),

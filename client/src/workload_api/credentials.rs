@@ -10,7 +10,7 @@ use meshca_certs::bundle::{encode_certs_pem, parse_certs_pem};
 use meshca_certs::{SpiffeId, TrustBundle};
 use time::OffsetDateTime;
 
-use crate::issuer::Svid;
+use crate::issuer::{ClientError, Svid};
 
 /// The CA's CRL as the agent serves it (`--crl-file`): the Workload API's
 /// `crl` field and the SDS validation context's `crl`.
@@ -47,6 +47,42 @@ impl ServedCrl {
             issuers.extend(parse_certs_pem(pem).unwrap_or_default());
         }
         self.verifies_with(&issuers, now)
+    }
+
+    /// Refuses `svid` when this CRL lists a certificate of its chain (the
+    /// leaf, or an intermediate of the answer): what [`crate::CaClient`]
+    /// checks before a fetched chain is handed on (`CaClient::with_crl`).
+    /// The CRL applies only while a CA of the chain (one of its roots, or an
+    /// intermediate of the answer) signed it and its nextUpdate is ahead; a
+    /// certificate is listed only by its own issuer's CRL. A CRL of another
+    /// CA (an old one during a rotation) checks nothing.
+    pub fn check_chain(&self, svid: &Svid, now: OffsetDateTime) -> Result<(), ClientError> {
+        if !self.is_signed_for(svid, now) {
+            tracing::debug!(identity = %svid.leaf.spiffe_id, "the CRL is not signed by a CA of this chain or is stale; not checked against it");
+            return Ok(());
+        }
+        let Ok(parsed) = meshca_certs::crl::ParsedCrl::from_der(&self.der) else {
+            return Ok(());
+        };
+        let n = svid.chain_pem.len();
+        let certificates = svid
+            .chain_pem
+            .iter()
+            .take(n.saturating_sub(1).max(1))
+            .flat_map(|pem| parse_certs_pem(pem).unwrap_or_default());
+        for (position, der) in certificates.enumerate() {
+            if let Some(serial) = parsed.lists(&der) {
+                return Err(ClientError::Revoked {
+                    certificate: if position == 0 {
+                        "leaf".into()
+                    } else {
+                        format!("intermediate {position}")
+                    },
+                    serial: serial.to_string(),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Whether its nextUpdate has passed at `now` (a stale CRL is not
