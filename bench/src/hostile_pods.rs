@@ -747,11 +747,16 @@ async fn good_pod(socket: &Path, stop: tokio::sync::oneshot::Receiver<()>) {
                         .await
                         .map_err(|s| format!("{:?}", s.code()))?
                         .into_inner();
-                    while let Some(answer) = answers
-                        .message()
-                        .await
-                        .map_err(|s| format!("{:?}", s.code()))?
-                    {
+                    while let Some(answer) = answers.message().await.map_err(|s| {
+                        use std::error::Error as _;
+                        let mut what = format!("{:?}: {}", s.code(), s.message());
+                        let mut source = s.source();
+                        while let Some(cause) = source {
+                            what.push_str(&format!(" / {cause}"));
+                            source = cause.source();
+                        }
+                        what.replace('\n', " ")
+                    })? {
                         let now = unix_micros(SystemTime::now());
                         match answer.svids.first().and_then(|s| leaf_serial(&s.x509_svid)) {
                             Some(serial) => say(format!("ROTATION {now} {serial}")),

@@ -56,7 +56,8 @@ pub struct ManagerConfig {
     pub renew_fraction: f64,
     /// Jitter on the renewal time, as a fraction of the lifetime (± half of it).
     pub renew_jitter: f64,
-    /// Never renew sooner than this after receipt.
+    /// Never renew sooner than this after receipt (nor later than half of
+    /// the certificate's remaining life, when that is shorter).
     pub min_renew_delay: Duration,
     /// First retry delay after a failure.
     pub initial_backoff: Duration,
@@ -330,15 +331,30 @@ async fn fetch_one(inner: Arc<Inner>, id: SpiffeId, generation: u64) {
 }
 
 /// When to renew `svid`: at `renew_fraction` of its lifetime, ± jitter,
-/// no sooner than `min_renew_delay`.
+/// no sooner than `min_renew_delay` (or half its remaining life if shorter).
 fn renewal_delay(svid: &Svid, wall_now: OffsetDateTime, config: &ManagerConfig) -> Duration {
     let not_before = svid.leaf.not_before;
     let not_after = svid.leaf.not_after;
     let lifetime = (not_after - not_before).as_seconds_f64().max(0.0);
     let jitter = (random_unit() - 0.5) * config.renew_jitter * lifetime;
-    let renew_at = not_before.unix_timestamp() as f64 + lifetime * config.renew_fraction + jitter;
-    let delay = renew_at - wall_now.unix_timestamp() as f64;
-    Duration::from_secs_f64(delay.max(0.0)).max(config.min_renew_delay)
+    // Seconds as f64 with the sub-second part: `unix_timestamp()` would drop
+    // up to a second of `wall_now`, pushing a short-lived certificate's
+    // renewal up to a second late (past its expiry for a 2 s lifetime).
+    let renew_at = unix_seconds(not_before) + lifetime * config.renew_fraction + jitter;
+    let delay = renew_at - unix_seconds(wall_now);
+    // The floor keeps a certificate already past its renewal point from
+    // being fetched in a tight loop, but never pushes the renewal beyond
+    // half of what is left of the certificate's life.
+    let remaining = (unix_seconds(not_after) - unix_seconds(wall_now)).max(0.0);
+    let floor = config
+        .min_renew_delay
+        .min(Duration::from_secs_f64(remaining / 2.0));
+    Duration::from_secs_f64(delay.max(0.0)).max(floor)
+}
+
+/// `at` as seconds since the Unix epoch, sub-second part included.
+fn unix_seconds(at: OffsetDateTime) -> f64 {
+    (at - OffsetDateTime::UNIX_EPOCH).as_seconds_f64()
 }
 
 /// `base` ± `fraction`/2 of itself.
@@ -364,7 +380,7 @@ mod tests {
     use meshca_certs::profile::{self_signed_root, SigningCa, SubjectKey, SubjectName, Validity};
     use meshca_certs::{KeyAlgorithm, PrivateKey, TrustBundle};
     use std::collections::VecDeque;
-    use std::sync::atomic::AtomicUsize;
+    use std::sync::atomic::{AtomicU64, AtomicUsize};
 
     /// A scripted issuer: answers from a script (Ok with a lifetime, or an
     /// error), records calls, can be slowed down.
@@ -373,7 +389,8 @@ mod tests {
         script: Mutex<VecDeque<Result<Duration, tonic::Code>>>,
         default_lifetime: Duration,
         calls: Mutex<Vec<(SpiffeId, Instant)>>,
-        latency: Duration,
+        /// Milliseconds each fetch takes (changed while a test runs).
+        latency_ms: AtomicU64,
         concurrent: AtomicUsize,
         max_concurrent: AtomicUsize,
     }
@@ -395,7 +412,7 @@ mod tests {
                 script: Mutex::new(VecDeque::new()),
                 default_lifetime,
                 calls: Mutex::new(Vec::new()),
-                latency: Duration::ZERO,
+                latency_ms: AtomicU64::new(0),
                 concurrent: AtomicUsize::new(0),
                 max_concurrent: AtomicUsize::new(0),
             }
@@ -415,8 +432,9 @@ mod tests {
         async fn fetch(&self, identity: &SpiffeId) -> Result<Svid, ClientError> {
             let now_running = self.concurrent.fetch_add(1, Ordering::SeqCst) + 1;
             self.max_concurrent.fetch_max(now_running, Ordering::SeqCst);
-            if !self.latency.is_zero() {
-                tokio::time::sleep(self.latency).await;
+            let latency = self.latency_ms.load(Ordering::SeqCst);
+            if latency > 0 {
+                tokio::time::sleep(Duration::from_millis(latency)).await;
             }
             self.concurrent.fetch_sub(1, Ordering::SeqCst);
             self.calls
@@ -498,6 +516,31 @@ mod tests {
         assert_eq!(issuer.calls().len(), 2);
     }
 
+    #[tokio::test]
+    async fn a_short_lifetime_is_renewed_at_its_half_life_to_the_millisecond() {
+        // A 2 s certificate fetched 0.9 s into its first second (notBefore
+        // is whole seconds): renewal is due 0.1 s later, not 1.1 s later
+        // (whole-second arithmetic took a 2 s SVID past its expiry).
+        let issuer = ScriptedIssuer::new(Duration::from_secs(2));
+        let svid = issuer.fetch(&id(1)).await.unwrap();
+        let wall_now = svid.leaf.not_before + time::Duration::milliseconds(900);
+        let config = ManagerConfig {
+            min_renew_delay: Duration::ZERO,
+            ..exact_config()
+        };
+        let delay = renewal_delay(&svid, wall_now, &config);
+        assert!(
+            (delay.as_secs_f64() - 0.1).abs() < 0.001,
+            "renewal in {delay:?}"
+        );
+        // The 1 s floor against tight loops yields to half of the 1.1 s left.
+        let floored = renewal_delay(&svid, wall_now, &exact_config());
+        assert!(
+            (floored.as_secs_f64() - 0.55).abs() < 0.001,
+            "renewal in {floored:?}"
+        );
+    }
+
     #[tokio::test(start_paused = true)]
     async fn keeps_the_old_certificate_and_backs_off_on_failure() {
         let issuer = Arc::new(ScriptedIssuer::new(Duration::from_secs(1000)));
@@ -542,8 +585,8 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn bounded_in_flight_and_first_fetches_before_renewals() {
-        let mut issuer = ScriptedIssuer::new(Duration::from_secs(10));
-        issuer.latency = Duration::from_millis(100);
+        let issuer = ScriptedIssuer::new(Duration::from_secs(10));
+        issuer.latency_ms.store(100, Ordering::SeqCst);
         let issuer = Arc::new(issuer);
         let config = ManagerConfig {
             max_in_flight: 3,
@@ -559,15 +602,18 @@ mod tests {
         }
         assert!(issuer.max_concurrent.load(Ordering::SeqCst) <= 3);
         assert_eq!(issuer.max_concurrent.load(Ordering::SeqCst), 3);
-        // Renewals of the first ones (due at 5 s) wait until every first
-        // fetch is done; add 10 more identities when renewals are due and
-        // check they are served first.
-        tokio::time::sleep(Duration::from_secs(5)).await;
+        // Renewals (due 4-5 s after each first fetch, by the wall clock's
+        // sub-second part) now take 1 s each, so at 6.5 s most of them are
+        // still queued with three in flight; 10 identities added then must
+        // be served before every queued renewal.
+        issuer.latency_ms.store(1000, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(5500)).await;
         let before = issuer.calls().len();
+        assert!(before < 30 + 12, "renewals not queued: {before} calls");
         for n in 100..110 {
             receivers.push(manager.add(id(n)));
         }
-        tokio::time::sleep(Duration::from_millis(450)).await;
+        tokio::time::sleep(Duration::from_secs(6)).await;
         let calls = issuer.calls();
         // The three renewals already in flight finish first; every fetch
         // started after the additions is a first fetch of a new identity.
