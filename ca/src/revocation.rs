@@ -162,6 +162,9 @@ struct Issued {
     identity: SpiffeId,
     node: Option<Arc<str>>,
     issuer_key_id: Arc<str>,
+    /// The key identifiers of the CAs above the issuer when it was issued
+    /// (shared by every certificate of that material: one Arc clone each).
+    upper_key_ids: Arc<Vec<Arc<str>>>,
     issued_at: OffsetDateTime,
     not_after: OffsetDateTime,
 }
@@ -348,7 +351,7 @@ impl Revocations {
             &issued.serial_hex,
             identity,
             node,
-            &key_id,
+            (&key_id, self.upper_key_ids.load_full()),
             OffsetDateTime::now_utc(),
             issued.not_after,
         );
@@ -449,16 +452,18 @@ impl Revocations {
         }
     }
 
-    /// Remembers a certificate just issued.
+    /// Remembers a certificate just issued by the CA `issuer` (its key
+    /// identifier, and those of the CAs above it).
     pub(crate) fn record_issued(
         &self,
         serial_hex: &str,
         identity: &SpiffeId,
         node: Option<&str>,
-        issuer_key_id: &Arc<str>,
+        issuer: (&Arc<str>, Arc<Vec<Arc<str>>>),
         issued_at: OffsetDateTime,
         not_after: OffsetDateTime,
     ) {
+        let (issuer_key_id, upper_key_ids) = issuer;
         let Ok(serial) = Serial::parse(serial_hex) else {
             return;
         };
@@ -468,6 +473,7 @@ impl Revocations {
                 identity: identity.clone(),
                 node: node.map(Arc::from),
                 issuer_key_id: issuer_key_id.clone(),
+                upper_key_ids,
                 issued_at,
                 not_after,
             },
@@ -501,7 +507,20 @@ impl Revocations {
                 issuer_key_id: Some(&issued.issuer_key_id),
                 issued_at: issued.issued_at,
             };
-            if let Some(entry) = list.covering(&summary) {
+            // A revoked CA above the issuer (the root above an
+            // intermediate) covers every leaf issued under it too.
+            let covering = list.covering(&summary).or_else(|| {
+                if !list.has_intermediate_entries() {
+                    return None;
+                }
+                issued.upper_key_ids.iter().find_map(|upper| {
+                    list.covering(&IssuedSummary {
+                        issuer_key_id: Some(upper),
+                        ..summary
+                    })
+                })
+            });
+            if let Some(entry) = covering {
                 let kept = KeptSerial {
                     serial: issued.serial.to_string(),
                     reason: entry.reason,
@@ -987,6 +1006,10 @@ mod tests {
         SpiffeId::parse(s).unwrap()
     }
 
+    fn none() -> Arc<Vec<Arc<str>>> {
+        Arc::new(Vec::new())
+    }
+
     fn t(s: &str) -> OffsetDateTime {
         OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).unwrap()
     }
@@ -999,10 +1022,38 @@ mod tests {
         let api = id("spiffe://cluster.local/ns/default/sa/api");
         let at = t("2026-12-03T10:00:00Z");
         let now = t("2026-12-03T12:00:00Z");
-        r.record_issued("0a", &web, None, &key, at, t("2026-12-04T10:00:00Z"));
-        r.record_issued("0b", &web, Some("n1"), &key, at, t("2026-12-03T11:00:00Z"));
-        r.record_issued("0c", &api, Some("n1"), &key, at, t("2026-12-04T10:00:00Z"));
-        r.record_issued("0d", &api, Some("n2"), &key, at, t("2026-12-04T10:00:00Z"));
+        r.record_issued(
+            "0a",
+            &web,
+            None,
+            (&key, none()),
+            at,
+            t("2026-12-04T10:00:00Z"),
+        );
+        r.record_issued(
+            "0b",
+            &web,
+            Some("n1"),
+            (&key, none()),
+            at,
+            t("2026-12-03T11:00:00Z"),
+        );
+        r.record_issued(
+            "0c",
+            &api,
+            Some("n1"),
+            (&key, none()),
+            at,
+            t("2026-12-04T10:00:00Z"),
+        );
+        r.record_issued(
+            "0d",
+            &api,
+            Some("n2"),
+            (&key, none()),
+            at,
+            t("2026-12-04T10:00:00Z"),
+        );
         let doc = r#"revocations:
 - {"spiffe_id": "spiffe://cluster.local/ns/default/sa/web", "revoked_at": "2026-12-03T11:30:00Z"}
 - {"node": "n1", "reason": "keyCompromise", "revoked_at": "2026-12-03T11:30:00Z"}
@@ -1031,6 +1082,37 @@ mod tests {
         // A document that is not a list keeps the last good one.
         take_document(&r, Source::File, "revocations: [", "test");
         assert_eq!(r.list().entries().len(), 3);
+    }
+
+    #[test]
+    fn a_revoked_ca_above_the_issuer_lists_every_leaf_under_it() {
+        let r = Revocations::new(10, RevocationMetrics::default());
+        let (east, west): (Arc<str>, Arc<str>) = (Arc::from("ee"), Arc::from("ff"));
+        let root: Arc<Vec<Arc<str>>> = Arc::new(vec![Arc::from("aa")]);
+        let other_root: Arc<Vec<Arc<str>>> = Arc::new(vec![Arc::from("bb")]);
+        let web = id("spiffe://cluster.local/ns/default/sa/web");
+        let at = t("2026-12-03T10:00:00Z");
+        let until = t("2026-12-04T10:00:00Z");
+        r.record_issued("01", &web, None, (&east, root.clone()), at, until);
+        r.record_issued("02", &web, None, (&west, root), at, until);
+        r.record_issued("03", &web, None, (&east, other_root), at, until);
+        let listed = |doc: &str| {
+            take_document(&r, Source::File, doc, "test");
+            r.revoked_serials(&[], t("2026-12-03T12:00:00Z"))
+                .into_iter()
+                .map(|k| k.serial)
+                .collect::<Vec<_>>()
+        };
+        // The root: both intermediates' leaves under it, not the other root's.
+        let root_entry = r#"revocations:
+- {"intermediate": {"key_id": "aa", "serial": "1"}, "reason": "cACompromise", "revoked_at": "2026-12-03T11:00:00Z"}
+"#;
+        assert_eq!(listed(root_entry), ["1", "2"]);
+        // One intermediate: its own leaves only.
+        let east_entry = r#"revocations:
+- {"intermediate": {"key_id": "ee", "serial": "2"}, "revoked_at": "2026-12-03T11:00:00Z"}
+"#;
+        assert_eq!(listed(east_entry), ["1", "3"]);
     }
 
     #[test]
@@ -1086,6 +1168,7 @@ mod tests {
                     identity: id("spiffe://td/ns/a/sa/b"),
                     node: None,
                     issuer_key_id: key.clone(),
+                    upper_key_ids: none(),
                     issued_at: t("2026-12-03T10:00:00Z"),
                     not_after: t("2026-12-04T10:00:00Z"),
                 },
@@ -1114,6 +1197,7 @@ mod tests {
             .collect();
         let now = OffsetDateTime::now_utc();
         let later = now + time::Duration::hours(24);
+        let upper: Arc<Vec<Arc<str>>> = Arc::new(vec![Arc::from("cd34")]);
         let n = DEFAULT_ISSUED_RECORD_SIZE * 2;
         let started = std::time::Instant::now();
         for i in 0..n {
@@ -1122,7 +1206,7 @@ mod tests {
                 &serial,
                 &ids[i % ids.len()],
                 Some("node-1"),
-                &key,
+                (&key, upper.clone()),
                 now,
                 later,
             );

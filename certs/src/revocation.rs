@@ -886,6 +886,12 @@ impl RevocationList {
             })
     }
 
+    /// Whether an entry revokes a CA (`intermediate`): only then does a
+    /// certificate's chain above its issuer matter.
+    pub fn has_intermediate_entries(&self) -> bool {
+        !self.intermediates.is_empty()
+    }
+
     /// The serial entries: certificates the list names directly.
     pub fn serials(&self) -> impl Iterator<Item = (&Serial, &Revocation)> {
         self.entries.iter().filter_map(|e| match &e.target {

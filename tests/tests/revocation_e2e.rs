@@ -845,10 +845,12 @@ async fn revoking_a_ca_above_the_signing_one_stops_issuance_too() {
     } = ca_dir_server(dir.path()).await;
     let mut client = server.client_trusting(&root_pem).await;
     let (_, request) = csr_request(KeyAlgorithm::EcdsaP256, WEB, 3600);
-    client
+    let leaf = client
         .create_certificate(with_token(request, &server.token("default", "web")))
         .await
-        .expect("issued before the revocation");
+        .expect("issued before the revocation")
+        .into_inner()
+        .cert_chain;
     let root_cert = root.join("root-cert.pem");
     revoke(&[
         "--intermediate",
@@ -862,6 +864,14 @@ async fn revoking_a_ca_above_the_signing_one_stops_issuance_too() {
         "issuance under the revoked root refused",
         &server,
         &root_pem,
+    )
+    .await;
+    // The leaf issued under it (by the intermediate) is in the CRL.
+    let serial = serial_of(&leaf);
+    wait_until(
+        "the leaf under the revoked root in the CRL",
+        EFFECTIVE_WITHIN,
+        || async { crl_file(&data).is_some_and(|c| c.revoked.contains(&serial)) },
     )
     .await;
 }
