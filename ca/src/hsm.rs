@@ -6,8 +6,8 @@
 //! - `intermediate` (default): at start and then every
 //!   `--hsm-intermediate-ttl`/2 the HSM key signs an intermediate CA for a
 //!   P-256 key made here and held only in memory (pathLen 0, lifetime the
-//!   TTL, never past the HSM certificate's chain, and with
-//!   `--hsm-name-constraint true` a critical name constraint permitting
+//!   TTL, never past the HSM certificate's chain, and, unless
+//!   `--hsm-name-constraint false`, a critical name constraint permitting
 //!   URIs of the trust domain only).
 //!   Leaves are signed by it at software speed; every answer carries it
 //!   in the chain. If the HSM cannot sign the next one, the current one
@@ -80,11 +80,11 @@ pub struct HsmArgs {
     pub(crate) hsm_intermediate_ttl: Duration,
 
     /// Whether the intermediate carries a critical name constraint
-    /// permitting URIs of the trust domain only (RFC 5280; OpenSSL and
-    /// BoringSSL enforce it). Off by default: webpki (rustls, so ztunnel
-    /// and meshca's own agent) refuses every chain with a URI name
-    /// constraint (README, "Keeping the CA key in an HSM").
-    #[arg(long, env = "MESHCA_HSM_NAME_CONSTRAINT", default_value_t = false, action = clap::ArgAction::Set)]
+    /// permitting URIs of the trust domain only (RFC 5280; OpenSSL,
+    /// BoringSSL, Go and meshca's own verifier enforce it). On by default;
+    /// `false` for meshes with rustls-webpki peers (ztunnel), which refuse
+    /// every chain with a URI name constraint (docs/hsm.md).
+    #[arg(long, env = "MESHCA_HSM_NAME_CONSTRAINT", default_value_t = true, action = clap::ArgAction::Set)]
     pub(crate) hsm_name_constraint: bool,
 
     /// PKCS#11 sessions signing at once.

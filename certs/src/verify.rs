@@ -201,7 +201,7 @@ fn verify_path(
     let since_epoch = now
         .duration_since(SystemTime::UNIX_EPOCH)
         .unwrap_or_default();
-    ee.verify_for_usage(
+    let verified = ee.verify_for_usage(
         webpki::ALL_VERIFICATION_ALGS,
         &anchors,
         &intermediates,
@@ -209,9 +209,131 @@ fn verify_path(
         webpki::KeyUsage::client_auth(),
         None,
         None,
+    );
+    match verified {
+        Ok(_) => Ok(()),
+        // webpki fails closed on every URI name constraint; meshca's HSM
+        // intermediate carries one (the trust domain), which is checked here.
+        Err(webpki::Error::NameConstraintViolation) => {
+            verify_under_uri_name_constraints(chain, bundle, now).map_err(|why| {
+                VerifyError::Untrusted(format!(
+                    "{} ({why})",
+                    describe_webpki_error(&webpki::Error::NameConstraintViolation)
+                ))
+            })
+        }
+        Err(e) => Err(VerifyError::Untrusted(describe_webpki_error(&e))),
+    }
+}
+
+/// Path validation of an X509-SVID chain whose CA certificates carry URI
+/// name constraints, which webpki refuses to process (rustls-webpki fails
+/// closed on any name form it does not implement). The chain must be in
+/// order (`chain[1]` the leaf's issuer, each signed by the next, as
+/// meshca answers): the CA part is checked by [`verify_ca_chain`]
+/// (signatures, cA and keyCertSign, validity, pathLen, up to a root of
+/// `bundle`), the leaf by webpki under its issuer as the anchor (signature,
+/// validity, extended key usage), and then every name constraint of the
+/// CA certificates and the root: only URI subtrees are accepted (any other
+/// form refuses the chain), and the leaf's SPIFFE ID host (its trust
+/// domain) must be inside every permitted set and outside every excluded
+/// one, by RFC 5280's rule for URIs (`example.org` is that host,
+/// `.example.org` any host below it).
+fn verify_under_uri_name_constraints(
+    chain: &[Vec<u8>],
+    bundle: &TrustBundle,
+    now: SystemTime,
+) -> Result<(), String> {
+    let leaf_der = chain.first().ok_or("the chain is empty")?;
+    let cas: Vec<Vec<u8>> = chain[1..]
+        .iter()
+        .filter(|c| !bundle.contains(c))
+        .cloned()
+        .collect();
+    let issuer_der = cas.first().ok_or("no intermediate to check")?;
+    let now_odt = OffsetDateTime::from(now);
+    let root = verify_ca_chain(&cas, bundle, now_odt).map_err(|e| e.to_string())?;
+    let issuer = CertificateDer::from(issuer_der.as_slice());
+    let mut anchor = webpki::anchor_from_trusted_cert(&issuer)
+        .map_err(|e| describe_webpki_error(&e))?
+        .to_owned();
+    // Checked below, by the rule webpki does not implement.
+    anchor.name_constraints = None;
+    let leaf = CertificateDer::from(leaf_der.as_slice());
+    let ee = webpki::EndEntityCert::try_from(&leaf).map_err(|e| describe_webpki_error(&e))?;
+    let since_epoch = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .unwrap_or_default();
+    ee.verify_for_usage(
+        webpki::ALL_VERIFICATION_ALGS,
+        &[anchor],
+        &[],
+        UnixTime::since_unix_epoch(since_epoch),
+        webpki::KeyUsage::client_auth(),
+        None,
+        None,
     )
-    .map_err(|e| VerifyError::Untrusted(describe_webpki_error(&e)))?;
+    .map_err(|e| describe_webpki_error(&e))?;
+    let host = check_svid_leaf(leaf_der)
+        .map_err(|e| e.to_string())?
+        .spiffe_id
+        .trust_domain_name()
+        .to_ascii_lowercase();
+    for der in cas.iter().chain(std::iter::once(&root)) {
+        let (_, cert) = X509Certificate::from_der(der).map_err(|e| describe_x509_error(&e))?;
+        if let Some(eku) = cert.extended_key_usage().map_err(|e| e.to_string())? {
+            if !eku.value.any && !eku.value.client_auth {
+                return Err(format!(
+                    "{}: its extended key usage does not allow client authentication",
+                    cert.subject()
+                ));
+            }
+        }
+        let Some(constraints) = cert.name_constraints().map_err(|e| e.to_string())? else {
+            continue;
+        };
+        let uris = |subtrees: &Option<Vec<x509_parser::extensions::GeneralSubtree<'_>>>| {
+            subtrees
+                .iter()
+                .flatten()
+                .map(|t| match t.base {
+                    GeneralName::URI(uri) => Ok(uri.to_ascii_lowercase()),
+                    _ => Err(format!(
+                        "{}: a name constraint of a form other than URI",
+                        cert.subject()
+                    )),
+                })
+                .collect::<Result<Vec<String>, String>>()
+        };
+        let permitted = uris(&constraints.value.permitted_subtrees)?;
+        let excluded = uris(&constraints.value.excluded_subtrees)?;
+        if constraints.value.permitted_subtrees.is_some()
+            && !permitted.iter().any(|c| uri_host_matches(&host, c))
+        {
+            return Err(format!(
+                "trust domain {host} is outside the URI names {} permits",
+                cert.subject()
+            ));
+        }
+        if excluded.iter().any(|c| uri_host_matches(&host, c)) {
+            return Err(format!(
+                "trust domain {host} is among the URI names {} excludes",
+                cert.subject()
+            ));
+        }
+    }
     Ok(())
+}
+
+/// RFC 5280 4.2.1.10 for URIs: a constraint starting with a period matches
+/// any host below it (not the host itself), otherwise exactly that host;
+/// both lowercase.
+fn uri_host_matches(host: &str, constraint: &str) -> bool {
+    if constraint.starts_with('.') {
+        host.ends_with(constraint)
+    } else {
+        host == constraint
+    }
 }
 
 /// A webpki path-validation error in plain words, with webpki's name of it
@@ -733,6 +855,88 @@ mod tests {
         ca.issue_workload(csr.subject_key(), &id(), validity)
             .unwrap()
             .der
+    }
+
+    /// A leaf of `spiffe_id` under an intermediate constrained to
+    /// `hosts` (as meshca's HSM intermediate is), signed by `root`.
+    fn constrained_chain(root: &SigningCa, hosts: &[&str], spiffe_id: &str) -> Vec<Vec<u8>> {
+        let validity = Validity::backdated(OffsetDateTime::now_utc(), Duration::hours(1));
+        let int_key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let int = root
+            .issue_constrained_ca(
+                &SubjectKey::of(&int_key).unwrap(),
+                &SubjectName {
+                    common_name: Some("int".into()),
+                    ..Default::default()
+                },
+                Some(0),
+                hosts,
+                validity,
+            )
+            .unwrap();
+        let int_ca = SigningCa::new(int.der.clone(), int_key).unwrap();
+        let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+        let leaf = int_ca
+            .issue_workload(
+                &SubjectKey::of(&key).unwrap(),
+                &SpiffeId::parse(spiffe_id).unwrap(),
+                validity,
+            )
+            .unwrap();
+        vec![leaf.der, int.der, root.cert_der().to_vec()]
+    }
+
+    #[test]
+    fn uri_name_constraints_that_webpki_refuses_are_checked_by_rfc_5280s_rule() {
+        let ca = root();
+        let bundle = TrustBundle::new(vec![ca.cert_der().to_vec()]);
+        let now = SystemTime::now();
+        let inside = constrained_chain(&ca, &["cluster.local"], "spiffe://cluster.local/ns/a/sa/b");
+        let svid = verify_svid(&inside, &bundle, now, None).unwrap();
+        assert_eq!(
+            svid.spiffe_id.to_string(),
+            "spiffe://cluster.local/ns/a/sa/b"
+        );
+        // Another trust domain, a subdomain of a host constraint, a
+        // foreign root: refused.
+        for (hosts, id) in [
+            (&["cluster.local"][..], "spiffe://evil.example/ns/a/sa/b"),
+            (&["cluster.local"][..], "spiffe://x.cluster.local/ns/a/sa/b"),
+            (&[".cluster.local"][..], "spiffe://cluster.local/ns/a/sa/b"),
+        ] {
+            let chain = constrained_chain(&ca, hosts, id);
+            let err = verify_svid(&chain, &bundle, now, None).unwrap_err();
+            assert!(
+                err.to_string().contains("outside the URI names"),
+                "{hosts:?} {id}: {err}"
+            );
+        }
+        let below = constrained_chain(
+            &ca,
+            &[".cluster.local"],
+            "spiffe://x.cluster.local/ns/a/sa/b",
+        );
+        verify_svid(&below, &bundle, now, None).unwrap();
+        let other = root();
+        let foreign = constrained_chain(
+            &other,
+            &["cluster.local"],
+            "spiffe://cluster.local/ns/a/sa/b",
+        );
+        let err = verify_svid(&foreign, &bundle, now, None).unwrap_err();
+        assert!(matches!(err, VerifyError::Untrusted(_)), "{err}");
+        // A leaf whose signature is not the intermediate's.
+        let mut forged = inside.clone();
+        forged[0] = constrained_chain(
+            &other,
+            &["cluster.local"],
+            "spiffe://cluster.local/ns/a/sa/b",
+        )[0]
+        .clone();
+        assert!(verify_svid(&forged, &bundle, now, None).is_err());
+        // An expired constrained chain.
+        let later = now + std::time::Duration::from_secs(2 * 3600);
+        assert!(verify_svid(&inside, &bundle, later, None).is_err());
     }
 
     #[test]

@@ -236,14 +236,7 @@ async fn intermediate_mode_signs_leaves_under_a_name_constrained_intermediate_th
     let server = start(
         &hsm,
         &work.path().join("data"),
-        &[
-            "--ca-dir",
-            path(&root),
-            "--ca-key-pkcs11",
-            &uri,
-            "--hsm-name-constraint",
-            "true",
-        ],
+        &["--ca-dir", path(&root), "--ca-key-pkcs11", &uri],
     );
     let root_der = std::fs::read_to_string(root.join("root-cert.pem")).unwrap();
     let root_der = parse_certs_pem(&root_der).unwrap().remove(0);
@@ -269,6 +262,15 @@ async fn intermediate_mode_signs_leaves_under_a_name_constrained_intermediate_th
         assert_eq!(lifetime, 24 * 3600 + 120, "24 h plus the 2 min backdate");
         let (ok, out) = openssl_verify(work.path(), &root_der, &[&certs[1]], &certs[0]);
         assert!(ok, "openssl verify: {out}");
+        // meshca's own verifier (the agent's) checks the URI constraint
+        // that webpki alone refuses.
+        meshca_certs::verify::verify_svid(
+            &certs,
+            &meshca_certs::TrustBundle::new(vec![root_der.clone()]),
+            std::time::SystemTime::now(),
+            Some(&SpiffeId::parse(WEB).unwrap()),
+        )
+        .unwrap();
         intermediates.push(certs[1].clone());
     }
     // Leaves are signed in memory: one intermediate for both.
@@ -277,12 +279,19 @@ async fn intermediate_mode_signs_leaves_under_a_name_constrained_intermediate_th
     assert_eq!((code, ready.trim()), (200, "ready"));
     drop(server);
 
-    // By default no name constraint: the chain verifies with meshca's own
-    // verifier (webpki, as the agent and ztunnel check answers) too.
+    // `--hsm-name-constraint false` (for rustls-webpki peers such as
+    // ztunnel): no name constraint, and plain webpki verifies the chain.
     let server = start(
         &hsm,
         &work.path().join("data2"),
-        &["--ca-dir", path(&root), "--ca-key-pkcs11", &uri],
+        &[
+            "--ca-dir",
+            path(&root),
+            "--ca-key-pkcs11",
+            &uri,
+            "--hsm-name-constraint",
+            "false",
+        ],
     );
     let chain = ders(
         &ask(&server, &server.token("default", "web"), WEB)
@@ -345,21 +354,22 @@ fn openssl_refuses_a_leaf_outside_the_constrained_trust_domain() {
     };
     let (ok, out) = openssl_verify(work.path(), &root.der, &[&int.der], &leaf_of(WEB));
     assert!(ok, "inside the trust domain: {out}");
-    // webpki (rustls: ztunnel, meshca's own agent) fails closed on URI
-    // name constraints: why --hsm-name-constraint is off by default. If
-    // this starts to pass, the default can change.
-    let webpki = meshca_certs::verify::verify_svid(
-        &[leaf_of(WEB), int.der.clone()],
-        &meshca_certs::TrustBundle::new(vec![root.der.clone()]),
-        std::time::SystemTime::now(),
-        None,
-    );
+    // webpki alone (rustls: ztunnel) fails closed on URI name
+    // constraints, which is why `--hsm-name-constraint false` exists;
+    // meshca's own verifier (the agent's) checks them by RFC 5280's rule.
+    let verify = |leaf: Vec<u8>| {
+        meshca_certs::verify::verify_svid(
+            &[leaf, int.der.clone()],
+            &meshca_certs::TrustBundle::new(vec![root.der.clone()]),
+            std::time::SystemTime::now(),
+            None,
+        )
+    };
+    verify(leaf_of(WEB)).unwrap();
+    let outside = verify(leaf_of("spiffe://evil.example/ns/default/sa/web")).unwrap_err();
     assert!(
-        webpki
-            .as_ref()
-            .is_err_and(|e| e.to_string().contains("NameConstraintViolation")),
-        "{:?}",
-        webpki.map(|_| ())
+        outside.to_string().contains("outside the URI names"),
+        "{outside}"
     );
     let (ok, out) = openssl_verify(
         work.path(),
