@@ -144,8 +144,15 @@ pub(crate) async fn renew_server_cert(
             }
             Err(e) => {
                 tracing::error!(error = %e, "renewing the server's TLS certificate failed; retrying");
+                // Again after RENEW_RETRY, or at once when new CA material
+                // can sign (e.g. the HSM is back with a new intermediate).
                 tokio::select! {
                     _ = tokio::time::sleep(RENEW_RETRY) => {}
+                    changed = material.changed() => {
+                        if changed.is_err() {
+                            return;
+                        }
+                    }
                     _ = shutdown.changed() => return,
                 }
             }

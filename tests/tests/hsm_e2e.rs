@@ -124,6 +124,15 @@ impl SoftHsm {
         )
         .unwrap();
     }
+
+    /// Puts the token taken away by [`Self::remove_token`] back.
+    fn restore_token(&self) {
+        std::fs::rename(
+            self.dir.path().join("tokens.gone"),
+            self.dir.path().join("tokens"),
+        )
+        .unwrap();
+    }
 }
 
 fn pem_block(tag: &str, der: &[u8]) -> String {
@@ -564,7 +573,8 @@ async fn a_wrong_pin_a_missing_key_or_a_key_file_beside_are_refused_at_start_nam
 }
 
 #[tokio::test]
-async fn with_the_token_gone_the_current_intermediate_signs_on_with_a_warning_until_the_margin() {
+async fn with_the_token_gone_the_current_intermediate_signs_on_until_the_margin_and_the_token_back_signs_again(
+) {
     let Some(hsm) = SoftHsm::new() else { return };
     let work = tmp();
     let root = work.path().join("root");
@@ -644,6 +654,40 @@ async fn with_the_token_gone_the_current_intermediate_signs_on_with_a_warning_un
     let log = server.log();
     assert!(
         log.contains("the HSM could not sign a new intermediate"),
+        "{log}"
+    );
+
+    // The token back: without a restart, the module is re-initialised,
+    // a new intermediate signs, and the warning and the metric clear.
+    hsm.restore_token();
+    // The server's own TLS certificate expired with the intermediate: wait
+    // for the module to be re-initialised, a new intermediate minted and
+    // the server certificate renewed under it (before connecting again).
+    let back_by = Instant::now() + Duration::from_secs(30);
+    loop {
+        let log = server.log();
+        let renewed = log
+            .find("the PKCS#11 module was re-initialised")
+            .is_some_and(|at| log[at..].contains("renewed the server's TLS certificate"));
+        let (_, metrics) = http_get(server.monitoring, "/metrics").unwrap();
+        if renewed && metric(&metrics, "meshca_hsm_unavailable") == 0 {
+            break;
+        }
+        assert!(
+            Instant::now() < back_by,
+            "not signing again after the token came back:\n{log}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let third = ders(&ask(&server, &token, WEB).await.unwrap())[1].clone();
+    assert_ne!(third, second, "a new intermediate");
+    let (code, ready) = http_get(server.monitoring, "/ready").unwrap();
+    assert_eq!((code, ready.trim()), (200, "ready"));
+    let (_, metrics) = http_get(server.monitoring, "/metrics").unwrap();
+    assert_eq!(metric(&metrics, "meshca_hsm_unavailable"), 0);
+    let log = server.log();
+    assert!(
+        log.contains("the PKCS#11 module was re-initialised"),
         "{log}"
     );
     assert!(!log.contains(PIN), "no PIN in the log");

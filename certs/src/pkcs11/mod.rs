@@ -23,7 +23,9 @@ mod uri;
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Condvar, Mutex, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, RwLock};
+use std::time::{Duration, Instant};
 
 use cryptoki::context::{CInitializeArgs, CInitializeFlags, Pkcs11};
 use cryptoki::error::{Error as CkError, RvError};
@@ -182,16 +184,33 @@ pub struct KeyProtection {
     pub never_extractable: bool,
 }
 
+/// How often at most a key re-initialises its module when no session can
+/// be opened (the token gone, or the module lost it).
+pub const MODULE_REOPEN_INTERVAL: Duration = Duration::from_secs(5);
+
+/// A loaded module: its context, and what re-initialising it needs.
+#[derive(Clone)]
+struct Module {
+    ctx: Pkcs11,
+    /// Bumped by every `C_Finalize` + `C_Initialize`: a session opened in an
+    /// earlier generation is a stale handle (its number may now be
+    /// another session's), never used or closed again.
+    generation: Arc<AtomicU64>,
+    /// Held (shared) by every call into the module, exclusively by a
+    /// re-initialisation: PKCS#11 forbids `C_Finalize` during other calls.
+    in_use: Arc<RwLock<()>>,
+}
+
 /// The process's loaded modules, one context per module file: PKCS#11
 /// allows one `C_Initialize` per process.
-fn module(uri: &Pkcs11Uri) -> Result<Pkcs11, Pkcs11Error> {
-    static MODULES: OnceLock<Mutex<HashMap<PathBuf, Pkcs11>>> = OnceLock::new();
+fn module(uri: &Pkcs11Uri) -> Result<Module, Pkcs11Error> {
+    static MODULES: OnceLock<Mutex<HashMap<PathBuf, Module>>> = OnceLock::new();
     let mut modules = MODULES
         .get_or_init(Default::default)
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
-    if let Some(ctx) = modules.get(&uri.module_path) {
-        return Ok(ctx.clone());
+    if let Some(module) = modules.get(&uri.module_path) {
+        return Ok(module.clone());
     }
     let fail = |reason: String| Pkcs11Error::Module {
         uri: uri.to_string(),
@@ -206,8 +225,13 @@ fn module(uri: &Pkcs11Uri) -> Result<Pkcs11, Pkcs11Error> {
         Ok(()) | Err(CkError::Pkcs11(RvError::CryptokiAlreadyInitialized, _)) => {}
         Err(e) => return Err(fail(rv(&e))),
     }
-    modules.insert(uri.module_path.clone(), ctx.clone());
-    Ok(ctx)
+    let module = Module {
+        ctx,
+        generation: Arc::new(AtomicU64::new(0)),
+        in_use: Arc::new(RwLock::new(())),
+    };
+    modules.insert(uri.module_path.clone(), module.clone());
+    Ok(module)
 }
 
 /// A PKCS#11 error as its function and return value's names (the crate's
@@ -313,7 +337,11 @@ fn find_slot(ctx: &Pkcs11, uri: &Pkcs11Uri) -> Result<Slot, Pkcs11Error> {
 pub struct HsmKey {
     uri: Pkcs11Uri,
     ctx: Pkcs11,
-    slot: Slot,
+    module: Module,
+    /// The token's slot: found again when the module is re-initialised.
+    slot: Mutex<Slot>,
+    /// When the module was last re-initialised by this key.
+    last_reopen: Mutex<Option<Instant>>,
     pin: Option<AuthPin>,
     spki: Vec<u8>,
     kind: KeyKind,
@@ -324,11 +352,22 @@ pub struct HsmKey {
 
 /// The sessions: idle ones ready to sign, and counts.
 struct Pool {
-    idle: Vec<(Session, ObjectHandle)>,
+    /// With the module generation each was opened in.
+    idle: Vec<(Session, ObjectHandle, u64)>,
     /// Sessions open (idle or signing).
     open: usize,
     /// Callers waiting for one.
     waiting: usize,
+}
+
+/// How one call on a pooled session went wrong.
+enum Attempt {
+    /// No session: the pool is full, or a new one could not be opened.
+    NoSession(Pkcs11Error),
+    /// The call broke its session (closed): a new one may succeed.
+    Broke(CkError),
+    /// The call failed, the session is fine.
+    Failed(CkError),
 }
 
 impl std::fmt::Debug for HsmKey {
@@ -347,7 +386,10 @@ impl HsmKey {
     /// its public half. A wrong PIN, a missing token or key is an error
     /// naming the URI.
     pub fn open(uri: &Pkcs11Uri, limits: SessionLimits) -> Result<Self, Pkcs11Error> {
-        let ctx = module(uri)?;
+        let module = module(uri)?;
+        let ctx = module.ctx.clone();
+        let _using = module.in_use.read().unwrap_or_else(|p| p.into_inner());
+        let generation = module.generation.load(Ordering::SeqCst);
         let slot = find_slot(&ctx, uri)?;
         let pin = read_pin(uri)?;
         let limits = SessionLimits {
@@ -357,7 +399,9 @@ impl HsmKey {
         let mut key = Self {
             uri: uri.clone(),
             ctx,
-            slot,
+            module: module.clone(),
+            slot: Mutex::new(slot),
+            last_reopen: Mutex::new(None),
             pin,
             spki: Vec::new(),
             kind: KeyKind::Other,
@@ -382,8 +426,9 @@ impl HsmKey {
         key.spki = spki;
         key.kind = kind;
         let pool = key.pool.get_mut().unwrap_or_else(|p| p.into_inner());
-        pool.idle.push((session, private));
+        pool.idle.push((session, private, generation));
         pool.open = 1;
+        drop(_using);
         Ok(key)
     }
 
@@ -400,7 +445,9 @@ impl HsmKey {
             uri: uri.to_string(),
             reason: "a new key needs a label: give object=LABEL".into(),
         })?;
-        let ctx = module(uri)?;
+        let module = module(uri)?;
+        let ctx = module.ctx.clone();
+        let using = module.in_use.read().unwrap_or_else(|p| p.into_inner());
         let slot = find_slot(&ctx, uri)?;
         let pin = read_pin(uri)?;
         let token_err = |operation, e: CkError| Pkcs11Error::Token {
@@ -483,6 +530,7 @@ impl HsmKey {
             .generate_key_pair(&mechanism, &public, &private)
             .map_err(|e| token_err("generating the key pair", e))?;
         drop(session);
+        drop(using);
         let mut named = uri.clone();
         named.id = Some(id);
         let mut key = Self::open(&named, limits)?;
@@ -583,9 +631,10 @@ impl HsmKey {
             operation,
             reason: rv(&e),
         };
+        let slot = *self.slot.lock().unwrap_or_else(|p| p.into_inner());
         let session = self
             .ctx
-            .open_ro_session(self.slot)
+            .open_ro_session(slot)
             .map_err(|e| token_err("opening a session", e))?;
         login(&session, &self.uri, self.pin.as_ref())?;
         let mut template = vec![Attribute::Class(ObjectClass::PRIVATE_KEY)];
@@ -744,37 +793,124 @@ impl HsmKey {
         f: impl Fn(&Session, ObjectHandle) -> Result<T, CkError>,
     ) -> Result<T, Pkcs11Error> {
         let mut retried = false;
+        let mut reopened = false;
         loop {
-            let (session, private) = self.take()?;
-            match f(&session, private) {
-                Ok(value) => {
-                    self.put_back(Some((session, private)));
-                    return Ok(value);
+            let attempt = {
+                let _using = self.module.in_use.read().unwrap_or_else(|p| p.into_inner());
+                self.attempt(&f)
+            };
+            match attempt {
+                Ok(value) => return Ok(value),
+                Err(Attempt::Broke(e)) if !retried => {
+                    retried = true;
+                    #[cfg(feature = "serving")]
+                    tracing::warn!(uri = %self.uri, error = %rv(&e), "a PKCS#11 session broke: trying once more on a new session");
+                    #[cfg(not(feature = "serving"))]
+                    let _ = e;
                 }
-                Err(e) => {
-                    let broken = session_is_broken(&e);
-                    if broken {
-                        // Closed, never returned: the next caller opens a
-                        // new session (and logs in again).
-                        drop(session);
-                        self.put_back(None);
-                    } else {
-                        self.put_back(Some((session, private)));
-                    }
-                    if broken && !retried {
-                        retried = true;
-                        #[cfg(feature = "serving")]
-                        tracing::warn!(uri = %self.uri, error = %rv(&e), "a PKCS#11 session broke: trying once more on a new session");
-                        continue;
-                    }
+                Err(Attempt::Broke(e)) | Err(Attempt::Failed(e)) => {
                     return Err(Pkcs11Error::Token {
                         uri: self.uri.to_string(),
                         operation: "signing",
                         reason: rv(&e),
-                    });
+                    })
                 }
+                Err(Attempt::NoSession(e)) if !reopened && self.may_reopen(&e) => {
+                    reopened = true;
+                    self.reopen_module().map_err(|_| e)?;
+                }
+                Err(Attempt::NoSession(e)) => return Err(e),
             }
         }
+    }
+
+    /// One call on a session of the pool (the caller holds the module's
+    /// shared lock). A session whose call broke is closed, never returned.
+    fn attempt<T>(
+        &self,
+        f: &impl Fn(&Session, ObjectHandle) -> Result<T, CkError>,
+    ) -> Result<T, Attempt> {
+        let (session, private) = self.take().map_err(Attempt::NoSession)?;
+        match f(&session, private) {
+            Ok(value) => {
+                self.put_back(Some((session, private)));
+                Ok(value)
+            }
+            Err(e) if session_is_broken(&e) => {
+                // The next caller opens a new session (and logs in again).
+                drop(session);
+                self.put_back(None);
+                Err(Attempt::Broke(e))
+            }
+            Err(e) => {
+                self.put_back(Some((session, private)));
+                Err(Attempt::Failed(e))
+            }
+        }
+    }
+
+    /// Whether a failure to get a session may be the module having lost
+    /// the token (re-initialising it may help), and the last attempt is
+    /// at least [`MODULE_REOPEN_INTERVAL`] ago.
+    fn may_reopen(&self, e: &Pkcs11Error) -> bool {
+        let lost = match e {
+            Pkcs11Error::Token { .. } | Pkcs11Error::NoToken { .. } | Pkcs11Error::NoKey { .. } => {
+                true
+            }
+            // A module that lost its token may fail the login (SoftHSM2:
+            // CKR_GENERAL_ERROR); a wrong or locked PIN is not that.
+            Pkcs11Error::Login { reason, .. } => !reason.contains("CKR_PIN_"),
+            _ => false,
+        };
+        if !lost {
+            return false;
+        }
+        let mut last = self.last_reopen.lock().unwrap_or_else(|p| p.into_inner());
+        if last.is_some_and(|at| at.elapsed() < MODULE_REOPEN_INTERVAL) {
+            return false;
+        }
+        *last = Some(Instant::now());
+        true
+    }
+
+    /// Re-initialises the module (`C_Finalize`, `C_Initialize`) with no
+    /// other call in flight, and finds the token's slot again: a module
+    /// such as SoftHSM2 reads its tokens at `C_Initialize` only, so a token
+    /// that went away and came back is seen again only after this. Every
+    /// session of the module (this key's and any other's) is then stale.
+    fn reopen_module(&self) -> Result<(), Pkcs11Error> {
+        let _exclusive = self
+            .module
+            .in_use
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        let stale = {
+            let mut pool = self.lock();
+            let stale = std::mem::take(&mut pool.idle);
+            pool.open = pool.open.saturating_sub(stale.len());
+            stale
+        };
+        // Closed while the module still knows them.
+        drop(stale);
+        let _ = self.ctx.clone().finalize();
+        self.module.generation.fetch_add(1, Ordering::SeqCst);
+        let module_err = |e: CkError| Pkcs11Error::Module {
+            uri: self.uri.to_string(),
+            module: self.uri.module_path.clone(),
+            reason: rv(&e),
+        };
+        match self
+            .ctx
+            .initialize(CInitializeArgs::new(CInitializeFlags::OS_LOCKING_OK))
+        {
+            Ok(()) | Err(CkError::Pkcs11(RvError::CryptokiAlreadyInitialized, _)) => {}
+            Err(e) => return Err(module_err(e)),
+        }
+        let slot = find_slot(&self.ctx, &self.uri)?;
+        *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = slot;
+        #[cfg(feature = "serving")]
+        tracing::warn!(uri = %self.uri, "the PKCS#11 module was re-initialised and the token found again");
+        Ok(())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
@@ -785,8 +921,15 @@ impl HsmKey {
         let mut pool = self.lock();
         let mut queued = false;
         let result = loop {
-            if let Some(idle) = pool.idle.pop() {
-                break Ok(Some(idle));
+            if let Some((session, private, generation)) = pool.idle.pop() {
+                if generation == self.module.generation.load(Ordering::SeqCst) {
+                    break Ok(Some((session, private)));
+                }
+                // Opened before the module was re-initialised: its handle
+                // may now name another session, so it is never closed.
+                std::mem::forget(session);
+                pool.open = pool.open.saturating_sub(1);
+                continue;
             }
             if pool.open < self.limits.max_sessions {
                 pool.open += 1;
@@ -819,7 +962,10 @@ impl HsmKey {
     fn put_back(&self, session: Option<(Session, ObjectHandle)>) {
         let mut pool = self.lock();
         match session {
-            Some(s) => pool.idle.push(s),
+            Some((session, private)) => {
+                let generation = self.module.generation.load(Ordering::SeqCst);
+                pool.idle.push((session, private, generation))
+            }
             None => pool.open = pool.open.saturating_sub(1),
         }
         drop(pool);
