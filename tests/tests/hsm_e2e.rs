@@ -739,3 +739,98 @@ async fn new_certificates_in_the_directory_are_taken_live_under_the_hsm_key() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
+
+/// Pod certificates (a PodCertificateRequest signed in cluster mode) come
+/// from the in-memory intermediate the HSM key signed, like every answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pod_certificates_are_signed_under_the_intermediate_the_hsm_key_signed() {
+    let Some(hsm) = SoftHsm::new() else { return };
+    let work = tmp();
+    let root = work.path().join("root");
+    let uri = hsm.uri("root");
+    hsm.certs(&["root-ca", "--out", path(&root), "--pkcs11", &uri]);
+    let kube = meshca_tests::fake_kube::FakeKube::start(work.path()).await;
+    let args: Vec<String> = [
+        "--kubeconfig",
+        path(&kube.kubeconfig),
+        "--leader-lease-duration",
+        "3s",
+        "--pod-certificate-signer",
+        "meshca.io/spiffe",
+        "--ca-dir",
+        path(&root),
+        "--ca-key-pkcs11",
+        &uri,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let env: Vec<(String, String)> = hsm
+        .env()
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let data = work.path().join("data");
+    // Off the runtime: the fake API answers meshca's calls while it starts.
+    let _server = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        MeshcaServer::start_with_env(&data, &args, &env)
+    })
+    .await
+    .unwrap()
+    .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+
+    let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
+    kube.add_pod("default", "pod-web", "uid-web", "web", "node-a");
+    let request = meshca_tests::fake_certificates::PodRequest {
+        namespace: "default",
+        name: "web",
+        signer: "meshca.io/spiffe",
+        pod: ("pod-web", "uid-web", "web", "node-a"),
+        max_expiration_seconds: None,
+    }
+    .to_json(
+        &key,
+        meshca_tests::fake_certificates::KeyEncoding::ProofOfPossession,
+    );
+    kube.create_object("podcertificaterequests", request)
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let chain_pem = loop {
+        let answered = kube.get_object("podcertificaterequests", "default", "web");
+        if let Some(chain) = answered
+            .as_ref()
+            .and_then(|r| r["status"]["certificateChain"].as_str())
+        {
+            break chain.to_string();
+        }
+        assert!(Instant::now() < deadline, "not signed: {answered:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let chain = parse_certs_pem(&chain_pem).unwrap();
+    assert_eq!(chain.len(), 2, "[leaf, the in-memory intermediate]");
+    let root_der = parse_certs_pem(&std::fs::read_to_string(root.join("root-cert.pem")).unwrap())
+        .unwrap()
+        .remove(0);
+    let (_, int) = X509Certificate::from_der(&chain[1]).unwrap();
+    let (_, root_cert) = X509Certificate::from_der(&root_der).unwrap();
+    assert_eq!(int.issuer().as_raw(), root_cert.subject().as_raw());
+    assert_eq!(
+        permitted_uri_hosts(&int),
+        Some((true, vec!["cluster.local".to_string()]))
+    );
+    let (_, leaf) = X509Certificate::from_der(&chain[0]).unwrap();
+    assert_eq!(leaf.public_key().raw, key.public_key_spki_der().as_slice());
+    if have_openssl() {
+        let (ok, out) = openssl_verify(work.path(), &root_der, &[&chain[1]], &chain[0]);
+        assert!(ok, "openssl verify: {out}");
+    }
+    meshca_certs::verify::verify_svid(
+        &chain,
+        &meshca_certs::TrustBundle::new(vec![root_der]),
+        std::time::SystemTime::now(),
+        Some(&SpiffeId::parse(WEB).unwrap()),
+    )
+    .unwrap();
+}
