@@ -582,7 +582,7 @@ impl TryFrom<ServeArgs> for Config {
         let hsm = args
             .hsm
             .clone()
-            .into_config(args.ca_dir.as_deref(), args.ca_expiry_margin)?;
+            .into_config(args.ca_expiry_margin)?;
         if args.workload_cert_ttl.is_zero() {
             return Err(ConfigError::ZeroTtl {
                 flag: "--workload-cert-ttl",

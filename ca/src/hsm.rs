@@ -103,9 +103,6 @@ pub enum HsmConfigError {
     /// The URI is not usable.
     #[error("--ca-key-pkcs11: {0}")]
     Uri(#[from] meshca_certs::pkcs11::UriError),
-    /// No --ca-dir for the certificates.
-    #[error("--ca-key-pkcs11 needs --ca-dir DIR holding the CA's certificates (the embedded data directory and the cluster's Secret keep the key in a file, and their automatic root rotation would make a new key outside the HSM)")]
-    NeedsCaDir,
     /// The intermediate is renewed too late for the expiry margin.
     #[error("--hsm-intermediate-ttl ({ttl:?}) must be more than twice --ca-expiry-margin ({margin:?}): the intermediate is renewed at half its lifetime, which must come before signing stops")]
     TtlWithinMargin {
@@ -148,6 +145,62 @@ impl HsmConfig {
         Ok(ca)
     }
 
+    /// The embedded mode with the key in the HSM (`--ca-key-pkcs11`
+    /// without `--ca-dir`, no cluster): the data directory `dir` holds the
+    /// root certificate only, `root-cert.pem`. On first start (no
+    /// `root-cert.pem`), the key the URI names self-signs a root valid for
+    /// `root_ttl`; a key that is not in the token yet is made there first
+    /// (ECDSA P-256, sensitive, not extractable, labelled by the URI's
+    /// `object`). An existing root is never replaced, and never rotated
+    /// automatically (README: "Keeping the CA key in an HSM").
+    pub(crate) fn ensure_data_dir_root(
+        &self,
+        dir: &Path,
+        trust_domain: &TrustDomain,
+        root_ttl: time::Duration,
+        now: OffsetDateTime,
+    ) -> Result<(), StoreError> {
+        crate::store::create_private_dir(dir)?;
+        let cert_path = dir.join(crate::store::ROOT_CERT_FILE);
+        if cert_path.exists() || dir.join(crate::store::CA_KEY_FILE).exists() {
+            // Loaded (or refused, beside a key file) by HsmCa::open.
+            return Ok(());
+        }
+        let key = match HsmKey::open(&self.uri, self.limits) {
+            Ok(key) => key,
+            Err(meshca_certs::pkcs11::Pkcs11Error::NoKey { .. }) => {
+                let key = HsmKey::generate(&self.uri, KeyAlgorithm::EcdsaP256, self.limits)
+                    .map_err(StoreError::Hsm)?;
+                tracing::info!(uri = %self.uri, "made the root CA key in the token");
+                key
+            }
+            Err(e) => return Err(StoreError::Hsm(e)),
+        };
+        let key = CaKey::External(Arc::new(key));
+        let root = meshca_certs::profile::self_signed_root_with(
+            &key,
+            &crate::store::self_signed_root_name(trust_domain),
+            Validity::backdated(now, root_ttl),
+        )
+        .map_err(|e| StoreError::HsmSigning {
+            uri: self.uri.to_string(),
+            cause: format!("{}: self-signing the root: {e}", self.uri),
+        })?;
+        meshca_certs::bundle::write_file_atomic(
+            &cert_path,
+            root.to_pem().as_bytes(),
+            meshca_certs::bundle::PUBLIC_FILE_MODE,
+        )?;
+        tracing::info!(
+            dir = %dir.display(),
+            uri = %self.uri,
+            serial = %root.serial_hex,
+            not_after = %meshca_certs::Rfc3339(root.validity.not_after),
+            "generated a new self-signed root CA with the HSM key"
+        );
+        Ok(())
+    }
+
     /// The key, if [`HsmConfig::open`] opened it.
     pub(crate) fn opened(&self) -> Option<Arc<HsmCa>> {
         self.opened
@@ -161,16 +214,12 @@ impl HsmArgs {
     /// The checked configuration, or None without `--ca-key-pkcs11`.
     pub(crate) fn into_config(
         self,
-        ca_dir: Option<&Path>,
         expiry_margin: Duration,
     ) -> Result<Option<HsmConfig>, HsmConfigError> {
         let Some(text) = self.ca_key_pkcs11.filter(|t| !t.trim().is_empty()) else {
             return Ok(None);
         };
         let uri: Pkcs11Uri = text.trim().parse()?;
-        if ca_dir.is_none() {
-            return Err(HsmConfigError::NeedsCaDir);
-        }
         if self.hsm_mode == HsmMode::Intermediate
             && self.hsm_intermediate_ttl <= expiry_margin.saturating_mul(2)
         {

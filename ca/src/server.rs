@@ -103,7 +103,22 @@ pub struct BoundAddrs {
 /// Loads the CA material the configuration names.
 pub(crate) fn load_material(config: &Config) -> Result<CaMaterial, StoreError> {
     let now = OffsetDateTime::now_utc();
-    if let (Some(hsm), Some(dir)) = (&config.hsm, &config.ca_dir) {
+    if let Some(hsm) = &config.hsm {
+        // Without --ca-dir (and without a cluster), the data directory
+        // holds the HSM key's root certificate.
+        let dir = match &config.ca_dir {
+            Some(dir) => dir,
+            None => {
+                hsm.ensure_data_dir_root(
+                    &config.data_dir,
+                    &config.trust_domain,
+                    time::Duration::try_from(config.cluster.root_ttl)
+                        .unwrap_or(time::Duration::MAX),
+                    now,
+                )?;
+                &config.data_dir
+            }
+        };
         return hsm.open(dir, &config.trust_domain)?.material(now);
     }
     match &config.ca_dir {
@@ -721,6 +736,9 @@ async fn load_ca_material(
     let (None, Some(ClusterAccess { client, namespace })) = (&config.ca_dir, cluster) else {
         return Ok((load_material(config)?, false));
     };
+    if config.hsm.is_some() {
+        return Err(StoreError::HsmInClusterNeedsCaDir.into());
+    }
     let material = kube_api::wait_for_api(
         "the CA Secret",
         config.kubernetes.startup_timeout,
@@ -1195,6 +1213,8 @@ pub async fn run(
         cluster
             .as_ref()
             .map(|c| (c.client.clone(), c.namespace.clone())),
+        config.hsm.is_some(),
+        &metrics.jwt_svid,
         stop_rx.clone(),
         &mut background,
     )?);

@@ -73,6 +73,9 @@ pub enum StoreError {
     /// Generating the root failed.
     #[error("generating the self-signed root failed: {0}")]
     Generate(String),
+    /// `--ca-key-pkcs11` in cluster mode without `--ca-dir`.
+    #[error("--ca-key-pkcs11 in a cluster needs --ca-dir DIR holding the CA's certificates only (e.g. a Secret or ConfigMap with root-cert.pem, mounted there, made by meshca-certs root-ca --pkcs11): the CA Secret meshca creates holds a key made in memory, and its automatic root rotation would make another one outside the HSM")]
+    HsmInClusterNeedsCaDir,
     /// The local token issuer could not be loaded.
     #[error(transparent)]
     TokenIssuer(#[from] TokenError),
@@ -161,13 +164,22 @@ fn self_signed_root_of(
     ttl: time::Duration,
     now: OffsetDateTime,
 ) -> Result<IssuedCert, StoreError> {
-    let name = SubjectName {
+    self_signed_root(
+        key,
+        &self_signed_root_name(trust_domain),
+        Validity::backdated(now, ttl),
+    )
+    .map_err(|e| StoreError::Generate(e.to_string()))
+}
+
+/// The subject of a self-signed root meshca makes: `O=<trust domain>,
+/// CN=meshca self-signed root CA`.
+pub(crate) fn self_signed_root_name(trust_domain: &TrustDomain) -> SubjectName {
+    SubjectName {
         organization: Some(trust_domain.to_string()),
         common_name: Some("meshca self-signed root CA".to_string()),
         ..Default::default()
-    };
-    self_signed_root(key, &name, Validity::backdated(now, ttl))
-        .map_err(|e| StoreError::Generate(e.to_string()))
+    }
 }
 
 /// Loads the embedded mode's self-signed root from `dir`, creating the

@@ -559,14 +559,6 @@ async fn a_wrong_pin_a_missing_key_or_a_key_file_beside_are_refused_at_start_nam
         "{}",
         f.stderr
     );
-    // Without --ca-dir (the data directory, the cluster's Secret) refused.
-    let f =
-        MeshcaServer::start_with_env(&data, &["--ca-key-pkcs11", &uri], &hsm.env()).unwrap_err();
-    assert!(
-        f.stderr.contains("--ca-key-pkcs11 needs --ca-dir"),
-        "{}",
-        f.stderr
-    );
     // A copy of a key next to the certificates defeats the HSM.
     std::fs::write(root.join("root-key.pem"), "not used").unwrap();
     refused(&uri, "must hold certificates only");
@@ -833,4 +825,83 @@ async fn pod_certificates_are_signed_under_the_intermediate_the_hsm_key_signed()
         Some(&SpiffeId::parse(WEB).unwrap()),
     )
     .unwrap();
+}
+
+/// Without `--ca-dir`, the embedded data directory holds the HSM key's
+/// root certificate only: made on first start (the key too, inside the
+/// token, when it is not there yet), kept on the next; in a cluster,
+/// `--ca-dir` is required.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_embedded_data_directory_keeps_only_the_root_certificate_of_the_hsm_key() {
+    let Some(hsm) = SoftHsm::new() else { return };
+    let work = tmp();
+    let data = work.path().join("data");
+    let uri = hsm.uri("embedded");
+    let root_pem = {
+        let server = start(&hsm, &data, &["--ca-key-pkcs11", &uri]);
+        let chain = ders(
+            &ask(&server, &server.token("default", "web"), WEB)
+                .await
+                .unwrap(),
+        );
+        let root_pem = std::fs::read_to_string(data.join("root-cert.pem")).unwrap();
+        let root_der = parse_certs_pem(&root_pem).unwrap().remove(0);
+        // [leaf, the in-memory intermediate, the root of the data directory].
+        assert_eq!(chain.len(), 3, "{chain:?}");
+        assert_eq!(chain[2], root_der);
+        meshca_certs::verify::verify_svid(
+            &chain,
+            &meshca_certs::TrustBundle::new(vec![root_der]),
+            std::time::SystemTime::now(),
+            Some(&SpiffeId::parse(WEB).unwrap()),
+        )
+        .unwrap();
+        for file in ["ca-key.pem", "root-key.pem", "ca-cert.pem"] {
+            assert!(!data.join(file).exists(), "{file} written");
+        }
+        assert!(server.log().contains("made the root CA key in the token"));
+        root_pem
+    };
+    // The key is the token's, sensitive and never extractable.
+    let shown = hsm.certs(&[
+        "inspect",
+        path(&data.join("root-cert.pem")),
+        "--pkcs11",
+        &uri,
+    ]);
+    assert!(shown.contains("not extractable"), "{shown}");
+    // Restarted: the same root, the same key, nothing made.
+    let server = start(&hsm, &data, &["--ca-key-pkcs11", &uri]);
+    ask(&server, &server.token("default", "web"), WEB)
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read_to_string(data.join("root-cert.pem")).unwrap(),
+        root_pem
+    );
+    assert!(!server.log().contains("made the root CA key"));
+    drop(server);
+
+    // In a cluster: refused, naming what to do.
+    let kube = meshca_tests::fake_kube::FakeKube::start(work.path()).await;
+    let kubeconfig = path(&kube.kubeconfig).to_string();
+    let conf = hsm.env()[0].1.to_string();
+    let other = work.path().join("data-cluster");
+    let refused = tokio::task::spawn_blocking(move || {
+        MeshcaServer::start_with_env(
+            &other,
+            &["--kubeconfig", &kubeconfig, "--ca-key-pkcs11", &uri],
+            &[("SOFTHSM2_CONF", &conf)],
+        )
+    })
+    .await
+    .unwrap()
+    .unwrap_err();
+    assert!(
+        refused
+            .stderr
+            .contains("--ca-key-pkcs11 in a cluster needs --ca-dir"),
+        "{}",
+        refused.stderr
+    );
 }
