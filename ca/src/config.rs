@@ -579,10 +579,7 @@ impl TryFrom<ServeArgs> for Config {
     type Error = ConfigError;
 
     fn try_from(args: ServeArgs) -> Result<Self, ConfigError> {
-        let hsm = args
-            .hsm
-            .clone()
-            .into_config(args.ca_expiry_margin)?;
+        let hsm = args.hsm.clone().into_config(args.ca_expiry_margin)?;
         if args.workload_cert_ttl.is_zero() {
             return Err(ConfigError::ZeroTtl {
                 flag: "--workload-cert-ttl",
