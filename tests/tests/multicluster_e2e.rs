@@ -2,17 +2,22 @@
 //! API server holding Istio remote secrets) and three remote clusters
 //! (fake API servers: two reviewing tokens, one publishing its keys for
 //! offline checks). Each caller is authenticated against its own cluster
-//! only, remote secrets take effect while serving, and one cluster down
-//! costs only its own callers.
+//! only, remote secrets take effect while serving, one cluster down
+//! costs only its own callers, and a root rotation reaches every cluster's
+//! bundle (ConfigMaps and ClusterTrustBundle) before the switch.
 
 // Test helpers outside #[test] functions may unwrap too: a panic is a failed test.
 #![allow(clippy::unwrap_used)]
 
 use std::time::{Duration, Instant};
 
+use meshca_certs::bundle::parse_certs_pem;
 use meshca_certs::inspect::CertSummary;
-use meshca_certs::KeyAlgorithm;
+use meshca_certs::{KeyAlgorithm, SpiffeId, TrustBundle};
 use meshca_tests::fake_kube::{FakeKube, FakeUser, OIDC_ISSUER};
+use meshca_tests::root_rotation::{
+    ask_root_rotation, bundle_configmap, fast_rotation_flags, rotation_state,
+};
 use meshca_tests::*;
 use tonic::Code;
 
@@ -502,6 +507,156 @@ async fn each_token_is_checked_against_its_own_cluster() {
         leaf_uri(&chain),
         WEB,
         "the local cluster's node agent unaffected"
+    );
+}
+
+/// The roots (DER) of the bundle `kube` holds: every `istio-ca-root-cert`
+/// of `NAMESPACES` and the signer's ClusterTrustBundle, when all of them
+/// hold the same; `None` while they differ or one is missing.
+fn published_roots(kube: &FakeKube) -> Option<Vec<Vec<u8>>> {
+    let mut bundles: Vec<String> = ["default", "istio-system"]
+        .iter()
+        .map(|ns| bundle_configmap(kube, ns))
+        .collect::<Option<_>>()?;
+    let ctb = kube.get_object("clustertrustbundles", "", CLUSTER_TRUST_BUNDLE)?;
+    assert_eq!(ctb["spec"]["signerName"], SIGNER, "{ctb}");
+    assert_eq!(
+        ctb["metadata"]["labels"]["meshca.io/trust-domain"], "cluster.local",
+        "{ctb}"
+    );
+    bundles.push(ctb["spec"]["trustBundle"].as_str()?.to_string());
+    let first = parse_certs_pem(&bundles[0]).ok()?;
+    bundles
+        .iter()
+        .all(|b| parse_certs_pem(b).ok().as_ref() == Some(&first))
+        .then_some(first)
+}
+
+const SIGNER: &str = "meshca.io/spiffe";
+const CLUSTER_TRUST_BUNDLE: &str = "meshca.io:spiffe:trust-bundle";
+
+#[tokio::test]
+async fn a_root_rotation_reaches_every_remote_cluster_before_the_switch() {
+    // The leader publishes istio-ca-root-cert and, with
+    // --pod-certificate-signer, the signer's ClusterTrustBundle into the
+    // local cluster and every remote one (east from a flag, west from a
+    // remote secret). A rotation announces the new root for
+    // --root-rotation-grace (6 s here) before it signs: within that grace
+    // every cluster must hold both roots, so that a workload trusting its
+    // own cluster's bundle verifies the leaves signed after the switch.
+    let dirs: Vec<tempfile::TempDir> = (0..4).map(|_| tempfile::tempdir().unwrap()).collect();
+    let local = FakeKube::start(dirs[0].path()).await;
+    let east = FakeKube::start(dirs[1].path()).await;
+    let west = FakeKube::start(dirs[2].path()).await;
+    local.put_object(
+        "secrets",
+        remote_secret(
+            "istio-remote-secret-west",
+            &[("west", &std::fs::read(&west.kubeconfig).unwrap())],
+        ),
+    );
+    let mut flags = fast_rotation_flags(&local);
+    // Pod certificates live at least an hour: the longest lifetime allowed
+    // must be that (the workloads here still get 4 s, and the switch
+    // comes after the grace whatever it is).
+    let max_ttl = flags
+        .iter()
+        .position(|f| f == "--max-workload-cert-ttl")
+        .unwrap();
+    flags[max_ttl + 1] = "1h".into();
+    flags.extend([
+        "--namespace".into(),
+        NAMESPACE.into(),
+        "--remote-cluster".into(),
+        format!("east={}", east.kubeconfig.display()),
+        "--pod-certificate-signer".into(),
+        SIGNER.into(),
+    ]);
+    let server = start_off_runtime(dirs[3].path().join("data"), flags).await;
+    let clusters = [("local", &local), ("east", &east), ("west", &west)];
+
+    // Stable: one root, the same in every cluster.
+    eventually!(
+        Duration::from_secs(20),
+        format!("one root published in every cluster:\n{}", server.log()),
+        rotation_state(&local).is_some_and(|state| clusters
+            .iter()
+            .all(|(_, kube)| published_roots(kube) == Some(vec![state.signing_root.clone()])))
+    );
+    let old_root = rotation_state(&local).unwrap().signing_root;
+    assert!(
+        server
+            .log()
+            .lines()
+            .any(|l| l.contains("published the ClusterTrustBundle") && l.contains("cluster=east")),
+        "the remote publisher's log lines name the cluster:\n{}",
+        server.log()
+    );
+
+    // Rotate. Each round reads the clusters first and the phase after: a
+    // cluster seen with both roots while the phase is not yet `switched`
+    // had them before the switch.
+    assert!(ask_root_rotation(&local));
+    let asked = Instant::now();
+    let mut both_roots: [Option<Duration>; 3] = [None; 3];
+    let mut announced_root = None;
+    loop {
+        let seen: Vec<Option<Vec<Vec<u8>>>> = clusters
+            .iter()
+            .map(|(_, kube)| published_roots(kube))
+            .collect();
+        let state = rotation_state(&local).unwrap();
+        if state.phase == "switched" {
+            assert_ne!(state.signing_root, old_root);
+            assert_eq!(announced_root.as_ref(), Some(&state.signing_root));
+            break;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(60),
+            "no switch: {state:?}\n{}",
+            server.log()
+        );
+        for (k, roots) in seen.iter().enumerate() {
+            let Some(roots) = roots else { continue };
+            if roots.len() == 2 && roots.contains(&old_root) {
+                let new = roots.iter().find(|r| **r != old_root).unwrap();
+                assert_eq!(announced_root.get_or_insert(new.clone()), new);
+                both_roots[k].get_or_insert(asked.elapsed());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!(
+        "both roots published (local, east, west) after {both_roots:?}; switched after {:?}",
+        asked.elapsed()
+    );
+    for ((name, _), seen) in clusters.iter().zip(both_roots) {
+        assert!(
+            seen.is_some(),
+            "{name} did not hold both roots before the switch ({both_roots:?})"
+        );
+    }
+
+    // Signed by the new root now, and verified by a workload of east
+    // trusting nothing but east's bundle ConfigMap.
+    let token = east.add_review_token("east-web", FakeUser::service_account("default", "web"));
+    let chain = ask_in(&server, Some("east"), &token, WEB).await.unwrap();
+    let presented: Vec<Vec<u8>> = chain[..chain.len() - 1]
+        .iter()
+        .flat_map(|pem| parse_certs_pem(pem).unwrap())
+        .collect();
+    let trust = TrustBundle::from_pem(&bundle_configmap(&east, "default").unwrap()).unwrap();
+    meshca_certs::verify::verify_svid(
+        &presented,
+        &trust,
+        std::time::SystemTime::now(),
+        Some(&SpiffeId::parse(WEB).unwrap()),
+    )
+    .unwrap();
+    let last = parse_certs_pem(chain.last().unwrap()).unwrap();
+    assert!(
+        last.contains(&old_root) && last.len() == 2,
+        "both roots in the answer"
     );
 }
 

@@ -25,6 +25,9 @@
 //!   by default) is logged naming the Secret and key, counted
 //!   (`meshca_remote_cluster_config_errors_count`) and left out; every
 //!   other cluster keeps working. Credentials are never logged.
+//! - The bundle: the leader publishes `istio-ca-root-cert` into every
+//!   namespace of every remote cluster and, with `--pod-certificate-signer`,
+//!   the signer's ClusterTrustBundle ([`publish_to_remote_clusters`]).
 //! - Bounds: at most `--max-remote-clusters` (64); the remote clusters'
 //!   TokenReview caches share the local cluster's bound
 //!   ([`remote_cache_entries`]: 781 results and 156 refusals each with
@@ -37,7 +40,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Secret;
-use kube::api::Api;
+use kube::api::{Api, ListParams};
 use kube::runtime::watcher::{self, Event};
 use meshca_certs::TrustDomain;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -85,6 +88,14 @@ pub const REMOTE_RBAC_RULES: &[super::RbacRule] = &[
     super::RbacRule {
         api_group: "",
         resource: "configmaps",
+        verbs: &["create", "get", "list", "update", "watch"],
+        own_namespace_only: false,
+        resource_names: &[],
+    },
+    // With --pod-certificate-signer: the signer's ClusterTrustBundle.
+    super::RbacRule {
+        api_group: "certificates.k8s.io",
+        resource: "clustertrustbundles",
         verbs: &["create", "get", "list", "update", "watch"],
         own_namespace_only: false,
         resource_names: &[],
@@ -447,7 +458,20 @@ pub(crate) struct RemoteClusters {
     config: RemoteClusterConfig,
     settings: RemoteAuthnSettings,
     metrics: RemoteClusterMetrics,
+    /// With `--pod-certificate-signer`: the ClusterTrustBundle the leader
+    /// publishes into every remote cluster too.
+    trust_bundle: Option<TrustBundleSigner>,
     clusters: RwLock<HashMap<String, Arc<RemoteCluster>>>,
+}
+
+/// The ClusterTrustBundle of `--pod-certificate-signer`, as published into
+/// each remote cluster (the same object as in the local cluster).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct TrustBundleSigner {
+    /// `--pod-certificate-signer`: names the object and is its `signerName`.
+    pub(crate) signer_name: String,
+    /// `--trust-domain`: the object's `meshca.io/trust-domain` label.
+    pub(crate) trust_domain: String,
 }
 
 impl std::fmt::Debug for RemoteClusters {
@@ -539,18 +563,22 @@ fn fingerprint(bytes: &[u8]) -> [u8; 32] {
 }
 
 impl RemoteClusters {
-    /// No remote cluster yet; `local_cluster_id` is `--cluster-id`.
+    /// No remote cluster yet; `local_cluster_id` is `--cluster-id`;
+    /// `trust_bundle` the ClusterTrustBundle to publish in each (with
+    /// `--pod-certificate-signer`).
     pub(crate) fn new(
         local_cluster_id: String,
         config: RemoteClusterConfig,
         settings: RemoteAuthnSettings,
         metrics: RemoteClusterMetrics,
+        trust_bundle: Option<TrustBundleSigner>,
     ) -> Self {
         Self {
             local_cluster_id,
             config,
             settings,
             metrics,
+            trust_bundle,
             clusters: RwLock::new(HashMap::new()),
         }
     }
@@ -879,15 +907,19 @@ const PUBLISH_RECONCILE: Duration = Duration::from_secs(1);
 /// as in the local cluster (`bundle_publisher::publish_bundles`: every
 /// change of the bundle, a root rotation's both roots included, reaches
 /// every cluster), as istiod's namespace controller does for remote
-/// clusters. A cluster added gets it within a second; one removed or
-/// changed stops (the new one starts); one whose API server fails is
-/// retried on its own, the others unaffected.
+/// clusters; with `--pod-certificate-signer` also the signer's
+/// ClusterTrustBundle, as in the local cluster
+/// (`cluster_trust_bundle::publish_cluster_trust_bundle`). A cluster added
+/// gets them within a second; one removed or changed stops (the new one
+/// starts); one whose API server fails is retried on its own, the others
+/// unaffected. Their log lines carry the cluster (`remote_cluster{cluster}`).
 pub(crate) async fn publish_to_remote_clusters(
     remote: Arc<RemoteClusters>,
     authority: Arc<crate::authority::Authority>,
     excluded: Vec<String>,
     metrics: crate::metrics::Metrics,
 ) {
+    use tracing::Instrument;
     // Dropped with this future (leadership lost): every publisher stops.
     let mut publishers = tokio::task::JoinSet::new();
     let mut running: HashMap<String, (Weak<RemoteCluster>, tokio::task::AbortHandle)> =
@@ -907,18 +939,126 @@ pub(crate) async fn publish_to_remote_clusters(
             if running.contains_key(&id) {
                 continue;
             }
-            tracing::info!(cluster = %id, "publishing the bundle into the remote cluster");
-            let task = publishers.spawn(crate::cluster::bundle_publisher::publish_bundles(
+            tracing::info!(
+                cluster = %id,
+                cluster_trust_bundle = remote.trust_bundle.is_some(),
+                "publishing the bundle into the remote cluster"
+            );
+            let bundles = crate::cluster::bundle_publisher::publish_bundles(
                 cluster.client.clone(),
                 authority.clone(),
                 excluded.clone(),
                 metrics.clone(),
-            ));
+            );
+            let trust_bundle = remote.trust_bundle.clone().map(|signer| {
+                publish_trust_bundle_into(
+                    cluster.client.clone(),
+                    authority.clone(),
+                    signer,
+                    metrics.clone(),
+                    remote.settings.timeout,
+                )
+            });
+            let publish = async move {
+                match trust_bundle {
+                    Some(trust_bundle) => {
+                        futures::join!(bundles, trust_bundle);
+                    }
+                    None => bundles.await,
+                }
+            };
+            let task = publishers
+                .spawn(publish.instrument(tracing::info_span!("remote_cluster", cluster = %id)));
             running.insert(id, (Arc::downgrade(&cluster), task));
         }
         while publishers.try_join_next().is_some() {}
         tokio::time::sleep(PUBLISH_RECONCILE).await;
     }
+}
+
+/// How often a remote cluster that does not take the ClusterTrustBundle
+/// (the API not served, or meshca's account not allowed) is asked again.
+const TRUST_BUNDLE_RECHECK: Duration = Duration::from_secs(300);
+/// How soon a remote cluster whose API server did not answer the question
+/// is asked again.
+const TRUST_BUNDLE_RETRY: Duration = Duration::from_secs(10);
+
+/// Whether a remote cluster takes the signer's ClusterTrustBundle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum TrustBundleApi {
+    /// Listing ClusterTrustBundles works: publish.
+    Served,
+    /// 404: the cluster does not serve `certificates.k8s.io/v1beta1`
+    /// ClusterTrustBundles (a beta API, off unless enabled).
+    NotServed,
+    /// 403: meshca's account there may not list them (a remote secret made
+    /// with an older `deploy/kustomize/remote-cluster`).
+    Forbidden,
+    /// No answer, or another error: asked again soon.
+    Unknown,
+}
+
+/// Asks the cluster of `client` (within `timeout`) whether it takes the
+/// ClusterTrustBundle.
+async fn trust_bundle_api(client: &kube::Client, timeout: Duration) -> TrustBundleApi {
+    let api: Api<k8s_openapi::api::certificates::v1beta1::ClusterTrustBundle> =
+        Api::all(client.clone());
+    let listed = tokio::time::timeout(timeout, api.list(&ListParams::default().limit(1))).await;
+    match listed {
+        Ok(Ok(_)) => TrustBundleApi::Served,
+        Ok(Err(kube::Error::Api(e))) if e.code == 404 => TrustBundleApi::NotServed,
+        Ok(Err(kube::Error::Api(e))) if e.code == 403 => TrustBundleApi::Forbidden,
+        Ok(Err(_)) | Err(_) => TrustBundleApi::Unknown,
+    }
+}
+
+/// The signer's ClusterTrustBundle in one remote cluster until dropped
+/// (`cluster_trust_bundle::publish_cluster_trust_bundle`, as in the local
+/// cluster), once that cluster serves the API and lets meshca's account
+/// use it. Until then only the ConfigMaps go there: a cluster without the
+/// API (a beta API, off by default) or without the RBAC is logged once
+/// and asked again every 5 minutes, instead of a failed write every 2 s.
+async fn publish_trust_bundle_into(
+    client: kube::Client,
+    authority: Arc<crate::authority::Authority>,
+    signer: TrustBundleSigner,
+    metrics: crate::metrics::Metrics,
+    timeout: Duration,
+) {
+    let mut told = None;
+    loop {
+        let state = trust_bundle_api(&client, timeout).await;
+        let pause = match state {
+            TrustBundleApi::Served => break,
+            TrustBundleApi::Unknown => TRUST_BUNDLE_RETRY,
+            TrustBundleApi::NotServed | TrustBundleApi::Forbidden => {
+                if told != Some(state) {
+                    let why = match state {
+                        TrustBundleApi::NotServed => "the cluster does not serve ClusterTrustBundles (certificates.k8s.io/v1beta1)",
+                        _ => "meshca's account there may not list ClusterTrustBundles (deploy/kustomize/remote-cluster grants it)",
+                    };
+                    tracing::warn!(
+                        signer = %signer.signer_name,
+                        "{why}: the bundle goes there as ConfigMaps only; asked again every 5 minutes"
+                    );
+                    told = Some(state);
+                }
+                TRUST_BUNDLE_RECHECK
+            }
+        };
+        tokio::time::sleep(pause).await;
+    }
+    if told.is_some() {
+        tracing::info!(signer = %signer.signer_name, "the cluster takes the ClusterTrustBundle now");
+    }
+    crate::cluster::cluster_trust_bundle::publish_cluster_trust_bundle(
+        client,
+        authority,
+        signer.signer_name,
+        signer.trust_domain,
+        metrics,
+    )
+    .await
 }
 
 /// The data of a remote secret, or `None` when it is not one (the label
@@ -1091,11 +1231,20 @@ pub(crate) async fn start(
         node_agents: config.trusted_node_agents.clone(),
         pod_watch_failure_limit: config.pod_watch_failure_limit,
     };
+    let trust_bundle = config
+        .cluster
+        .pod_certificate_signer
+        .clone()
+        .map(|signer_name| TrustBundleSigner {
+            signer_name,
+            trust_domain: config.trust_domain.to_string(),
+        });
     let clusters = Arc::new(RemoteClusters::new(
         config.cluster_id.clone(),
         config.remote.clone(),
         settings,
         metrics.remote_clusters.clone(),
+        trust_bundle,
     ));
     clusters.add_static().await?;
     if let Some((client, namespace)) = local {
@@ -1181,6 +1330,75 @@ mod tests {
         assert_eq!(remote_cache_entries(1), (50_000, 10_000));
         assert_eq!(remote_cache_entries(0), (50_000, 10_000));
         assert_eq!(remote_cache_entries(10_000), (128, 128));
+    }
+
+    /// A client whose every request is answered `status` with `body`.
+    fn answering(status: u16, body: serde_json::Value) -> kube::Client {
+        let service = tower::service_fn(move |request: http::Request<kube::client::Body>| {
+            let body = body.clone();
+            async move {
+                assert_eq!(
+                    request.uri().path(),
+                    "/apis/certificates.k8s.io/v1beta1/clustertrustbundles"
+                );
+                Ok::<_, std::convert::Infallible>(
+                    http::Response::builder()
+                        .status(status)
+                        .header("content-type", "application/json")
+                        .body(axum::body::Body::from(body.to_string()))
+                        .unwrap(),
+                )
+            }
+        });
+        kube::Client::new(service, "default")
+    }
+
+    fn status(code: u16, reason: &str) -> serde_json::Value {
+        serde_json::json!({
+            "kind": "Status", "apiVersion": "v1", "metadata": {},
+            "status": "Failure", "message": reason, "reason": reason, "code": code,
+        })
+    }
+
+    #[tokio::test]
+    async fn a_cluster_without_the_trust_bundle_api_or_its_rbac_is_told_apart() {
+        let list = serde_json::json!({
+            "kind": "ClusterTrustBundleList", "apiVersion": "certificates.k8s.io/v1beta1",
+            "metadata": {"resourceVersion": "1"}, "items": [],
+        });
+        let timeout = Duration::from_secs(5);
+        for (client, want) in [
+            (answering(200, list), TrustBundleApi::Served),
+            (
+                answering(404, status(404, "NotFound")),
+                TrustBundleApi::NotServed,
+            ),
+            (
+                answering(403, status(403, "Forbidden")),
+                TrustBundleApi::Forbidden,
+            ),
+            (
+                answering(500, status(500, "InternalError")),
+                TrustBundleApi::Unknown,
+            ),
+        ] {
+            assert_eq!(trust_bundle_api(&client, timeout).await, want);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_silent_cluster_is_unknown_after_the_timeout() {
+        let service = tower::service_fn(|_: http::Request<kube::client::Body>| async {
+            futures::future::pending::<
+                Result<http::Response<axum::body::Body>, std::convert::Infallible>,
+            >()
+            .await
+        });
+        let client = kube::Client::new(service, "default");
+        assert_eq!(
+            trust_bundle_api(&client, Duration::from_secs(5)).await,
+            TrustBundleApi::Unknown
+        );
     }
 
     #[test]
