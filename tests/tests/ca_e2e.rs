@@ -1633,6 +1633,10 @@ async fn at_the_cap_the_connection_idle_longest_makes_room_for_a_new_one() {
     let token = server.token("default", "web");
     // Every seat held by connections that never ask anything (a flood).
     let mut oldest = tls_connect(&server).await;
+    // The server marks a connection established when it has read the
+    // client's Finished, after `tls_connect` returns: apart, so that on a
+    // loaded machine the oldest is still the one idle longest.
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let mut younger = tls_connect(&server).await;
     assert_eq!(
         metric_once(&server, "meshca_grpc_connections", |v| v == 2),
