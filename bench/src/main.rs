@@ -31,6 +31,7 @@ mod pod_certificates;
 mod proc_stats;
 mod real_kube;
 mod report;
+mod revocation;
 mod server_process;
 
 use std::path::PathBuf;
@@ -73,6 +74,10 @@ enum Command {
     /// CPU and log lines, and a well-behaved pod's SVID and rotations
     /// alone and during the attack.
     HostilePods(hostile_pods::HostilePodsArgs),
+    /// Start meshca and revoke N serials at once: the CRL's size, the time
+    /// to take the list and sign it, and to publish it (`ca-crl.pem`; with
+    /// --kube-apiserver also the `istio-ca-crl` ConfigMap).
+    Revocation(revocation::RevocationArgs),
     /// One pod of `hostile-pods` (a process of its own, so that the
     /// node agent attributes it to its pod): started by the scenario.
     #[command(hide = true)]
@@ -175,6 +180,7 @@ fn main() -> ExitCode {
                 Some(Command::PodCertificates(args)) => pod_certificates::run(args).await,
                 Some(Command::HostilePods(args)) => hostile_pods::run(args).await,
                 Some(Command::PodProcess(args)) => hostile_pods::pod_process(args).await,
+                Some(Command::Revocation(args)) => revocation::run(args).await,
                 None => load::run(cli.run).await,
             }
         };
