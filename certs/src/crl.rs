@@ -536,6 +536,113 @@ mod tests {
         }
     }
 
+    /// A tool of the machine, or None (with a line) when it is missing
+    /// outside CI; in CI (`CI` set, as `.ci/run` does) a missing tool fails.
+    fn tool_available(check: &mut std::process::Command, what: &str) -> bool {
+        let present = check.output().is_ok_and(|o| o.status.success());
+        if !present {
+            assert!(std::env::var_os("CI").is_none(), "{what} is needed in CI");
+            eprintln!("SKIPPED: {what} is not installed");
+        }
+        present
+    }
+
+    /// The encoding as two independent parsers read it: `openssl crl`
+    /// (signature verified against the CA) and Python's `cryptography`.
+    #[test]
+    fn openssl_and_cryptography_read_and_verify_the_crl() {
+        let (ca_der, key) = ca(KeyAlgorithm::EcdsaP256);
+        let revoked: Vec<RevokedCert> = [
+            ("3f0a1b", RevocationReason::KeyCompromise),
+            ("01", RevocationReason::Superseded),
+        ]
+        .iter()
+        .map(|(s, reason)| RevokedCert {
+            serial: Serial::parse(s).unwrap(),
+            revoked_at: times(0).this_update,
+            reason: *reason,
+        })
+        .collect();
+        let der = sign_crl(&ca_der, key.key_pair(), &revoked, times(42)).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let crl_pem = dir.path().join("ca-crl.pem");
+        let ca_pem = dir.path().join("root-cert.pem");
+        std::fs::write(&crl_pem, encode_crl_pem(&der)).unwrap();
+        std::fs::write(
+            &ca_pem,
+            pem::encode(&pem::Pem::new("CERTIFICATE", ca_der.clone())),
+        )
+        .unwrap();
+        if tool_available(
+            std::process::Command::new("openssl").arg("version"),
+            "openssl",
+        ) {
+            let out = std::process::Command::new("openssl")
+                .args(["crl", "-noout", "-text", "-in"])
+                .arg(&crl_pem)
+                .arg("-CAfile")
+                .arg(&ca_pem)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{err}");
+            assert!(
+                err.contains("verify OK") || text.contains("verify OK"),
+                "{err}{text}"
+            );
+            for needed in [
+                "Version 2",
+                "X509v3 CRL Number",
+                "42",
+                "X509v3 Authority Key Identifier",
+                "Next Update",
+                "3F0A1B",
+                "Key Compromise",
+                "Superseded",
+            ] {
+                assert!(text.contains(needed), "no {needed:?} in:\n{text}");
+            }
+        }
+        let python = || {
+            let mut c = std::process::Command::new("python3");
+            c.args(["-c", "import cryptography"]);
+            c
+        };
+        if tool_available(&mut python(), "python3 with cryptography") {
+            let script = r#"
+import sys
+from cryptography import x509
+crl = x509.load_pem_x509_crl(open(sys.argv[1], "rb").read())
+ca = x509.load_pem_x509_certificate(open(sys.argv[2], "rb").read())
+assert crl.is_signature_valid(ca.public_key()), "signature"
+number = crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+aki = crl.extensions.get_extension_for_class(x509.AuthorityKeyIdentifier).value.key_identifier
+serials = sorted(format(r.serial_number, "x") for r in crl)
+reasons = sorted(r.extensions.get_extension_for_class(x509.CRLReason).value.reason.name for r in crl)
+print(number, aki.hex(), ",".join(serials), ",".join(reasons), crl.next_update_utc is not None)
+"#;
+            let out = std::process::Command::new("python3")
+                .args(["-c", script])
+                .arg(&crl_pem)
+                .arg(&ca_pem)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let line = String::from_utf8_lossy(&out.stdout);
+            let aki = key_identifier(&ca_der).unwrap();
+            let aki_hex: String = aki.iter().map(|b| format!("{b:02x}")).collect();
+            assert_eq!(
+                line.trim(),
+                format!("42 {aki_hex} 1,3f0a1b key_compromise,superseded True")
+            );
+        }
+    }
+
     /// The sizes and times in BENCHMARKS.md ("Revocation"): `cargo test -p
     /// meshca-certs --lib crl::tests::size_and_time -- --ignored --nocapture`.
     #[test]
