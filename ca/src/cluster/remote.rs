@@ -1202,6 +1202,18 @@ async fn follow_keys(
     }
 }
 
+/// Each remote cluster's TokenReviews may hold at most this share of
+/// `--max-open-requests` waiting (plus its calls in flight), so that one
+/// cluster whose API server is down or black-holed, under a storm of its
+/// workloads, leaves the other clusters' requests seats to be served in.
+pub(crate) const REMOTE_CLUSTER_SHARE_OF_OPEN_REQUESTS: usize = 8;
+
+/// Reviews one remote cluster may have waiting: 1/8 of
+/// `max_open_requests` (512 of the default 4,096).
+fn remote_reviews_waiting(max_open_requests: usize) -> usize {
+    (max_open_requests / REMOTE_CLUSTER_SHARE_OF_OPEN_REQUESTS).max(1)
+}
+
 /// Starts the remote clusters of `config`: the flags' at once (an error
 /// stops the start), the remote secrets of `local` (client, meshca's
 /// namespace) watched in the background.
@@ -1220,7 +1232,7 @@ pub(crate) async fn start(
         jwt_cache_ttl: config.jwt_cache_ttl,
         timeout: config.kubernetes.api_timeout,
         max_in_flight: config.kubernetes.api_max_in_flight,
-        max_waiting: config.max_concurrent_requests.max(1) * crate::admission::QUEUE_PER_SLOT_MAX,
+        max_waiting: remote_reviews_waiting(config.max_open_requests),
         client_certificates: config.allow_cert_renewal.then(|| {
             Arc::new(crate::authn::ClientCertAuthenticator::new(
                 authority.clone(),
