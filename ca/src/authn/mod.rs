@@ -560,6 +560,14 @@ impl JwtAuthenticator {
         self
     }
 
+    /// [`JwtAuthenticator::with_cache_ttl`] holding at most about
+    /// `max_entries` validations (a remote cluster's share of the budget).
+    pub(crate) fn with_cache(mut self, ttl: Duration, max_entries: usize) -> Self {
+        self.cache = VerifiedTokenCache::with_capacity_limit(ttl, max_entries)
+            .with_clock(self.clock.clone());
+        self
+    }
+
     /// Counts cache hits on `hits` (the `meshca_token_cache_hit_count` metric).
     pub(crate) fn counting_cache_hits(mut self, hits: crate::metrics::IstioCounter) -> Self {
         self.cache = self.cache.counting_hits(hits);

@@ -322,6 +322,9 @@ impl RemoteClusterMetrics {
 /// What every remote cluster's authentication shares.
 #[derive(Clone)]
 pub(crate) struct RemoteAuthnSettings {
+    /// Validations each remote cluster's offline JWT check keeps: its
+    /// share of the verdict budget, as for its TokenReview results.
+    pub(crate) jwt_cache_entries: usize,
     /// `--token-audience`.
     pub(crate) audiences: Vec<String>,
     /// `--trust-domain`.
@@ -1177,7 +1180,7 @@ async fn follow_keys(
                     authn
                         .with_refresher(fetcher.clone())
                         .with_fetch_timeout(settings.timeout * 2)
-                        .with_cache_ttl(settings.jwt_cache_ttl)
+                        .with_cache(settings.jwt_cache_ttl, settings.jwt_cache_entries)
                         .counting_cache_hits(settings.cache_hits.clone()),
                 );
             }
@@ -1225,6 +1228,7 @@ pub(crate) async fn start(
     background: &mut tokio::task::JoinSet<()>,
 ) -> Result<Arc<RemoteClusters>, String> {
     let settings = RemoteAuthnSettings {
+        jwt_cache_entries: remote_cache_entries(config.remote.max_clusters).0,
         audiences: config.token_audiences.clone(),
         trust_domain: config.trust_domain.clone(),
         cache_ttl: config.kubernetes.token_review_cache_ttl,
