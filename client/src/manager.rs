@@ -297,7 +297,21 @@ async fn fetch_one(inner: Arc<Inner>, id: SpiffeId, generation: u64) {
             Ok(svid) => {
                 let svid = Arc::new(svid);
                 let delay = renewal_delay(&svid, wall_now, config);
-                entry.backoff = config.initial_backoff;
+                let lifetime = svid.leaf.not_after - svid.leaf.not_before;
+                let remaining = svid.leaf.not_after - wall_now;
+                let delay = if remaining * 4 >= lifetime {
+                    entry.backoff = config.initial_backoff;
+                    delay
+                } else {
+                    // An answer with less than a quarter of its life left
+                    // (a clock ahead of the CA's, a CA near its own end):
+                    // used, but the next fetch backs off as after a
+                    // failure, so that such answers cannot make a tight
+                    // loop against the CA.
+                    let backed_off = delay.max(jittered(entry.backoff, 0.2));
+                    entry.backoff = (entry.backoff * 2).min(config.max_backoff);
+                    backed_off
+                };
                 entry.current = Some(svid.clone());
                 entry.tx.send_replace(CertState::Available(svid.clone()));
                 tracing::debug!(identity = %id, serial = %svid.leaf.serial_hex, renew_in = ?delay, "certificate issued");
@@ -330,6 +344,10 @@ async fn fetch_one(inner: Arc<Inner>, id: SpiffeId, generation: u64) {
     inner.wake.notify_one();
 }
 
+/// However little life an answer has left, its renewal waits at least this
+/// long (or `min_renew_delay`, if shorter).
+const ABSOLUTE_MIN_RENEW_DELAY: Duration = Duration::from_millis(250);
+
 /// When to renew `svid`: at `renew_fraction` of its lifetime, ± jitter,
 /// no sooner than `min_renew_delay` (or half its remaining life if shorter).
 fn renewal_delay(svid: &Svid, wall_now: OffsetDateTime, config: &ManagerConfig) -> Duration {
@@ -348,7 +366,8 @@ fn renewal_delay(svid: &Svid, wall_now: OffsetDateTime, config: &ManagerConfig) 
     let remaining = (unix_seconds(not_after) - unix_seconds(wall_now)).max(0.0);
     let floor = config
         .min_renew_delay
-        .min(Duration::from_secs_f64(remaining / 2.0));
+        .min(Duration::from_secs_f64(remaining / 2.0))
+        .max(config.min_renew_delay.min(ABSOLUTE_MIN_RENEW_DELAY));
     Duration::from_secs_f64(delay.max(0.0)).max(floor)
 }
 
@@ -539,6 +558,16 @@ mod tests {
             (floored.as_secs_f64() - 0.55).abs() < 0.001,
             "renewal in {floored:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn an_answer_with_little_life_left_is_renewed_no_sooner_than_the_floor() {
+        let issuer = ScriptedIssuer::new(Duration::from_secs(2));
+        let svid = issuer.fetch(&id(1)).await.unwrap();
+        // 1.99 s into a 2 s certificate (a clock ahead of the CA's).
+        let wall_now = svid.leaf.not_before + time::Duration::milliseconds(1990);
+        let delay = renewal_delay(&svid, wall_now, &exact_config());
+        assert_eq!(delay, ABSOLUTE_MIN_RENEW_DELAY);
     }
 
     #[tokio::test(start_paused = true)]
