@@ -73,6 +73,13 @@ pub enum StoreError {
     /// Generating the root failed.
     #[error("generating the self-signed root failed: {0}")]
     Generate(String),
+    /// The data directory holds only `root-cert.pem` (its key in an HSM)
+    /// and no `--ca-key-pkcs11` was given.
+    #[error("{}: holds root-cert.pem but no ca-key.pem: its root's key is in an HSM; start with --ca-key-pkcs11 URI (or move root-cert.pem aside to make a new root, which every workload must then trust)", dir.display())]
+    HsmDataDir {
+        /// The data directory.
+        dir: PathBuf,
+    },
     /// `--ca-key-pkcs11` in cluster mode without `--ca-dir`.
     #[error("--ca-key-pkcs11 in a cluster needs --ca-dir DIR holding the CA's certificates only (e.g. a Secret or ConfigMap with root-cert.pem, mounted there, made by meshca-certs root-ca --pkcs11): the CA Secret meshca creates holds a key made in memory, and its automatic root rotation would make another one outside the HSM")]
     HsmInClusterNeedsCaDir,
@@ -197,6 +204,14 @@ pub fn load_or_create_data_dir(
     let key_path = dir.join(CA_KEY_FILE);
     match (cert_path.exists(), key_path.exists()) {
         (true, true) => {}
+        // root-cert.pem alone: the layout of a data directory whose root
+        // key is in an HSM (`--ca-key-pkcs11`). A root of a file key made
+        // over it would change the trust of every workload.
+        (false, false) if dir.join(ROOT_CERT_FILE).exists() => {
+            return Err(StoreError::HsmDataDir {
+                dir: dir.to_path_buf(),
+            })
+        }
         (false, false) => {
             let (key, root) = generate_self_signed_root(trust_domain, root_ttl, now)?;
             // Key first: a crash between the two writes leaves a key
@@ -387,6 +402,20 @@ mod tests {
         // And nothing was overwritten.
         assert!(dir.path().join(CA_CERT_FILE).exists());
         assert!(!dir.path().join(CA_KEY_FILE).exists());
+    }
+
+    #[test]
+    fn a_data_dir_of_an_hsm_root_is_not_taken_over_by_a_file_key() {
+        let dir = tempfile::tempdir().unwrap();
+        let td = TrustDomain::default();
+        fs::write(dir.path().join(ROOT_CERT_FILE), "the HSM key's root").unwrap();
+        let err = load_or_create_data_dir(dir.path(), &td, TEN_YEARS, now()).unwrap_err();
+        assert!(err.to_string().contains("--ca-key-pkcs11"), "{err}");
+        assert!(!dir.path().join(CA_KEY_FILE).exists());
+        assert_eq!(
+            fs::read_to_string(dir.path().join(ROOT_CERT_FILE)).unwrap(),
+            "the HSM key's root"
+        );
     }
 
     #[test]

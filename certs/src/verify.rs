@@ -214,12 +214,11 @@ fn verify_path(
         Ok(_) => Ok(()),
         // webpki fails closed on every URI name constraint; meshca's HSM
         // intermediate carries one (the trust domain), which is checked here.
-        Err(webpki::Error::NameConstraintViolation) => {
+        // (Its error may also name another path it tried, e.g. through a
+        // root of the same name that the answer carries during a rotation.)
+        Err(e) if has_name_constraints(&chain[1..]) => {
             verify_under_uri_name_constraints(chain, bundle, now).map_err(|why| {
-                VerifyError::Untrusted(format!(
-                    "{} ({why})",
-                    describe_webpki_error(&webpki::Error::NameConstraintViolation)
-                ))
+                VerifyError::Untrusted(format!("{} ({why})", describe_webpki_error(&e)))
             })
         }
         Err(e) => Err(VerifyError::Untrusted(describe_webpki_error(&e))),
@@ -245,9 +244,12 @@ fn verify_under_uri_name_constraints(
     now: SystemTime,
 ) -> Result<(), String> {
     let leaf_der = chain.first().ok_or("the chain is empty")?;
+    // The CA certificates up to the first root: an answer also carries
+    // roots the bundle may not hold yet (a root rotation), which webpki
+    // ignores and so does this path.
     let cas: Vec<Vec<u8>> = chain[1..]
         .iter()
-        .filter(|c| !bundle.contains(c))
+        .take_while(|c| !bundle.contains(c) && !is_self_issued(c))
         .cloned()
         .collect();
     let issuer_der = cas.first().ok_or("no intermediate to check")?;
@@ -297,7 +299,14 @@ fn verify_under_uri_name_constraints(
                 .iter()
                 .flatten()
                 .map(|t| match t.base {
-                    GeneralName::URI(uri) => Ok(uri.to_ascii_lowercase()),
+                    GeneralName::URI(uri) if is_uri_constraint_host(uri) => {
+                        Ok(uri.to_ascii_lowercase())
+                    }
+                    GeneralName::URI(uri) => Err(format!(
+                        "{}: a URI name constraint {:?} that is not a host or .host",
+                        cert.subject(),
+                        uri.chars().take(100).collect::<String>()
+                    )),
                     _ => Err(format!(
                         "{}: a name constraint of a form other than URI",
                         cert.subject()
@@ -323,6 +332,34 @@ fn verify_under_uri_name_constraints(
         }
     }
     Ok(())
+}
+
+/// Whether `c` is a URI name constraint this path understands: a host
+/// (`example.org`) or a domain (`.example.org`) of letters, digits, `-`,
+/// `_` and dots, without empty labels (Go's crypto/x509 refuses others).
+fn is_uri_constraint_host(c: &str) -> bool {
+    let host = c.strip_prefix('.').unwrap_or(c);
+    !host.is_empty()
+        && host.len() <= 255
+        && host.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        })
+}
+
+/// Whether any of `certs` (DER) carries a nameConstraints extension.
+fn has_name_constraints(certs: &[Vec<u8>]) -> bool {
+    certs.iter().any(|der| {
+        X509Certificate::from_der(der)
+            .is_ok_and(|(_, c)| c.name_constraints().is_ok_and(|n| n.is_some()))
+    })
+}
+
+/// Whether a certificate (DER) names itself as its issuer.
+fn is_self_issued(der: &[u8]) -> bool {
+    X509Certificate::from_der(der).is_ok_and(|(_, c)| c.issuer().as_raw() == c.subject().as_raw())
 }
 
 /// RFC 5280 4.2.1.10 for URIs: a constraint starting with a period matches
@@ -937,6 +974,19 @@ mod tests {
         // An expired constrained chain.
         let later = now + std::time::Duration::from_secs(2 * 3600);
         assert!(verify_svid(&inside, &bundle, later, None).is_err());
+        // A root the bundle does not hold yet at the end (a root rotation's
+        // answer): ignored, as webpki ignores it.
+        let mut with_next_root = inside.clone();
+        with_next_root.push(other.cert_der().to_vec());
+        verify_svid(&with_next_root, &bundle, now, None).unwrap();
+        // A URI constraint that is no host: refused, permitted or not.
+        let odd = constrained_chain(
+            &ca,
+            &["spiffe://cluster.local"],
+            "spiffe://cluster.local/ns/a/sa/b",
+        );
+        let err = verify_svid(&odd, &bundle, now, None).unwrap_err();
+        assert!(err.to_string().contains("not a host"), "{err}");
     }
 
     #[test]

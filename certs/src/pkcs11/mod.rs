@@ -199,6 +199,8 @@ struct Module {
     /// Held (shared) by every call into the module, exclusively by a
     /// re-initialisation: PKCS#11 forbids `C_Finalize` during other calls.
     in_use: Arc<RwLock<()>>,
+    /// When a key last re-initialised it (the bound is per module).
+    last_reopen: Arc<Mutex<Option<Instant>>>,
 }
 
 /// The process's loaded modules, one context per module file: PKCS#11
@@ -229,6 +231,7 @@ fn module(uri: &Pkcs11Uri) -> Result<Module, Pkcs11Error> {
         ctx,
         generation: Arc::new(AtomicU64::new(0)),
         in_use: Arc::new(RwLock::new(())),
+        last_reopen: Arc::default(),
     };
     modules.insert(uri.module_path.clone(), module.clone());
     Ok(module)
@@ -340,8 +343,7 @@ pub struct HsmKey {
     module: Module,
     /// The token's slot: found again when the module is re-initialised.
     slot: Mutex<Slot>,
-    /// When the module was last re-initialised by this key.
-    last_reopen: Mutex<Option<Instant>>,
+
     pin: Option<AuthPin>,
     spki: Vec<u8>,
     kind: KeyKind,
@@ -358,6 +360,31 @@ struct Pool {
     open: usize,
     /// Callers waiting for one.
     waiting: usize,
+}
+
+impl Drop for HsmKey {
+    /// Closes the idle sessions with no re-initialisation in flight;
+    /// sessions of an earlier module generation are stale handles, never
+    /// closed (their number may now be another key's session).
+    fn drop(&mut self) {
+        // Never blocks: a key may be dropped by a thread that holds the
+        // shared lock already (a failed open); if a re-initialisation is
+        // waiting or running, the sessions are left to it (forgotten here).
+        let using = match self.module.in_use.try_read() {
+            Ok(guard) => Some(guard),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        let current = self.module.generation.load(Ordering::SeqCst);
+        let pool = self.pool.get_mut().unwrap_or_else(|p| p.into_inner());
+        for (session, _, generation) in pool.idle.drain(..) {
+            if using.is_some() && generation == current {
+                drop(session);
+            } else {
+                std::mem::forget(session);
+            }
+        }
+    }
 }
 
 /// How one call on a pooled session went wrong.
@@ -401,7 +428,6 @@ impl HsmKey {
             ctx,
             module: module.clone(),
             slot: Mutex::new(slot),
-            last_reopen: Mutex::new(None),
             pin,
             spki: Vec::new(),
             kind: KeyKind::Other,
@@ -854,9 +880,9 @@ impl HsmKey {
     /// at least [`MODULE_REOPEN_INTERVAL`] ago.
     fn may_reopen(&self, e: &Pkcs11Error) -> bool {
         let lost = match e {
-            Pkcs11Error::Token { .. } | Pkcs11Error::NoToken { .. } | Pkcs11Error::NoKey { .. } => {
-                true
-            }
+            // Too many sessions is the token's bound, not a lost token.
+            Pkcs11Error::Token { reason, .. } => !reason.contains("CKR_SessionCount"),
+            Pkcs11Error::NoToken { .. } | Pkcs11Error::NoKey { .. } => true,
             // A module that lost its token may fail the login (SoftHSM2:
             // CKR_GENERAL_ERROR); a wrong or locked PIN is not that.
             Pkcs11Error::Login { reason, .. } => !reason.contains("CKR_PIN_"),
@@ -865,7 +891,11 @@ impl HsmKey {
         if !lost {
             return false;
         }
-        let mut last = self.last_reopen.lock().unwrap_or_else(|p| p.into_inner());
+        let mut last = self
+            .module
+            .last_reopen
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         if last.is_some_and(|at| at.elapsed() < MODULE_REOPEN_INTERVAL) {
             return false;
         }
