@@ -76,7 +76,8 @@ pub(crate) struct CryptoLimits {
     pub(crate) without_token: Option<f64>,
 }
 
-fn per_second(window: Duration, mut op: impl FnMut()) -> f64 {
+/// Operations of `op` per second on this thread, counted for `window`.
+pub(crate) fn per_second(window: Duration, mut op: impl FnMut()) -> f64 {
     // Warm up, then count whole operations for `window`.
     for _ in 0..50 {
         op();

@@ -25,6 +25,7 @@
 mod attack;
 mod baseline;
 mod hostile_pods;
+mod jwt_load;
 mod load;
 mod mass_restart;
 mod pod_certificates;
@@ -74,6 +75,10 @@ enum Command {
     /// CPU and log lines, and a well-behaved pod's SVID and rotations
     /// alone and during the attack.
     HostilePods(hostile_pods::HostilePodsArgs),
+    /// The load run with JWT-SVIDs: `MintJwtSvid` (one audience) instead
+    /// of `CreateCertificate`, the same flags; the crypto limit is one
+    /// ES256 signature plus the token check.
+    JwtSvid(jwt_load::JwtSvidArgs),
     /// Start meshca and revoke N serials at once: the CRL's size, the time
     /// to take the list and sign it, and to publish it (`ca-crl.pem`; with
     /// --kube-apiserver also the `istio-ca-crl` ConfigMap).
@@ -163,6 +168,15 @@ fn main() -> ExitCode {
             builder.worker_threads(usize::from(n));
             builder
         }
+        // The JWT-SVID load run: one event loop by default, as above.
+        (Some(Command::JwtSvid(args)), _) if args.run.threads == 1 => {
+            tokio::runtime::Builder::new_current_thread()
+        }
+        (Some(Command::JwtSvid(args)), _) => {
+            let mut builder = tokio::runtime::Builder::new_multi_thread();
+            builder.worker_threads(usize::from(args.run.threads));
+            builder
+        }
         (Some(_), _) => tokio::runtime::Builder::new_multi_thread(),
     };
     let runtime = match { builder }.enable_all().build() {
@@ -179,6 +193,7 @@ fn main() -> ExitCode {
                 Some(Command::Attack(args)) => attack::run(args).await,
                 Some(Command::PodCertificates(args)) => pod_certificates::run(args).await,
                 Some(Command::HostilePods(args)) => hostile_pods::run(args).await,
+                Some(Command::JwtSvid(args)) => jwt_load::run(args.run).await,
                 Some(Command::PodProcess(args)) => hostile_pods::pod_process(args).await,
                 Some(Command::Revocation(args)) => revocation::run(args).await,
                 None => load::run(cli.run).await,

@@ -139,6 +139,8 @@ pub(crate) struct Metrics {
     pub(crate) revocation: crate::revocation::RevocationMetrics,
     /// Remote clusters: up, count, refused configurations, refusals.
     pub(crate) remote_clusters: crate::cluster::remote::RemoteClusterMetrics,
+    /// JWT-SVIDs: mints by result, key changes, the signing key's age.
+    pub(crate) jwt_svid: crate::jwt_svid::JwtSvidMetrics,
 }
 
 /// Labels of `meshca_pod_certificate_request_count`.
@@ -200,6 +202,7 @@ impl Default for Metrics {
             cluster_trust_bundle_writes: Default::default(),
             revocation: Default::default(),
             remote_clusters: Default::default(),
+            jwt_svid: Default::default(),
         }
     }
 }
@@ -390,6 +393,7 @@ impl Metrics {
         );
         self.revocation.register(&mut r);
         self.remote_clusters.register(&mut r);
+        self.jwt_svid.register(&mut r);
         r
     }
 

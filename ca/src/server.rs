@@ -1213,6 +1213,8 @@ pub async fn run(
         cluster
             .as_ref()
             .map(|c| (c.client.clone(), c.namespace.clone())),
+        config.hsm.is_some(),
+        &metrics.jwt_svid,
         stop_rx.clone(),
         &mut background,
     )?);

@@ -331,8 +331,14 @@ fn foreign_token(kid: &str, claims: &Value) -> String {
     use ring::signature::{EcdsaKeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
     let rng = ring::rand::SystemRandom::new();
     let pkcs8 = EcdsaKeyPair::generate_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, &rng).unwrap();
-    let key =
-        EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8.as_ref(), &rng).unwrap();
+    token_signed_with(pkcs8.as_ref(), kid, claims)
+}
+
+/// An ES256 token signed with the PKCS#8 P-256 key `pkcs8`, under `kid`.
+fn token_signed_with(pkcs8: &[u8], kid: &str, claims: &Value) -> String {
+    use ring::signature::{EcdsaKeyPair, ECDSA_P256_SHA256_FIXED_SIGNING};
+    let rng = ring::rand::SystemRandom::new();
+    let key = EcdsaKeyPair::from_pkcs8(&ECDSA_P256_SHA256_FIXED_SIGNING, pkcs8, &rng).unwrap();
     let input = format!(
         "{}.{}",
         URL_SAFE_NO_PAD
@@ -546,6 +552,14 @@ async fn keys_rotate_while_validators_check_continuously_with_zero_failures() {
     );
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let server = MeshcaServer::start(&dir.path().join("data"), &flags).unwrap();
+    // The first key, private part included, to sign with once it is retired.
+    let first: Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("data/jwt-svid-keys.json")).unwrap())
+            .unwrap();
+    let first_kid = first["keys"][0]["kid"].as_str().unwrap().to_string();
+    let first_pkcs8 = base64::engine::general_purpose::STANDARD
+        .decode(first["keys"][0]["pkcs8"].as_str().unwrap())
+        .unwrap();
     let (mut agent, socket) = start_agent(&server, dir.path());
     agent.wait_for_socket(&socket).await;
     let mut api = SpiffeWorkloadApiClient::new(unix_channel(&socket).await);
@@ -592,6 +606,176 @@ async fn keys_rotate_while_validators_check_continuously_with_zero_failures() {
     );
     assert!(failures.is_empty(), "{failures:#?}");
     assert!(checks > 50, "{checks}");
+    // A token signed by the retired first key, still within its `exp`
+    // (as only the key's holder could make it): refused by both.
+    assert!(kids.contains(&first_kid), "{kids:?}");
+    let (_, jwks) = http_get(format!("127.0.0.1:{port}").parse().unwrap(), "/keys");
+    assert!(!jwks.contains(&first_kid), "retired: {jwks}");
+    let retired = token_signed_with(
+        &first_pkcs8,
+        &first_kid,
+        &serde_json::json!({"sub": WEB, "aud": "vault", "iat": now(), "exp": now() + 60}),
+    );
+    let status = api
+        .validate_jwtsvid(validate(&retired, "vault"))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::InvalidArgument, "{status:?}");
+    assert!(
+        status
+            .message()
+            .contains("not in the trust domain's JWT bundle"),
+        "{status:?}"
+    );
+    if let Some(pyjwt) = pyjwt.as_mut() {
+        let answer = pyjwt.check(&retired);
+        assert!(answer.starts_with("FAIL"), "{answer}");
+    }
+    // The rotations are on /metrics: keys published and retired, and a
+    // signing key younger than one rotation.
+    let (_, metrics) = http_get(server.monitoring, "/metrics");
+    assert!(
+        labelled(
+            &metrics,
+            "meshca_jwt_svid_key_change_count{change=\"published\"}"
+        ) >= 2.0,
+        "{metrics}"
+    );
+    assert!(
+        labelled(
+            &metrics,
+            "meshca_jwt_svid_key_change_count{change=\"retired\"}"
+        ) >= 1.0,
+        "{metrics}"
+    );
+    let age = labelled(&metrics, "meshca_jwt_svid_signing_key_age_seconds");
+    assert!((0.0..=8.0).contains(&age), "{metrics}");
+    let published = labelled(&metrics, "meshca_jwt_svid_keys_published");
+    assert!((1.0..=3.0).contains(&published), "{metrics}");
+}
+
+/// The value of the series `series` (name and labels, as printed) in a
+/// /metrics page.
+fn labelled(page: &str, series: &str) -> f64 {
+    page.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{series} missing in\n{page}"))
+}
+
+/// A channel to `server` presenting the client certificate `chain` of `key`.
+async fn channel_with_certificate(
+    server: &MeshcaServer,
+    chain: &[String],
+    key: &meshca_certs::PrivateKey,
+) -> tonic::transport::Channel {
+    use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity};
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(server.root_pem()))
+        .domain_name("istiod.istio-system.svc")
+        .identity(Identity::from_pem(chain.concat(), key.to_pkcs8_pem()));
+    Endpoint::from_shared(format!("https://{}", server.grpc))
+        .unwrap()
+        .tls_config(tls)
+        .unwrap()
+        .connect()
+        .await
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_jwt_svid_never_outlives_the_client_certificate_that_asked_and_mints_are_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = MeshcaServer::start(&dir.path().join("data"), &[]).unwrap();
+    let token = server.token("default", "web");
+    // A certificate living 200 s, shorter than the tokens' default 5 min.
+    let (key, request) = csr_request(meshca_certs::KeyAlgorithm::EcdsaP256, WEB, 200);
+    let chain = server
+        .client()
+        .await
+        .create_certificate(with_token(request, &token))
+        .await
+        .unwrap()
+        .into_inner()
+        .cert_chain;
+    let leaf = meshca_certs::bundle::parse_certs_pem(&chain[0]).unwrap();
+    let not_after = meshca_certs::inspect::CertSummary::from_der(&leaf[0])
+        .unwrap()
+        .not_after
+        .unix_timestamp();
+    let mut by_certificate =
+        JwtSvidServiceClient::new(channel_with_certificate(&server, &chain, &key).await);
+    let claims_of = |token: &str| decode(token.split('.').nth(1).unwrap());
+    for lifetime in [0, 3600] {
+        let minted = by_certificate
+            .mint_jwt_svid(tonic::Request::new(mint_request(&["vault"], lifetime, "")))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(minted.spiffe_id, WEB);
+        let claims = claims_of(&minted.token);
+        assert_eq!(
+            claims["exp"].as_i64(),
+            Some(not_after),
+            "lifetime {lifetime}: capped at the certificate's notAfter"
+        );
+        assert_eq!(minted.expires_at, not_after);
+        assert!(claims["iat"].as_i64().unwrap() < not_after - 100);
+    }
+    // Shorter than the certificate: as asked.
+    let minted = by_certificate
+        .mint_jwt_svid(tonic::Request::new(mint_request(&["vault"], 60, "")))
+        .await
+        .unwrap()
+        .into_inner();
+    let claims = claims_of(&minted.token);
+    assert_eq!(
+        claims["exp"].as_i64().unwrap() - claims["iat"].as_i64().unwrap(),
+        60
+    );
+    // A token caller is not capped by any certificate.
+    let mut by_token = JwtSvidServiceClient::new(server.channel().await);
+    let minted = by_token
+        .mint_jwt_svid(with_token(mint_request(&["vault"], 3600, ""), &token))
+        .await
+        .unwrap()
+        .into_inner();
+    let claims = claims_of(&minted.token);
+    assert_eq!(
+        claims["exp"].as_i64().unwrap() - claims["iat"].as_i64().unwrap(),
+        3600
+    );
+    let status = by_token
+        .mint_jwt_svid(with_token(
+            mint_request(&["x"], 0, "spiffe://cluster.local/ns/default/sa/db"),
+            &token,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), Code::PermissionDenied);
+
+    // /metrics: four issued, one refused, one key signing since the start.
+    let (_, metrics) = http_get(server.monitoring, "/metrics");
+    assert_eq!(
+        labelled(&metrics, "meshca_jwt_svid_mint_count{result=\"issued\"}"),
+        4.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        labelled(
+            &metrics,
+            "meshca_jwt_svid_mint_count{result=\"permission_denied\"}"
+        ),
+        1.0,
+        "{metrics}"
+    );
+    assert_eq!(labelled(&metrics, "meshca_jwt_svid_keys_published"), 1.0);
+    let age = labelled(&metrics, "meshca_jwt_svid_signing_key_age_seconds");
+    assert!((0.0..120.0).contains(&age), "{metrics}");
+    assert_eq!(
+        labelled(&metrics, "meshca_jwt_svid_key_rotation_failed_count"),
+        0.0
+    );
 }
 
 /// Server CPU time of `pid` (user + system), from `/proc/PID/stat`.

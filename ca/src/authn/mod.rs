@@ -70,6 +70,9 @@ pub enum CallerKind {
         /// Its whole lifetime, notAfter − notBefore: a renewal gets no
         /// longer a one.
         lifetime: std::time::Duration,
+        /// Its notAfter (Unix seconds): a JWT-SVID minted for the caller
+        /// expires no later.
+        not_after: i64,
     },
 }
 
@@ -944,6 +947,7 @@ impl ClientCertAuthenticator {
                 serial: svid.serial_hex,
                 lifetime: std::time::Duration::try_from(svid.not_after - svid.not_before)
                     .unwrap_or_default(),
+                not_after: svid.not_after.unix_timestamp(),
             },
             pod_name: None,
             pod_uid: None,

@@ -12,6 +12,7 @@
 //! `iss`.
 
 pub(crate) mod keys;
+pub(crate) mod metrics;
 pub(crate) mod oidc;
 pub(crate) mod secret;
 
@@ -32,9 +33,11 @@ use meshca_proto::meshca::v1::{
 };
 use tonic::{Request, Response, Status};
 
+use crate::authn::CallerKind;
 use crate::service::{CaService, Issued};
 pub use keys::{JwtAlgorithm, JwtKeyError};
 use keys::{KeyRecord, RotationPolicy, Signer};
+pub(crate) use metrics::JwtSvidMetrics;
 
 /// Longest `--max-jwt-svid-ttl` accepted: a JWT-SVID is a bearer token,
 /// replayable by whoever holds it until it expires.
@@ -198,6 +201,10 @@ pub(crate) enum MintError {
         /// The maximum, seconds.
         max: u64,
     },
+    /// The client certificate the caller authenticated with expires now:
+    /// a token may not outlive it.
+    #[error("the client certificate this request authenticated with expires now; renew it first")]
+    CallerExpires,
     /// Signing failed (never says more).
     #[error("signing the JWT-SVID failed")]
     Signing,
@@ -322,6 +329,50 @@ pub(crate) struct JwtIssuer {
     loaded: tokio::sync::OnceCell<()>,
     /// Stops the rotation.
     stop: tokio::sync::watch::Receiver<bool>,
+    /// `,"iss":"…"` of every token's claims (empty without an issuer),
+    /// encoded once.
+    iss_claim: String,
+    /// Mints by result, key changes, the signing key's age.
+    metrics: JwtSvidMetrics,
+}
+
+/// Each key's `kid` and start, as the metrics count changes.
+fn kid_times(records: &[KeyRecord]) -> Vec<(String, i64)> {
+    records
+        .iter()
+        .map(|k| (k.kid.clone(), k.signs_from))
+        .collect()
+}
+
+/// `,"iss":"…"` for `issuer`, empty for none.
+fn iss_claim(issuer: Option<&str>) -> String {
+    let mut claim = String::new();
+    if let Some(issuer) = issuer {
+        claim.push_str(",\"iss\":");
+        push_json_string(&mut claim, issuer);
+    }
+    claim
+}
+
+/// Appends `s` as a JSON string (quoted, escaped as RFC 8259 requires).
+fn push_json_string(out: &mut String, s: &str) {
+    out.push('"');
+    if !s.chars().any(|c| c == '"' || c == '\\' || c < ' ') {
+        out.push_str(s);
+    } else {
+        for c in s.chars() {
+            match c {
+                '"' => out.push_str("\\\""),
+                '\\' => out.push_str("\\\\"),
+                c if c < ' ' => {
+                    use std::fmt::Write as _;
+                    let _ = write!(out, "\\u{:04x}", u32::from(c));
+                }
+                c => out.push(c),
+            }
+        }
+    }
+    out.push('"');
 }
 
 fn unix_now() -> i64 {
@@ -337,7 +388,13 @@ impl JwtIssuer {
         config: JwtSvidConfig,
         now: i64,
     ) -> Result<Self, JwtKeyError> {
-        Self::load_or_create_until(dir, config, now, tokio::sync::watch::channel(false).1)
+        Self::load_or_create_until(
+            dir,
+            config,
+            now,
+            tokio::sync::watch::channel(false).1,
+            JwtSvidMetrics::default(),
+        )
     }
 
     /// In a cluster: the keys of the Secret in `store`, read at the first
@@ -346,14 +403,17 @@ impl JwtIssuer {
         store: secret::SecretStore,
         config: JwtSvidConfig,
         stop: tokio::sync::watch::Receiver<bool>,
+        metrics: JwtSvidMetrics,
     ) -> Self {
         Self {
             state: ArcSwap::from_pointee(empty_state()),
+            iss_claim: iss_claim(config.issuer.as_deref()),
             config,
             store: Store::Secret(Box::new(store)),
             changes: tokio::sync::watch::channel(0).0,
             loaded: tokio::sync::OnceCell::new(),
             stop,
+            metrics,
         }
     }
 
@@ -362,6 +422,7 @@ impl JwtIssuer {
         config: JwtSvidConfig,
         now: i64,
         stop: tokio::sync::watch::Receiver<bool>,
+        metrics: JwtSvidMetrics,
     ) -> Result<Self, JwtKeyError> {
         std::fs::create_dir_all(dir).map_err(|cause| JwtKeyError::Read {
             path: dir.to_path_buf(),
@@ -372,6 +433,7 @@ impl JwtIssuer {
         if plan.changed {
             keys::save(dir, &plan.keys)?;
         }
+        metrics.keys_changed(None, &kid_times(&plan.keys));
         let state = KeyState::new(plan.keys, config.policy.bundle_max_age()).map_err(|reason| {
             JwtKeyError::Invalid {
                 path: dir.join(keys::KEYS_FILE),
@@ -380,11 +442,13 @@ impl JwtIssuer {
         })?;
         Ok(Self {
             state: ArcSwap::from_pointee(state),
+            iss_claim: iss_claim(config.issuer.as_deref()),
             config,
             store: Store::Dir(dir.to_path_buf()),
             changes: tokio::sync::watch::channel(0).0,
             loaded: tokio::sync::OnceCell::from(()),
             stop,
+            metrics,
         })
     }
 
@@ -445,9 +509,12 @@ impl JwtIssuer {
 
     /// Takes `keys` into use if they differ from the keys in use.
     fn adopt(&self, keys: Vec<KeyRecord>) -> Result<(), JwtKeyError> {
-        if self.state.load().records == keys {
+        let before = self.state.load();
+        if before.records == keys {
             return Ok(());
         }
+        let before = (!before.records.is_empty()).then(|| kid_times(&before.records));
+        let after = kid_times(&keys);
         let kids: Vec<String> = keys.iter().map(|k| k.kid.clone()).collect();
         let state = KeyState::new(keys, self.config.policy.bundle_max_age()).map_err(|reason| {
             JwtKeyError::Invalid {
@@ -456,6 +523,7 @@ impl JwtIssuer {
             }
         })?;
         self.state.store(Arc::new(state));
+        self.metrics.keys_changed(before.as_deref(), &after);
         self.changes.send_modify(|v| *v += 1);
         tracing::info!(keys = ?kids, "JWT-SVID keys changed (published: every key listed)");
         Ok(())
@@ -469,6 +537,7 @@ impl JwtIssuer {
             let next = match self.sync_with_secret(now).await {
                 Ok(next) => next,
                 Err(e) => {
+                    self.metrics.rotation_failed();
                     tracing::error!(error = %e, "JWT-SVID key rotation failed; the current keys stay, retrying in 60s");
                     now + 60
                 }
@@ -533,12 +602,27 @@ impl JwtIssuer {
 
     /// A JWT-SVID for `identity` and `audiences`, living `lifetime`
     /// seconds (0 or less: the default), signed at `now`.
+    #[cfg(test)]
     pub(crate) fn mint(
         &self,
         identity: &SpiffeId,
         audiences: &[String],
         lifetime: i64,
         now: i64,
+    ) -> Result<Minted, MintError> {
+        self.mint_until(identity, audiences, lifetime, now, None)
+    }
+
+    /// As [`Self::mint`], expiring at `not_after` (Unix seconds) at the
+    /// latest: the notAfter of the client certificate the caller
+    /// authenticated with, which a token may not outlive.
+    pub(crate) fn mint_until(
+        &self,
+        identity: &SpiffeId,
+        audiences: &[String],
+        lifetime: i64,
+        now: i64,
+        not_after: Option<i64>,
     ) -> Result<Minted, MintError> {
         check_audiences(audiences)?;
         let max = self.config.policy.max_ttl.as_secs();
@@ -552,26 +636,47 @@ impl JwtIssuer {
         } else {
             lifetime
         };
+        let mut expires_at = now.saturating_add(lifetime);
+        if let Some(not_after) = not_after {
+            if not_after <= now {
+                return Err(MintError::CallerExpires);
+            }
+            expires_at = expires_at.min(not_after);
+        }
         let state = self.state.load();
         let key = state.signing_key(now).ok_or(MintError::Signing)?;
-        let mut claims = serde_json::Map::new();
-        claims.insert("sub".into(), identity.to_string().into());
-        claims.insert(
-            "aud".into(),
-            match audiences {
-                [one] => one.clone().into(),
-                many => many.to_vec().into(),
-            },
+        // The claims written directly (no JSON tree per token): sub, aud
+        // (a string for one audience, else an array), exp, iat, iss.
+        let mut claims = String::with_capacity(
+            96 + identity.as_str().len()
+                + audiences.iter().map(|a| a.len() + 3).sum::<usize>()
+                + self.iss_claim.len(),
         );
-        claims.insert("exp".into(), (now + lifetime).into());
-        claims.insert("iat".into(), now.into());
-        if let Some(issuer) = &self.config.issuer {
-            claims.insert("iss".into(), issuer.clone().into());
+        claims.push_str("{\"sub\":");
+        push_json_string(&mut claims, identity.as_str());
+        claims.push_str(",\"aud\":");
+        match audiences {
+            [one] => push_json_string(&mut claims, one),
+            many => {
+                claims.push('[');
+                for (i, audience) in many.iter().enumerate() {
+                    if i > 0 {
+                        claims.push(',');
+                    }
+                    push_json_string(&mut claims, audience);
+                }
+                claims.push(']');
+            }
         }
-        let claims = serde_json::Value::Object(claims).to_string();
-        let mut token = String::with_capacity(key.header_b64.len() + claims.len() * 2 + 100);
+        {
+            use std::fmt::Write as _;
+            let _ = write!(claims, ",\"exp\":{expires_at},\"iat\":{now}");
+        }
+        claims.push_str(&self.iss_claim);
+        claims.push('}');
+        let mut token = String::with_capacity(key.header_b64.len() + claims.len() * 4 / 3 + 100);
         token.push_str(&key.header_b64);
-        URL_SAFE_NO_PAD.encode_string(claims, &mut token);
+        URL_SAFE_NO_PAD.encode_string(claims.as_bytes(), &mut token);
         let signature = key
             .signer
             .sign(token.as_bytes())
@@ -581,7 +686,7 @@ impl JwtIssuer {
         Ok(Minted {
             token,
             issued_at: now,
-            expires_at: now + lifetime,
+            expires_at,
             kid: key.kid.clone(),
         })
     }
@@ -632,14 +737,14 @@ impl JwtSvidGrpc {
     }
 }
 
-#[tonic::async_trait]
-impl JwtSvidService for JwtSvidGrpc {
-    async fn mint_jwt_svid(
+impl JwtSvidGrpc {
+    /// `MintJwtSvid`, counted by the caller by its result.
+    async fn mint(
         &self,
+        issuer: &Arc<JwtIssuer>,
         request: Request<MintJwtSvidRequest>,
-    ) -> Result<Response<MintJwtSvidResponse>, Status> {
+    ) -> Result<MintJwtSvidResponse, Status> {
         let caller = self.ca.caller_of(&request).await?;
-        let issuer = self.issuer()?;
         issuer.ensure_ready().await?;
         let _slot = self.ca.admit("JWT-SVID").await?;
         let request = request.into_inner();
@@ -651,18 +756,25 @@ impl JwtSvidService for JwtSvidGrpc {
             .ca
             .authorize_issuance(&caller, impersonated, &[], Issued::JwtSvid)
             .await?;
+        // A token never outlives the client certificate that asked for it.
+        let not_after = match &caller.kind {
+            CallerKind::ClientCertificate { not_after, .. } => Some(*not_after),
+            CallerKind::Token { .. } => None,
+        };
         let minted = issuer
-            .mint(
+            .mint_until(
                 &identity,
                 &request.audiences,
                 request.lifetime_seconds,
                 unix_now(),
+                not_after,
             )
             .map_err(|e| match e {
                 MintError::Signing => {
                     tracing::warn!(identity = %identity, "signing a JWT-SVID failed");
                     Status::internal(e.to_string())
                 }
+                MintError::CallerExpires => Status::unauthenticated(e.to_string()),
                 _ => Status::invalid_argument(e.to_string()),
             })?;
         tracing::info!(
@@ -675,12 +787,27 @@ impl JwtSvidService for JwtSvidGrpc {
             exp = minted.expires_at,
             "issued JWT-SVID"
         );
-        Ok(Response::new(MintJwtSvidResponse {
+        Ok(MintJwtSvidResponse {
             token: minted.token,
             spiffe_id: identity.to_string(),
             issued_at: minted.issued_at,
             expires_at: minted.expires_at,
-        }))
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl JwtSvidService for JwtSvidGrpc {
+    async fn mint_jwt_svid(
+        &self,
+        request: Request<MintJwtSvidRequest>,
+    ) -> Result<Response<MintJwtSvidResponse>, Status> {
+        let issuer = self.issuer()?;
+        let answer = self.mint(issuer, request).await;
+        issuer
+            .metrics
+            .minted(answer.as_ref().map(|_| ()).map_err(|s| s.code()));
+        answer.map(Response::new)
     }
 
     async fn fetch_jwt_bundle(
@@ -701,26 +828,88 @@ impl JwtSvidService for JwtSvidGrpc {
 /// Start-up step: the JWT-SVID issuer over the data directory's keys,
 /// rotating in `background` until `stop`; in a cluster (`cluster`: the
 /// client and meshca's namespace), over the keys' Secret, read at the
-/// first JWT request.
+/// first JWT request. It counts into `metrics`. With the CA key in an
+/// HSM (`ca_key_in_hsm`) it says where the JWT-SVID keys are instead:
+/// they never are in the HSM (docs/jwt-svid.md).
+// One argument per start-up product it uses, as the other steps take them.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn start_in(
     config: &JwtSvidConfig,
     data_dir: &Path,
     cluster: Option<(kube::Client, String)>,
+    ca_key_in_hsm: bool,
+    metrics: &JwtSvidMetrics,
     stop: tokio::sync::watch::Receiver<bool>,
     background: &mut tokio::task::JoinSet<()>,
 ) -> Result<Arc<JwtIssuer>, JwtKeyError> {
+    if ca_key_in_hsm {
+        let kept_in = match &cluster {
+            Some((_, namespace)) => format!("the Secret {namespace}/{}", secret::SECRET_NAME),
+            None => data_dir.join(keys::KEYS_FILE).display().to_string(),
+        };
+        tracing::info!(
+            keys = %kept_in,
+            "the CA key is in the HSM; the JWT-SVID signing keys are not (they sign every token, and rotate): they are kept in the place named"
+        );
+    }
     if let Some((client, namespace)) = cluster {
         let store = secret::SecretStore::new(client, &namespace);
-        return Ok(Arc::new(JwtIssuer::in_cluster(store, config.clone(), stop)));
+        return Ok(Arc::new(JwtIssuer::in_cluster(
+            store,
+            config.clone(),
+            stop,
+            metrics.clone(),
+        )));
     }
     let issuer = Arc::new(JwtIssuer::load_or_create_until(
         data_dir,
         config.clone(),
         unix_now(),
         stop.clone(),
+        metrics.clone(),
     )?);
     background.spawn(issuer.clone().rotate(stop));
     Ok(issuer)
+}
+
+/// The minting path alone (no authentication, no gRPC, no rotation),
+/// over the keys of a directory with the default flags: for benchmarks
+/// (meshca-bench's in-process JWT-SVID path).
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct StandaloneJwtIssuer(JwtIssuer);
+
+impl StandaloneJwtIssuer {
+    /// Loads (or makes) the keys of `dir` (ES256).
+    pub fn open(dir: &Path) -> Result<Self, JwtKeyError> {
+        let config = JwtSvidConfig {
+            issuer: None,
+            default_ttl: Duration::from_secs(300),
+            policy: RotationPolicy {
+                rotation: Duration::from_secs(7 * 24 * 3600),
+                max_ttl: Duration::from_secs(3600),
+                alg: JwtAlgorithm::Es256,
+            },
+            oidc_listen: None,
+        };
+        JwtIssuer::load_or_create_until(
+            dir,
+            config,
+            unix_now(),
+            tokio::sync::watch::channel(false).1,
+            JwtSvidMetrics::default(),
+        )
+        .map(Self)
+    }
+
+    /// A JWT-SVID for `identity` and `audiences` with the default
+    /// lifetime, or why not.
+    pub fn mint(&self, identity: &SpiffeId, audiences: &[String]) -> Result<String, String> {
+        self.0
+            .mint_until(identity, audiences, 0, unix_now(), None)
+            .map(|m| m.token)
+            .map_err(|e| e.to_string())
+    }
 }
 
 /// The state before the keys are loaded: nothing to sign with or publish.
@@ -852,6 +1041,57 @@ mod tests {
             MintError::BadAudience(_)
         ));
         assert!(!format!("{minted:?}").contains(&minted.token));
+    }
+
+    #[test]
+    fn a_token_expires_with_the_client_certificate_of_its_caller() {
+        let dir = tempfile::tempdir().unwrap();
+        let issuer =
+            JwtIssuer::load_or_create(dir.path(), config(&[]).unwrap(), unix_now()).unwrap();
+        let now = unix_now();
+        // The certificate ends before the token would: the token ends with it.
+        for lifetime in [0, 3600] {
+            let minted = issuer
+                .mint_until(&id(), &["x".into()], lifetime, now, Some(now + 100))
+                .unwrap();
+            assert_eq!(minted.expires_at, now + 100);
+            assert_eq!(verify(&issuer, &minted.token, "x")["exp"], now + 100);
+        }
+        // It ends after: the lifetime asked for.
+        let minted = issuer
+            .mint_until(&id(), &["x".into()], 60, now, Some(now + 100))
+            .unwrap();
+        assert_eq!(minted.expires_at, now + 60);
+        // It ends now: nothing is minted.
+        assert_eq!(
+            issuer
+                .mint_until(&id(), &["x".into()], 0, now, Some(now))
+                .unwrap_err(),
+            MintError::CallerExpires
+        );
+    }
+
+    #[test]
+    fn claims_are_json_whatever_the_audience_or_issuer_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        // The issuer flag refuses only `?`, `#` and spaces: a quote passes.
+        let issuer = JwtIssuer::load_or_create(
+            dir.path(),
+            config(&["--jwt-svid-issuer", "https://oidc.example.com/a\"b"]).unwrap(),
+            unix_now(),
+        )
+        .unwrap();
+        let odd = "q\"uote \\ back\u{1} \u{e9}\n".to_string();
+        let now = unix_now();
+        let minted = issuer
+            .mint(&id(), &[odd.clone(), "plain".into()], 0, now)
+            .unwrap();
+        let claims = decode(minted.token.split('.').nth(1).unwrap());
+        assert_eq!(claims["aud"], serde_json::json!([odd, "plain"]));
+        assert_eq!(claims["iss"], "https://oidc.example.com/a\"b");
+        assert_eq!(claims["sub"], "spiffe://cluster.local/ns/default/sa/web");
+        assert_eq!(claims.as_object().unwrap().len(), 5, "{claims}");
+        verify(&issuer, &minted.token, "plain");
     }
 
     #[test]
