@@ -28,6 +28,9 @@ pub(crate) struct Prepared {
     /// The identity asked for on behalf of a pod, as a node agent (ztunnel)
     /// does: sent in the request's metadata.
     pub(crate) impersonate: Option<String>,
+    /// The caller's cluster, sent as the `clusterid` header (none: the
+    /// CA's local cluster).
+    pub(crate) cluster: Option<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>,
 }
 
 /// Makes `n` CSRs (and tokens) for identities `ns/sa-<i>`.
@@ -75,6 +78,7 @@ pub(crate) fn prepare(
             csr,
             authorization,
             impersonate: None,
+            cluster: None,
         });
     }
     Ok(out)
@@ -110,6 +114,9 @@ impl Client {
                 });
                 if let Some(a) = &p.authorization {
                     request.metadata_mut().insert("authorization", a.clone());
+                }
+                if let Some(cluster) = &p.cluster {
+                    request.metadata_mut().insert("clusterid", cluster.clone());
                 }
                 match c.create_certificate(request).await {
                     Ok(r) if !r.get_ref().cert_chain.is_empty() => Ok(()),

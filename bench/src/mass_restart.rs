@@ -5,6 +5,11 @@
 //! Reported: time until every identity has an answer, latency percentiles,
 //! errors by status, and how the health endpoint answered meanwhile.
 //!
+//! With `--clusters N` the identities belong to N clusters, each a fake
+//! API server of its own that meshca knows as a remote cluster
+//! (`--remote-cluster`), every request naming its cluster in `clusterid`:
+//! the same storm after the restart of a mesh of N clusters.
+//!
 //! With `--kube-apiserver` the API is a real kube-apiserver (see
 //! `real_kube`): the identities are real ServiceAccounts (and, for
 //! `--node-agent`, real pods), each with a token from the TokenRequest API
@@ -22,7 +27,7 @@ use anyhow::Context;
 use clap::Args;
 use meshca_certs::parse_duration;
 use meshca_tests::control_plane;
-use meshca_tests::fake_kube::{FakeUser, OIDC_ISSUER};
+use meshca_tests::fake_kube::{FakeKube, FakeUser, OIDC_ISSUER};
 use serde_json::json;
 
 use crate::load::{self, Prepared};
@@ -77,6 +82,20 @@ pub(crate) struct MassRestartArgs {
     /// with `--jwt-issuer`, keys by OIDC discovery) instead of TokenReview.
     #[arg(long)]
     pub(crate) offline_jwt: bool,
+    /// The identities spread over N clusters, as after the restart of a
+    /// mesh of N clusters served by one meshca: N fake API servers (each
+    /// with --api-latency), each one of meshca's remote clusters
+    /// (`--remote-cluster cluster-K=KUBECONFIG`) reviewing the tokens of
+    /// its share (identity i in cluster i mod N), every request naming its
+    /// cluster in `clusterid`. 1: every identity in meshca's local
+    /// cluster, no `clusterid` (the scenario without this flag).
+    #[arg(
+        long,
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u16).range(1..=64),
+        conflicts_with_all = ["kube_apiserver", "offline_jwt"]
+    )]
+    pub(crate) clusters: u16,
     /// Extra flags for `meshca serve`, e.g. `--max-concurrent-requests=512`.
     #[arg(long = "meshca-arg", allow_hyphen_values = true)]
     pub(crate) meshca_args: Vec<String>,
@@ -120,13 +139,44 @@ fn per_source_bound_off(meshca_args: &[String]) -> Option<String> {
     (!set).then(|| "--max-connections-per-source=0".to_string())
 }
 
+/// The ID of remote cluster `k` (0-based) of `--clusters`.
+fn cluster_id(k: usize) -> String {
+    format!("cluster-{}", k + 1)
+}
+
+/// The fake API servers of `--clusters N` (N > 1), each answering after
+/// `latency`, and the `--remote-cluster` flags that make them meshca's
+/// remote clusters. None for N = 1: the local cluster serves.
+async fn remote_clusters(
+    n: u16,
+    latency: Duration,
+) -> anyhow::Result<(Vec<(FakeKube, tempfile::TempDir)>, Vec<String>)> {
+    let mut kubes = Vec::new();
+    let mut flags = Vec::new();
+    if n < 2 {
+        return Ok((kubes, flags));
+    }
+    for k in 0..usize::from(n) {
+        let dir = tempfile::tempdir()?;
+        let kube = FakeKube::start(dir.path()).await;
+        kube.set_latency(latency);
+        flags.push(format!(
+            "--remote-cluster={}={}",
+            cluster_id(k),
+            kube.kubeconfig.display()
+        ));
+        kubes.push((kube, dir));
+    }
+    Ok((kubes, flags))
+}
+
 /// Runs the scenario. `Ok(false)` when a request got no certificate.
 pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     let meshca = server_process::meshca_path(args.meshca.as_ref())?;
     if args.kube_apiserver {
         return run_real(&args, &meshca).await;
     }
-    let mut flags: Vec<String> = Vec::new();
+    let (remotes, mut flags) = remote_clusters(args.clusters, args.api_latency).await?;
     if args.node_agent {
         flags.extend(["--trusted-node-agent".into(), NODE_AGENT.into()]);
     }
@@ -136,39 +186,54 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
     flags.extend(per_source_bound_off(&args.meshca_args));
     flags.extend(args.meshca_args.iter().cloned());
     let server = Meshca::start(&meshca, args.api_latency, &flags).await?;
-    let kube = &server.kube;
-
-    eprintln!("meshca-bench: preparing {} identities…", args.identities);
-    let mut tokens = Vec::with_capacity(args.identities);
-    // The node agent: ztunnel's own pod, and its token bound to that pod.
-    let node_agent_token = match (args.node_agent, args.offline_jwt) {
-        (false, _) => None,
-        (true, offline_jwt) => {
-            kube.add_pod(
-                "istio-system",
-                "ztunnel-pod",
-                "uid-ztunnel",
-                "ztunnel",
-                NODE,
-            );
-            Some(if offline_jwt {
-                kube.mint_token(
-                    "istio-system",
-                    "ztunnel",
-                    Some(("ztunnel-pod", "uid-ztunnel")),
-                )
-            } else {
-                // FakeUser binds a reviewed token to `ztunnel-pod` too.
-                kube.add_review_token(
-                    NODE_AGENT_TOKEN,
-                    FakeUser::service_account("istio-system", "ztunnel"),
-                )
-            })
-        }
+    // The API server of each cluster, and the `clusterid` its callers send.
+    let clusters: Vec<(&FakeKube, Option<String>)> = if remotes.is_empty() {
+        vec![(&server.kube, None)]
+    } else {
+        remotes
+            .iter()
+            .enumerate()
+            .map(|(k, (kube, _))| (kube, Some(cluster_id(k))))
+            .collect()
     };
+
+    eprintln!(
+        "meshca-bench: preparing {} identities in {} cluster(s)…",
+        args.identities,
+        clusters.len()
+    );
+    let mut tokens = Vec::with_capacity(args.identities);
+    let mut cluster_of = Vec::with_capacity(args.identities);
+    // Each cluster's node agent: ztunnel's own pod, and its token bound to
+    // that pod.
+    let mut node_agent_tokens = Vec::new();
+    for (kube, _) in clusters.iter().filter(|_| args.node_agent) {
+        kube.add_pod(
+            "istio-system",
+            "ztunnel-pod",
+            "uid-ztunnel",
+            "ztunnel",
+            NODE,
+        );
+        node_agent_tokens.push(if args.offline_jwt {
+            kube.mint_token(
+                "istio-system",
+                "ztunnel",
+                Some(("ztunnel-pod", "uid-ztunnel")),
+            )
+        } else {
+            // FakeUser binds a reviewed token to `ztunnel-pod` too.
+            kube.add_review_token(
+                NODE_AGENT_TOKEN,
+                FakeUser::service_account("istio-system", "ztunnel"),
+            )
+        });
+    }
     for i in 0..args.identities {
+        let k = i % clusters.len();
+        let (kube, cluster) = &clusters[k];
         let (ns, sa) = ("bench".to_string(), format!("sa-{i}"));
-        let token = if let Some(agent_token) = &node_agent_token {
+        let token = if let Some(agent_token) = node_agent_tokens.get(k) {
             kube.add_pod(&ns, &format!("pod-{i}"), &format!("uid-{i}"), &sa, NODE);
             agent_token.clone()
         } else if args.offline_jwt {
@@ -177,12 +242,26 @@ pub(crate) async fn run(args: MassRestartArgs) -> anyhow::Result<bool> {
             kube.add_review_token(&format!("token-{i}"), FakeUser::service_account(&ns, &sa))
         };
         tokens.push((ns, sa, token));
+        cluster_of.push(cluster.clone());
     }
-    let storm = Storm::prepare(&args, &server, &tokens).await?;
+    let storm = Storm::prepare(&args, &server, &tokens, &cluster_of).await?;
     let (mut report, clean) = storm.fire().await?;
+    // TokenReviews by cluster (the node agents' warm-up included).
+    let reviews: BTreeMap<String, usize> = clusters
+        .iter()
+        .map(|(kube, id)| {
+            let id = id.clone().unwrap_or_else(|| "local".into());
+            (id, kube.reviews())
+        })
+        .collect();
     report["api"] = json!("fake");
     report["api_latency_ms"] = json!(args.api_latency.as_secs_f64() * 1000.0);
-    report["token_reviews"] = json!(kube.reviews());
+    report["clusters"] = json!(clusters.len());
+    report["token_reviews"] = json!(reviews.values().sum::<usize>());
+    if !remotes.is_empty() {
+        report["token_reviews_by_cluster"] = json!(reviews);
+        report["token_reviews_local_cluster"] = json!(server.kube.reviews());
+    }
     print_report(&args, &report)?;
     Ok(clean)
 }
@@ -251,7 +330,7 @@ async fn run_real(args: &MassRestartArgs, meshca: &PathBuf) -> anyhow::Result<bo
     flags.extend(per_source_bound_off(&args.meshca_args));
     flags.extend(args.meshca_args.iter().cloned());
     let server = MeshcaProcess::start(meshca, &kubeconfig, &flags, None).await?;
-    let storm = Storm::prepare(args, &server, &tokens).await?;
+    let storm = Storm::prepare(args, &server, &tokens, &[]).await?;
     // The API server's own background, meshca started and idle.
     let idle = real_kube::idle_rate(&real).await?;
     let before = real.snapshot().await?;
@@ -289,12 +368,15 @@ struct Storm<'a> {
 
 impl<'a> Storm<'a> {
     /// Makes a CSR per identity of `tokens` (`namespace, service account,
-    /// token`), opens the connections and, with `--node-agent`, has the
-    /// agent's first request succeed.
+    /// token`), each naming the cluster of `cluster_of` (the same index;
+    /// empty or `None`: the local cluster), opens the connections and,
+    /// with `--node-agent`, has each cluster's agent's first request
+    /// succeed.
     async fn prepare(
         args: &'a MassRestartArgs,
         server: &'a MeshcaProcess,
         tokens: &[(String, String, String)],
+        cluster_of: &[Option<String>],
     ) -> anyhow::Result<Self> {
         let run_args = RunArgs {
             addr: format!("https://{}", server.grpc),
@@ -321,6 +403,12 @@ impl<'a> Storm<'a> {
                 p.impersonate = Some(format!("spiffe://cluster.local/ns/{ns}/sa/{sa}"));
             }
         }
+        for (p, cluster) in prepared.iter_mut().zip(cluster_of) {
+            p.cluster = match cluster {
+                Some(id) => Some(id.parse().context("cluster ID as a header value")?),
+                None => None,
+            };
+        }
         let prepared: Arc<Vec<Prepared>> = Arc::new(prepared);
         // With a connection per identity, one shared connection is still
         // needed: the node agent's warm-up below.
@@ -334,18 +422,27 @@ impl<'a> Storm<'a> {
         if args.node_agent {
             // The agent was running before its pods restarted: its token has
             // been reviewed and meshca's pod index is in sync. One request
-            // until it succeeds stands for that, for the pod added last: the
-            // pod watch delivers in order, so then every pod is indexed.
+            // until it succeeds stands for that, for the pod added last in
+            // each cluster: the pod watch delivers in order, so then every
+            // pod is indexed.
             let mut client = clients[0].clone();
-            let last = prepared.last().context("no identities")?;
+            let mut last_of_cluster: BTreeMap<Option<&str>, &Prepared> = BTreeMap::new();
+            for (i, p) in prepared.iter().enumerate() {
+                let cluster = cluster_of.get(i).and_then(|c| c.as_deref());
+                last_of_cluster.insert(cluster, p);
+            }
+            anyhow::ensure!(!last_of_cluster.is_empty(), "no identities");
             let deadline = Instant::now() + Duration::from_secs(30);
-            while let Err(code) = client.call(last).await {
-                anyhow::ensure!(
-                    Instant::now() < deadline,
-                    "the node agent's first request kept failing ({code}): {}",
-                    server.log()
-                );
-                tokio::time::sleep(Duration::from_millis(100)).await;
+            for (cluster, last) in last_of_cluster {
+                while let Err(code) = client.call(last).await {
+                    anyhow::ensure!(
+                        Instant::now() < deadline,
+                        "the node agent's first request ({}) kept failing ({code}): {}",
+                        cluster.unwrap_or("local cluster"),
+                        server.log()
+                    );
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
             }
         }
         Ok(Self {

@@ -159,6 +159,42 @@ fn restarted_sidecars_each_open_their_own_connection() {
 }
 
 #[test]
+fn identities_of_two_clusters_are_each_reviewed_by_their_own_cluster() {
+    // `--clusters 2`: two fake API servers, meshca's remote clusters
+    // (`--remote-cluster`), each request naming its cluster in `clusterid`.
+    let run = |extra: &[&str]| {
+        run_bench(|bench| {
+            bench
+                .args(["mass-restart", "--clusters", "2", "--identities", "40"])
+                .args(["--connections", "4", "--api-latency", "1ms", "--json"])
+                .args(extra)
+                .arg("--meshca")
+                .arg(&binaries().meshca)
+        })
+    };
+    let report = run(&[]);
+    assert_eq!(report["clusters"], 2, "{report}");
+    assert_eq!(report["ok"], 40, "{report}");
+    assert_eq!(report["errors"], serde_json::json!({}), "{report}");
+    assert_eq!(
+        report["token_reviews_by_cluster"],
+        serde_json::json!({"cluster-1": 20, "cluster-2": 20}),
+        "{report}"
+    );
+    assert_eq!(report["token_reviews_local_cluster"], 0, "{report}");
+
+    // A node agent in each cluster, judged on its own cluster's pods.
+    let report = run(&["--node-agent"]);
+    assert_eq!(report["ok"], 40, "{report}");
+    assert_eq!(report["errors"], serde_json::json!({}), "{report}");
+    assert_eq!(
+        report["token_reviews_by_cluster"],
+        serde_json::json!({"cluster-1": 1, "cluster-2": 1}),
+        "{report}"
+    );
+}
+
+#[test]
 fn a_storm_against_the_real_api_server_counts_its_token_reviews() {
     // `--kube-apiserver`: the tests' etcd and kube-apiserver, real
     // ServiceAccounts and TokenRequest tokens; skipped (with a note) when
