@@ -183,6 +183,26 @@ impl CertManager {
         rx
     }
 
+    /// Renews `identity`'s certificate now, ahead of its time (e.g. the
+    /// CRL lists its serial). False if it is not managed or a fetch for it
+    /// is already in flight.
+    pub fn renew_now(&self, identity: &SpiffeId) -> bool {
+        let mut state = self.inner.lock();
+        // Queued: moved to now. In flight: a new certificate is coming.
+        let queued = state
+            .entries
+            .get(identity)
+            .is_some_and(|entry| entry.queued.is_some());
+        if queued {
+            state.schedule(identity, CLASS_RENEWAL, Instant::now());
+        }
+        drop(state);
+        if queued {
+            self.inner.wake.notify_one();
+        }
+        queued
+    }
+
     /// Subscribes to an identity already managed.
     pub fn subscribe(&self, identity: &SpiffeId) -> Option<watch::Receiver<CertState>> {
         self.inner

@@ -706,6 +706,33 @@ async fn the_agent_serves_the_crl_on_the_workload_api_and_in_sds_once_it_verifie
     };
     let parsed = ParsedCrl::from_pem(std::str::from_utf8(&pem).unwrap()).unwrap();
     assert!(parsed.revoked.contains(&db_serial));
+
+    // The serial the agent is serving, revoked: the agent renews it at
+    // once (not at its half-life) and the stream gets another one.
+    let serving = meshca_certs::inspect::CertSummary::from_der(&updated.svids[0].x509_svid)
+        .unwrap()
+        .serial;
+    revoke(&["--serial", &serving, "--data-dir", data.to_str().unwrap()]);
+    let took = Instant::now();
+    let renewed = tokio::time::timeout(Duration::from_secs(15), async {
+        loop {
+            let next = stream.message().await.unwrap().unwrap();
+            let serial = meshca_certs::inspect::CertSummary::from_der(&next.svids[0].x509_svid)
+                .unwrap()
+                .serial;
+            if serial != serving {
+                return serial;
+            }
+        }
+    })
+    .await
+    .expect("a new SVID once the CRL lists the one served");
+    eprintln!(
+        "renewed {:?} after revoking the served serial",
+        took.elapsed()
+    );
+    assert_ne!(renewed, serving);
+    assert!(agent.log().contains("the CRL lists the certificate in use"));
 }
 
 /// Starts a replica named `pod` (its `POD_NAME`) off the runtime.

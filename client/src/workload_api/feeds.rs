@@ -207,6 +207,7 @@ impl Feeds {
         });
         let task = tokio::spawn(follow(
             identity.clone(),
+            Arc::downgrade(&self.manager),
             certificates,
             self.bundle.clone(),
             self.crl.clone(),
@@ -310,6 +311,7 @@ fn failed(identity: &SpiffeId, error: &ClientError, had_one: bool) -> SvidState 
 /// every receiver is gone or the manager drops the identity.
 async fn follow(
     identity: SpiffeId,
+    manager: Weak<CertManager>,
     mut certificates: watch::Receiver<CertState>,
     mut bundle: watch::Receiver<TrustBundle>,
     mut crl: watch::Receiver<Option<Arc<ServedCrl>>>,
@@ -321,12 +323,28 @@ async fn follow(
     let mut last: Option<Arc<Svid>> = None;
     // The serial whose notAfter has passed.
     let mut expired: Option<String> = None;
+    // The serial renewed early because the CRL lists it (or its CA).
+    let mut renewed_revoked: Option<String> = None;
     loop {
         let state = certificates.borrow_and_update().clone();
         let file_bundle = bundle.borrow_and_update().clone();
         let served_crl = crl.borrow_and_update().clone();
         if let CertState::Available(svid) = &state {
             last = Some(svid.clone());
+            // Revoked after it was published: renewed at once (once per
+            // serial); served until then, with the CRL that lists it.
+            if let Some(crl) = &served_crl {
+                let serial = &svid.leaf.serial_hex;
+                if renewed_revoked.as_ref() != Some(serial) {
+                    if let Err(e) = crl.check_chain(svid, OffsetDateTime::now_utc()) {
+                        tracing::warn!(identity = %identity, serial = %serial, error = %e, "the CRL lists the certificate in use: renewing it now");
+                        renewed_revoked = Some(serial.clone());
+                        if let Some(manager) = manager.upgrade() {
+                            manager.renew_now(&identity);
+                        }
+                    }
+                }
+            }
         }
         let mut expires_at = None;
         let svid_state = match &state {
