@@ -867,8 +867,8 @@ fn read_next_update(path: &Path) -> Option<OffsetDateTime> {
 
 /// Stops serving the CRL whose nextUpdate passed while no new one could
 /// be signed: `ca-crl.pem` removed, the agents' and publishers' copy
-/// withdrawn. The `istio-ca-crl` ConfigMaps keep the last one (meshca does
-/// not delete ConfigMaps); `meshca_crl_next_update_timestamp` tells.
+/// withdrawn (the `istio-ca-crl` ConfigMaps lose their key: see
+/// `bundle_publisher::publish_everywhere`); `meshca_crl_next_update_timestamp` tells.
 fn withdraw_crl(path: &Path, out: &watch::Sender<Option<Arc<String>>>) {
     tracing::error!(file = %path.display(), "the CRL reached its nextUpdate and no new one could be signed: withdrawn (ca-crl.pem removed) until signing works again");
     if let Err(e) = std::fs::remove_file(path) {

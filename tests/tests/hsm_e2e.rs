@@ -905,3 +905,79 @@ async fn the_embedded_data_directory_keeps_only_the_root_certificate_of_the_hsm_
         refused.stderr
     );
 }
+
+/// A CRL that cannot be signed again before its nextUpdate (the HSM gone,
+/// direct mode) is withdrawn from the `istio-ca-crl` ConfigMaps (its key
+/// removed), never served stale, and published again once the HSM is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crl_the_hsm_cannot_sign_again_is_withdrawn_from_the_configmaps_at_its_next_update() {
+    let Some(hsm) = SoftHsm::new() else { return };
+    let work = tmp();
+    let root = work.path().join("root");
+    let uri = hsm.uri("root");
+    hsm.certs(&["root-ca", "--out", path(&root), "--pkcs11", &uri]);
+    let kube = meshca_tests::fake_kube::FakeKube::start(work.path()).await;
+    kube.add_namespace("default");
+    let args: Vec<String> = [
+        "--kubeconfig",
+        path(&kube.kubeconfig),
+        "--leader-lease-duration",
+        "3s",
+        "--ca-dir",
+        path(&root),
+        "--ca-key-pkcs11",
+        &uri,
+        "--hsm-mode",
+        "direct",
+        "--crl-refresh",
+        "1s",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let conf = hsm.env()[0].1.to_string();
+    let data = work.path().join("data");
+    let server = tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        MeshcaServer::start_with_env(&data, &args, &[("SOFTHSM2_CONF", &conf)])
+    })
+    .await
+    .unwrap()
+    .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let crl_in_configmap = || {
+        kube.get_object("configmaps", "default", "istio-ca-crl")
+            .and_then(|cm| cm["data"]["ca-crl.pem"].as_str().map(str::to_string))
+    };
+    let until = |what: &'static str, secs: u64| {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        move |log: &dyn Fn() -> String| {
+            assert!(Instant::now() < deadline, "{what}:\n{}", log());
+        }
+    };
+    let check = until("the CRL published", 30);
+    while crl_in_configmap().is_none() {
+        check(&|| server.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    hsm.remove_token();
+    // nextUpdate is 2 s after each signing: withdrawn then.
+    let check = until("the stale CRL withdrawn", 30);
+    while crl_in_configmap().is_some() {
+        check(&|| server.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        kube.get_object("configmaps", "default", "istio-ca-crl")
+            .is_some(),
+        "the ConfigMap stays, without the key"
+    );
+    hsm.restore_token();
+    let check = until("the CRL published again", 30);
+    while crl_in_configmap().is_none() {
+        check(&|| server.log());
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let pem = crl_in_configmap().unwrap();
+    let parsed = meshca_certs::crl::ParsedCrl::from_pem(&pem).unwrap();
+    assert!(parsed.next_update.unwrap() > OffsetDateTime::now_utc());
+}

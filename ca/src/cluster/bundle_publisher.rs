@@ -88,9 +88,11 @@ impl Published {
 }
 
 /// Keeps the ConfigMap `what` equal to the latest value of `value` in every
-/// namespace not in `excluded`, until dropped or `value`'s sender is gone
-/// (nothing is written while the value is `None`). `writes` counts the
-/// creates and updates.
+/// namespace not in `excluded`, until dropped or `value`'s sender is gone.
+/// Nothing is written while the value is `None` at first; a value that
+/// becomes `None` after one was published is withdrawn: `what`'s key is
+/// removed from every ConfigMap (a CRL past its nextUpdate is never
+/// served). `writes` counts the creates and updates.
 pub(crate) async fn publish_everywhere(
     client: kube::Client,
     what: Published,
@@ -117,6 +119,7 @@ pub(crate) async fn publish_everywhere(
     let mut namespaces: BTreeSet<String> = BTreeSet::new();
     let mut listing: BTreeSet<String> = BTreeSet::new();
     let mut pending: BTreeSet<String> = BTreeSet::new();
+    let mut published_once = false;
     let mut retry = tokio::time::interval(RETRY_AFTER);
     retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut resync = tokio::time::interval(RESYNC_PERIOD);
@@ -195,8 +198,28 @@ pub(crate) async fn publish_everywhere(
             continue;
         }
         let Some(current) = value.borrow_and_update().clone() else {
+            if published_once {
+                for ns in touched {
+                    if excluded.contains(&ns) || !namespaces.contains(&ns) {
+                        continue;
+                    }
+                    let api: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+                    match withdraw(&api, what).await {
+                        Ok(Written::Unchanged) => {}
+                        Ok(_) => {
+                            writes.inc();
+                            tracing::warn!(namespace = %ns, configmap = what.name, "withdrew the ConfigMap's value");
+                        }
+                        Err(e) => {
+                            tracing::warn!(namespace = %ns, configmap = what.name, error = %e, "withdrawing the ConfigMap's value failed; retrying");
+                            pending.insert(ns);
+                        }
+                    }
+                }
+            }
             continue;
         };
+        published_once = true;
         for ns in touched {
             if excluded.contains(&ns) || !namespaces.contains(&ns) {
                 continue;
@@ -253,6 +276,31 @@ enum Written {
     Unchanged,
     Created,
     Updated,
+}
+
+/// Removes `what`'s key from the ConfigMap in `api`'s namespace, if it
+/// holds it (the ConfigMap itself stays: meshca never deletes one).
+async fn withdraw(api: &Api<ConfigMap>, what: Published) -> Result<Written, kube::Error> {
+    let mut last_error = None;
+    for _ in 0..2 {
+        let Some(mut cm) = api.get_opt(what.name).await? else {
+            return Ok(Written::Unchanged);
+        };
+        if !cm.data.as_ref().is_some_and(|d| d.contains_key(what.key)) {
+            return Ok(Written::Unchanged);
+        }
+        cm.metadata.managed_fields = None;
+        if let Some(data) = cm.data.as_mut() {
+            data.remove(what.key);
+        }
+        match api.replace(what.name, &PostParams::default(), &cm).await {
+            Ok(_) => return Ok(Written::Updated),
+            Err(kube::Error::Api(e)) if e.code == 409 => last_error = Some(kube::Error::Api(e)),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last_error
+        .unwrap_or_else(|| kube::Error::Service("conflicting writes to the ConfigMap".into())))
 }
 
 async fn reconcile(
