@@ -135,6 +135,27 @@ impl SoftHsm {
     }
 }
 
+/// Starts meshca with this token's environment off the async runtime (a
+/// fake API server on the test's runtime answers meshca while it starts).
+async fn start_off_runtime_with(
+    hsm: &SoftHsm,
+    data: PathBuf,
+    args: Vec<String>,
+) -> Result<MeshcaServer, StartFailure> {
+    let env: Vec<(String, String)> = hsm
+        .env()
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    tokio::task::spawn_blocking(move || {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        MeshcaServer::start_with_env(&data, &args, &env)
+    })
+    .await
+    .expect("start task")
+}
+
 fn pem_block(tag: &str, der: &[u8]) -> String {
     pem::encode(&pem::Pem::new(tag, der.to_vec()))
 }
@@ -757,21 +778,9 @@ async fn pod_certificates_are_signed_under_the_intermediate_the_hsm_key_signed()
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let env: Vec<(String, String)> = hsm
-        .env()
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    let data = work.path().join("data");
-    // Off the runtime: the fake API answers meshca's calls while it starts.
-    let _server = tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
-        MeshcaServer::start_with_env(&data, &args, &env)
-    })
-    .await
-    .unwrap()
-    .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let _server = start_off_runtime_with(&hsm, work.path().join("data"), args)
+        .await
+        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
 
     let key = PrivateKey::generate(KeyAlgorithm::EcdsaP256).unwrap();
     kube.add_pod("default", "pod-web", "uid-web", "web", "node-a");
@@ -884,19 +893,17 @@ async fn the_embedded_data_directory_keeps_only_the_root_certificate_of_the_hsm_
 
     // In a cluster: refused, naming what to do.
     let kube = meshca_tests::fake_kube::FakeKube::start(work.path()).await;
-    let kubeconfig = path(&kube.kubeconfig).to_string();
-    let conf = hsm.env()[0].1.to_string();
-    let other = work.path().join("data-cluster");
-    let refused = tokio::task::spawn_blocking(move || {
-        MeshcaServer::start_with_env(
-            &other,
-            &["--kubeconfig", &kubeconfig, "--ca-key-pkcs11", &uri],
-            &[("SOFTHSM2_CONF", &conf)],
-        )
-    })
-    .await
-    .unwrap()
-    .unwrap_err();
+    let args = [
+        "--kubeconfig",
+        path(&kube.kubeconfig),
+        "--ca-key-pkcs11",
+        &uri,
+    ]
+    .map(String::from)
+    .to_vec();
+    let refused = start_off_runtime_with(&hsm, work.path().join("data-cluster"), args)
+        .await
+        .unwrap_err();
     assert!(
         refused
             .stderr
@@ -935,15 +942,9 @@ async fn a_crl_the_hsm_cannot_sign_again_is_withdrawn_from_the_configmaps_at_its
     .iter()
     .map(|s| s.to_string())
     .collect();
-    let conf = hsm.env()[0].1.to_string();
-    let data = work.path().join("data");
-    let server = tokio::task::spawn_blocking(move || {
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        MeshcaServer::start_with_env(&data, &args, &[("SOFTHSM2_CONF", &conf)])
-    })
-    .await
-    .unwrap()
-    .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
+    let server = start_off_runtime_with(&hsm, work.path().join("data"), args)
+        .await
+        .unwrap_or_else(|f| panic!("meshca did not start: {f:?}"));
     let crl_in_configmap = || {
         kube.get_object("configmaps", "default", "istio-ca-crl")
             .and_then(|cm| cm["data"]["ca-crl.pem"].as_str().map(str::to_string))
