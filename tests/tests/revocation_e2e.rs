@@ -1002,6 +1002,47 @@ async fn the_agent_publishes_no_chain_its_crl_lists() {
         || async { out.join("cert-chain.pem").exists() },
     )
     .await;
+
+    // The leaf in use, then revoked by its issuer's CRL: an agent with
+    // `--out` only (no socket) renews it at once, not at its half-life.
+    let leaf_serial = |dir: &Path| {
+        let chain = std::fs::read_to_string(dir.join("cert-chain.pem")).ok()?;
+        let der = meshca_certs::bundle::parse_certs_pem(&chain)
+            .ok()?
+            .into_iter()
+            .next()?;
+        CertSummary::from_der(&der).ok().map(|s| s.serial)
+    };
+    let in_use = leaf_serial(&out).unwrap();
+    let east_key = meshca_certs::PrivateKey::from_pem(
+        &std::fs::read_to_string(east.join("ca-key.pem")).unwrap(),
+    )
+    .unwrap();
+    let now = time::OffsetDateTime::now_utc()
+        .replace_nanosecond(0)
+        .unwrap();
+    let revoked = [RevokedCert {
+        serial: Serial::parse(&in_use).unwrap(),
+        revoked_at: now,
+        reason: RevocationReason::KeyCompromise,
+    }];
+    let times = CrlTimes {
+        number: 3,
+        this_update: now,
+        next_update: now + time::Duration::hours(2),
+    };
+    std::fs::write(
+        &crl_path,
+        encode_crl_pem(&sign_crl(&east_der, east_key.key_pair(), &revoked, times).unwrap()),
+    )
+    .unwrap();
+    wait_until(
+        "a new leaf written once the CRL lists the one in use",
+        Duration::from_secs(20),
+        || async { leaf_serial(&out).is_some_and(|s| s != in_use) },
+    )
+    .await;
+    assert!(agent.log().contains("the CRL lists the certificate in use"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -391,6 +391,15 @@ async fn run(args: Args) -> anyhow::Result<()> {
             changed = crl.changed(), if crl_open => {
                 crl_open = changed.is_ok();
                 write_crl(args.out.as_deref(), &crl, last_svid.as_ref()).await;
+                // The certificate in use listed by the new CRL (or its CA):
+                // renewed now, not at its half-life (with or without a socket).
+                let served = crl.borrow().clone();
+                if let (Some(crl), Some(svid)) = (served, last_svid.as_ref()) {
+                    if let Err(e) = crl.check_chain(svid, time::OffsetDateTime::now_utc()) {
+                        tracing::warn!(identity = %identity, serial = %svid.leaf.serial_hex, error = %e, "the CRL lists the certificate in use: renewing it now");
+                        manager.renew_now(&identity);
+                    }
+                }
                 continue;
             }
         }
