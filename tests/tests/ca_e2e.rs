@@ -1634,9 +1634,14 @@ async fn at_the_cap_the_connection_idle_longest_makes_room_for_a_new_one() {
     // Every seat held by connections that never ask anything (a flood).
     let mut oldest = tls_connect(&server).await;
     // The server marks a connection established when it has read the
-    // client's Finished, after `tls_connect` returns: apart, so that on a
-    // loaded machine the oldest is still the one idle longest.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // client's Finished, after `tls_connect` returns; its first HTTP/2
+    // bytes (SETTINGS) come after that: waited for, so that on a loaded
+    // machine the oldest is still the one idle longest.
+    let mut first = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(10), oldest.read_exact(&mut first))
+        .await
+        .expect("the server's HTTP/2 preface on the oldest connection")
+        .unwrap();
     let mut younger = tls_connect(&server).await;
     assert_eq!(
         metric_once(&server, "meshca_grpc_connections", |v| v == 2),
