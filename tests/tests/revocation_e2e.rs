@@ -937,7 +937,12 @@ async fn the_agent_publishes_no_chain_its_crl_lists() {
     .unwrap()
     .remove(0);
     let east_serial = Serial::parse(&CertSummary::from_der(&east_der).unwrap().serial).unwrap();
-    let root_crl = |revoked: &[Serial], number: u64| {
+    // A CRL of `ca_der` (signed with `key`) listing `revoked`.
+    let crl_of = |ca_der: &[u8],
+                  key: &meshca_certs::PrivateKey,
+                  revoked: &[Serial],
+                  reason: RevocationReason,
+                  number: u64| {
         let now = time::OffsetDateTime::now_utc()
             .replace_nanosecond(0)
             .unwrap();
@@ -946,7 +951,7 @@ async fn the_agent_publishes_no_chain_its_crl_lists() {
             .map(|serial| RevokedCert {
                 serial: serial.clone(),
                 revoked_at: now,
-                reason: RevocationReason::CaCompromise,
+                reason,
             })
             .collect();
         let times = CrlTimes {
@@ -954,7 +959,16 @@ async fn the_agent_publishes_no_chain_its_crl_lists() {
             this_update: now,
             next_update: now + time::Duration::hours(2),
         };
-        encode_crl_pem(&sign_crl(&root_der, root_key.key_pair(), &revoked, times).unwrap())
+        encode_crl_pem(&sign_crl(ca_der, key.key_pair(), &revoked, times).unwrap())
+    };
+    let root_crl = |revoked: &[Serial], number: u64| {
+        crl_of(
+            &root_der,
+            &root_key,
+            revoked,
+            RevocationReason::CaCompromise,
+            number,
+        )
     };
     let crl_path = dir.path().join("root-crl.pem");
     std::fs::write(&crl_path, root_crl(std::slice::from_ref(&east_serial), 1)).unwrap();
@@ -1018,22 +1032,15 @@ async fn the_agent_publishes_no_chain_its_crl_lists() {
         &std::fs::read_to_string(east.join("ca-key.pem")).unwrap(),
     )
     .unwrap();
-    let now = time::OffsetDateTime::now_utc()
-        .replace_nanosecond(0)
-        .unwrap();
-    let revoked = [RevokedCert {
-        serial: Serial::parse(&in_use).unwrap(),
-        revoked_at: now,
-        reason: RevocationReason::KeyCompromise,
-    }];
-    let times = CrlTimes {
-        number: 3,
-        this_update: now,
-        next_update: now + time::Duration::hours(2),
-    };
     std::fs::write(
         &crl_path,
-        encode_crl_pem(&sign_crl(&east_der, east_key.key_pair(), &revoked, times).unwrap()),
+        crl_of(
+            &east_der,
+            &east_key,
+            &[Serial::parse(&in_use).unwrap()],
+            RevocationReason::KeyCompromise,
+            3,
+        ),
     )
     .unwrap();
     wait_until(
