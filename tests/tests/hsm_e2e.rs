@@ -125,6 +125,16 @@ impl SoftHsm {
         .unwrap();
     }
 
+    /// A root CA whose key `meshca-certs root-ca --pkcs11` made in this
+    /// token (object `root`), its certificate in `dir/root`: the directory
+    /// and the key's URI.
+    fn root_ca(&self, dir: &Path) -> (PathBuf, String) {
+        let root = dir.join("root");
+        let uri = self.uri("root");
+        self.certs(&["root-ca", "--out", path(&root), "--pkcs11", &uri]);
+        (root, uri)
+    }
+
     /// Puts the token taken away by [`Self::remove_token`] back.
     fn restore_token(&self) {
         std::fs::rename(
@@ -590,9 +600,7 @@ async fn with_the_token_gone_the_current_intermediate_signs_on_until_the_margin_
 ) {
     let Some(hsm) = SoftHsm::new() else { return };
     let work = tmp();
-    let root = work.path().join("root");
-    let uri = hsm.uri("root");
-    hsm.certs(&["root-ca", "--out", path(&root), "--pkcs11", &uri]);
+    let (root, uri) = hsm.root_ca(work.path());
     // An intermediate of 16 s, renewed at 8 s; signing stops 2 s before
     // it ends.
     let server = start(
@@ -710,9 +718,7 @@ async fn with_the_token_gone_the_current_intermediate_signs_on_until_the_margin_
 async fn new_certificates_in_the_directory_are_taken_live_under_the_hsm_key() {
     let Some(hsm) = SoftHsm::new() else { return };
     let work = tmp();
-    let root = work.path().join("root");
-    let uri = hsm.uri("root");
-    hsm.certs(&["root-ca", "--out", path(&root), "--pkcs11", &uri]);
+    let (root, uri) = hsm.root_ca(work.path());
     let server = start(
         &hsm,
         &work.path().join("data"),
@@ -759,9 +765,7 @@ async fn new_certificates_in_the_directory_are_taken_live_under_the_hsm_key() {
 async fn pod_certificates_are_signed_under_the_intermediate_the_hsm_key_signed() {
     let Some(hsm) = SoftHsm::new() else { return };
     let work = tmp();
-    let root = work.path().join("root");
-    let uri = hsm.uri("root");
-    hsm.certs(&["root-ca", "--out", path(&root), "--pkcs11", &uri]);
+    let (root, uri) = hsm.root_ca(work.path());
     let kube = meshca_tests::fake_kube::FakeKube::start(work.path()).await;
     let args: Vec<String> = [
         "--kubeconfig",
@@ -920,9 +924,7 @@ async fn the_embedded_data_directory_keeps_only_the_root_certificate_of_the_hsm_
 async fn a_crl_the_hsm_cannot_sign_again_is_withdrawn_from_the_configmaps_at_its_next_update() {
     let Some(hsm) = SoftHsm::new() else { return };
     let work = tmp();
-    let root = work.path().join("root");
-    let uri = hsm.uri("root");
-    hsm.certs(&["root-ca", "--out", path(&root), "--pkcs11", &uri]);
+    let (root, uri) = hsm.root_ca(work.path());
     let kube = meshca_tests::fake_kube::FakeKube::start(work.path()).await;
     kube.add_namespace("default");
     let args: Vec<String> = [
