@@ -21,8 +21,8 @@ use serde_json::json;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
 use crate::baseline::{per_second, Baseline};
-use crate::report::{new_histogram, RunReport};
-use crate::{proc_stats, RunArgs};
+use crate::report::{new_histogram, RunReport, WindowEdge};
+use crate::RunArgs;
 
 type Authorization = tonic::metadata::MetadataValue<tonic::metadata::Ascii>;
 
@@ -291,9 +291,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
         )
         .await;
     }
-    let before = args.server_pid.and_then(proc_stats::read);
-    let generator_before = proc_stats::read(std::process::id());
-    let machine_before = proc_stats::read_machine();
+    let before = WindowEdge::read(args.server_pid);
     let driven = drive(
         &clients,
         &prepared,
@@ -302,9 +300,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
         args.requests,
     )
     .await;
-    let after = args.server_pid.and_then(proc_stats::read);
-    let generator_after = proc_stats::read(std::process::id());
-    let machine_after = proc_stats::read_machine();
+    let after = WindowEdge::read(args.server_pid);
     let baseline = match (&yardstick, limit_before) {
         (Some(yardstick), Some(before)) => {
             let after = yardstick.limits();
@@ -334,23 +330,5 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
             "offline-jwt"
         }),
     );
-    let report = RunReport {
-        setup,
-        ok: driven.ok,
-        errors: driven.errors,
-        elapsed: driven.elapsed,
-        latency: driven.latency,
-        server: before.zip(after),
-        generator: generator_before.zip(generator_after),
-        steal_percent: machine_before
-            .zip(machine_after)
-            .map(|(before, after)| proc_stats::steal_percent(before, after)),
-        baseline,
-    };
-    if args.json {
-        println!("{}", report.to_json());
-    } else {
-        print!("{}", report.to_text());
-    }
-    Ok(report.errors.is_empty() && report.ok > 0)
+    Ok(RunReport::of_window(setup, driven, before, after, baseline).print(args.json))
 }

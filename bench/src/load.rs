@@ -15,8 +15,8 @@ use meshca_proto::IstioCertificateRequest;
 use serde_json::json;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
 
-use crate::report::{new_histogram, RunReport};
-use crate::{baseline, proc_stats, RunArgs, Target};
+use crate::report::{new_histogram, RunReport, WindowEdge};
+use crate::{baseline, RunArgs, Target};
 
 /// One identity's request, made before the clock starts.
 #[derive(Clone)]
@@ -313,9 +313,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
         )
         .await;
     }
-    let before = args.server_pid.and_then(proc_stats::read);
-    let generator_before = proc_stats::read(std::process::id());
-    let machine_before = proc_stats::read_machine();
+    let before = WindowEdge::read(args.server_pid);
     let driven = drive(
         &clients,
         prepared.clone(),
@@ -328,9 +326,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
         args.requests,
     )
     .await;
-    let after = args.server_pid.and_then(proc_stats::read);
-    let generator_after = proc_stats::read(std::process::id());
-    let machine_after = proc_stats::read_machine();
+    let after = WindowEdge::read(args.server_pid);
     let baseline = match (yardstick, limit_before) {
         (Some(yardstick), Some(limit_before)) => {
             let limit_after = yardstick.limits_per_core();
@@ -367,25 +363,7 @@ pub(crate) async fn run(args: RunArgs) -> anyhow::Result<bool> {
             "none"
         }),
     );
-    let report = RunReport {
-        setup,
-        ok: driven.ok,
-        errors: driven.errors,
-        elapsed: driven.elapsed,
-        latency: driven.latency,
-        server: before.zip(after),
-        generator: generator_before.zip(generator_after),
-        steal_percent: machine_before
-            .zip(machine_after)
-            .map(|(before, after)| proc_stats::steal_percent(before, after)),
-        baseline,
-    };
-    if args.json {
-        println!("{}", report.to_json());
-    } else {
-        print!("{}", report.to_text());
-    }
-    Ok(report.errors.is_empty() && report.ok > 0)
+    Ok(RunReport::of_window(setup, driven, before, after, baseline).print(args.json))
 }
 
 /// cfssl's sign endpoint, for comparison runs.

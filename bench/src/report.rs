@@ -43,7 +43,62 @@ pub(crate) struct RunReport {
     pub(crate) baseline: Option<Baseline>,
 }
 
+/// The server's, the load generator's and the machine's CPU at one edge
+/// of a measured window.
+pub(crate) struct WindowEdge {
+    server: Option<ProcStats>,
+    generator: Option<ProcStats>,
+    machine: Option<crate::proc_stats::MachineCpu>,
+}
+
+impl WindowEdge {
+    /// Read now (`server_pid`: the server's process, if known).
+    pub(crate) fn read(server_pid: Option<u32>) -> Self {
+        Self {
+            server: server_pid.and_then(crate::proc_stats::read),
+            generator: crate::proc_stats::read(std::process::id()),
+            machine: crate::proc_stats::read_machine(),
+        }
+    }
+}
+
 impl RunReport {
+    /// The report of a window from `before` to `after` in which `driven`
+    /// was measured.
+    pub(crate) fn of_window(
+        setup: BTreeMap<&'static str, serde_json::Value>,
+        driven: crate::load::Driven,
+        before: WindowEdge,
+        after: WindowEdge,
+        baseline: Option<Baseline>,
+    ) -> Self {
+        Self {
+            setup,
+            ok: driven.ok,
+            errors: driven.errors,
+            elapsed: driven.elapsed,
+            latency: driven.latency,
+            server: before.server.zip(after.server),
+            generator: before.generator.zip(after.generator),
+            steal_percent: before
+                .machine
+                .zip(after.machine)
+                .map(|(before, after)| crate::proc_stats::steal_percent(before, after)),
+            baseline,
+        }
+    }
+
+    /// Prints the report (JSON or text); whether the run was clean (no
+    /// error, at least one success).
+    pub(crate) fn print(&self, json: bool) -> bool {
+        if json {
+            println!("{}", self.to_json());
+        } else {
+            print!("{}", self.to_text());
+        }
+        self.errors.is_empty() && self.ok > 0
+    }
+
     /// Requests per second.
     pub(crate) fn throughput(&self) -> f64 {
         self.ok as f64 / self.elapsed.as_secs_f64().max(1e-9)
