@@ -1,9 +1,9 @@
 //! The CA's heap trimming after a burst of requests: the shared
-//! [`meshca_certs::heap_trim`], fed by the open requests' peak.
+//! [`meshca_serve::heap_trim`], fed by the open requests' peak.
 
 use std::sync::Arc;
 
-use meshca_certs::heap_trim::{TrimPolicy, CHECK_INTERVAL};
+use meshca_serve::heap_trim::{TrimPolicy, CHECK_INTERVAL};
 
 use crate::transport::OpenRequests;
 
@@ -16,5 +16,5 @@ pub(crate) fn spawn(requests: Arc<OpenRequests>) {
         check_interval: CHECK_INTERVAL,
         min_peak: MIN_PEAK,
     };
-    meshca_certs::heap_trim::spawn(policy, "requests", move || Some(requests.take_peak()));
+    meshca_serve::heap_trim::spawn(policy, "requests", move || Some(requests.take_peak()));
 }

@@ -16,7 +16,7 @@
 //! Around the request path: [`config`] parses the command line;
 //! `server_identity` issues and renews the server's own TLS certificate;
 //! `metrics` holds Istio's metrics (refusals are logged through
-//! `meshca_certs::rate_limited_log`, so they cannot flood the log); `rate_limit` bounds how often one
+//! `meshca_serve::rate_limited_log`, so they cannot flood the log); `rate_limit` bounds how often one
 //! identity gets a certificate; `reload` takes a changed `--ca-dir`
 //! into use; [`cluster`] keeps the root in a Secret, the bundle in every
 //! namespace, elects a leader and rotates the root; [`server`] starts it

@@ -26,7 +26,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tower::ServiceExt;
 
-use meshca_certs::rate_limited_log::RateLimitedLog;
+use meshca_serve::rate_limited_log::RateLimitedLog;
 
 /// Most connections open at once on the monitoring port.
 pub(crate) const MAX_CONNECTIONS: usize = 64;

@@ -7,7 +7,7 @@
 //! ([`Admission`]), so junk does not compete with real renewals (the
 //! TokenReview calls it may cost have bounds of their own). Refusals are
 //! counted exactly but logged at most once per
-//! [`meshca_certs::rate_limited_log::DEFAULT_LOG_INTERVAL`]
+//! [`meshca_serve::rate_limited_log::DEFAULT_LOG_INTERVAL`]
 //! per kind, each line saying how many it stands for.
 
 use std::sync::Arc;
@@ -27,7 +27,7 @@ use crate::authz::Authorizer;
 use crate::metrics::Metrics;
 use crate::rate_limit::{IssuanceRateLimit, RateLimitPolicy, Throttled};
 use meshca_certs::profile::ProfileError;
-use meshca_certs::rate_limited_log::RateLimitedLog;
+use meshca_serve::rate_limited_log::RateLimitedLog;
 
 /// Response metadata telling a gRPC client how long to wait before it
 /// retries (gRPC's retry-pushback, in milliseconds).

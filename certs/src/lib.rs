@@ -15,10 +15,10 @@
 //! - [`inspect`]: what a certificate says;
 //! - [`pod_certificate`]: Kubernetes pod certificates: signer names, the
 //!   pod's key and its proof of possession, as kube-apiserver checks them;
-//! - [`token`]: Kubernetes-style service-account tokens and the local issuer;
-//! - with the feature `serving`, what the CA's and the agent's servers
-//!   share: `stream_activity` (how busy an HTTP/2 connection is) and
-//!   `rate_limited_log` (one log line per interval for repeated refusals).
+//! - [`token`]: Kubernetes-style service-account tokens and the local issuer.
+//!
+//! What the CA's and the agent's servers share (HTTP/2 stream activity,
+//! rate-limited logs, heap trimming) is in `meshca-serve`.
 //!
 //! Public is only what other crates use (`meshca-ca`, `meshca-client`, the
 //! `meshca-certs` CLI, the benchmarks, tests and fuzz targets) and the types
@@ -40,20 +40,14 @@ pub mod cadir;
 pub mod crl;
 pub mod csr;
 mod der;
-#[cfg(feature = "serving")]
-pub mod heap_trim;
 pub mod inspect;
 pub mod keys;
 #[cfg(feature = "pkcs11")]
 pub mod pkcs11;
 pub mod pod_certificate;
 pub mod profile;
-#[cfg(feature = "serving")]
-pub mod rate_limited_log;
 pub mod revocation;
 pub mod spiffe;
-#[cfg(feature = "serving")]
-pub mod stream_activity;
 pub mod token;
 pub mod untrusted_text;
 pub mod verify;

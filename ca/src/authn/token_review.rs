@@ -40,7 +40,7 @@ use super::{
     check_plausible, Authenticator, AuthnError, Caller, CallerKind, Credentials, MAX_TOKEN_LEN,
 };
 use crate::admission::Admission;
-use meshca_certs::rate_limited_log::RateLimitedLog;
+use meshca_serve::rate_limited_log::RateLimitedLog;
 
 /// Group every service account is in.
 pub(crate) const SERVICE_ACCOUNTS_GROUP: &str = "system:serviceaccounts";

@@ -23,7 +23,7 @@ use std::time::Duration;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use kube::api::{Api, PostParams};
-use meshca_certs::rate_limited_log::RateLimitedLog;
+use meshca_serve::rate_limited_log::RateLimitedLog;
 use tokio::sync::watch;
 use tokio::time::Instant;
 

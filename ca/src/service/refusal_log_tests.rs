@@ -13,7 +13,7 @@ use tonic::Code;
 
 use crate::metrics::SignErrorLabels;
 use crate::rate_limit::RateLimitPolicy;
-use meshca_certs::rate_limited_log::DEFAULT_LOG_INTERVAL;
+use meshca_serve::rate_limited_log::DEFAULT_LOG_INTERVAL;
 
 use super::test_ca::{self, Ca};
 

@@ -22,7 +22,7 @@ use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use http_body_util::BodyExt;
-use meshca_certs::stream_activity::StreamActivity;
+use meshca_serve::stream_activity::StreamActivity;
 use tonic::codegen::{Body as HttpBody, Bytes, StdError};
 use tower::{Layer, Service};
 

@@ -17,8 +17,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::task::AtomicWaker;
-use meshca_certs::rate_limited_log::RateLimitedLog;
-use meshca_certs::stream_activity::StreamActivity;
+use meshca_serve::rate_limited_log::RateLimitedLog;
+use meshca_serve::stream_activity::StreamActivity;
 use prometheus_client::metrics::gauge::Gauge;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};

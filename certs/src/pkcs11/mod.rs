@@ -829,10 +829,7 @@ impl HsmKey {
                 Ok(value) => return Ok(value),
                 Err(Attempt::Broke(e)) if !retried => {
                     retried = true;
-                    #[cfg(feature = "serving")]
                     tracing::warn!(uri = %self.uri, error = %rv(&e), "a PKCS#11 session broke: trying once more on a new session");
-                    #[cfg(not(feature = "serving"))]
-                    let _ = e;
                 }
                 Err(Attempt::Broke(e)) | Err(Attempt::Failed(e)) => {
                     return Err(Pkcs11Error::Token {
@@ -938,7 +935,6 @@ impl HsmKey {
         }
         let slot = find_slot(&self.ctx, &self.uri)?;
         *self.slot.lock().unwrap_or_else(|p| p.into_inner()) = slot;
-        #[cfg(feature = "serving")]
         tracing::warn!(uri = %self.uri, "the PKCS#11 module was re-initialised and the token found again");
         Ok(())
     }

@@ -6,8 +6,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use meshca_certs::rate_limited_log::RateLimitedLog;
 use meshca_certs::{SpiffeId, TrustDomain};
+use meshca_serve::rate_limited_log::RateLimitedLog;
 use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 
 use tonic::{Request, Status};

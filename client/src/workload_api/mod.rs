@@ -223,11 +223,11 @@ async fn serve_with(
     let open_connections = Arc::new(OpenConnections::default());
     {
         let open_connections = Arc::downgrade(&open_connections);
-        let policy = meshca_certs::heap_trim::TrimPolicy {
+        let policy = meshca_serve::heap_trim::TrimPolicy {
             check_interval: HEAP_TRIM_CHECK_INTERVAL,
             min_peak: HEAP_TRIM_MIN_PEAK_CONNECTIONS,
         };
-        meshca_certs::heap_trim::spawn(policy, "workload connections", move || {
+        meshca_serve::heap_trim::spawn(policy, "workload connections", move || {
             // The socket server is gone: so is the task.
             open_connections.upgrade().map(|open| open.take_peak())
         });

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use meshca_certs::rate_limited_log::RateLimitedLog;
+use meshca_serve::rate_limited_log::RateLimitedLog;
 
 /// Default most connections, and most streams, one pod may hold open on
 /// the node agent's socket (`--max-streams-per-pod`). A sidecar opens a

@@ -39,8 +39,8 @@ use tonic::{Request, Response, Status, Streaming};
 
 use meshca_certs::SpiffeId;
 
-use meshca_certs::rate_limited_log::RateLimitedLog;
 use meshca_certs::untrusted_text::shortened;
+use meshca_serve::rate_limited_log::RateLimitedLog;
 
 use super::callers::{shutting_down, Callers, StreamLease};
 use super::credentials::{Credentials, Roots};

@@ -19,7 +19,7 @@ use std::time::Duration;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use meshca_certs::stream_activity::StreamActivity;
+use meshca_serve::stream_activity::StreamActivity;
 use tokio::sync::watch;
 use tonic::body::Body;
 use tonic::codegen::http::{Request, Response};

@@ -287,8 +287,8 @@ pub(crate) fn accept_callers(
     node: Option<NodeAttestation>,
 ) -> impl Stream<Item = CallerConnection> {
     let slots = Arc::new(Semaphore::new(max_connections.max(1)));
-    let accept_failures = Arc::new(meshca_certs::rate_limited_log::RateLimitedLog::new(
-        meshca_certs::rate_limited_log::DEFAULT_LOG_INTERVAL,
+    let accept_failures = Arc::new(meshca_serve::rate_limited_log::RateLimitedLog::new(
+        meshca_serve::rate_limited_log::DEFAULT_LOG_INTERVAL,
     ));
     futures::stream::unfold(
         (listener, slots, node, accept_failures),

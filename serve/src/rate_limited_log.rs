@@ -1,11 +1,10 @@
 //! [`RateLimitedLog`]: at most one log line per interval for events that
 //! an attacker can repeat at will (refused requests, a failing dependency),
 //! each line saying how many it stands for. Counters stay exact: only the
-//! lines are thinned out. Shared by the CA and the agent (feature
-//! `serving`).
+//! lines are thinned out. Shared by the CA and the agent.
 //!
 //! ```
-//! use meshca_certs::rate_limited_log::RateLimitedLog;
+//! use meshca_serve::rate_limited_log::RateLimitedLog;
 //!
 //! let refusals = RateLimitedLog::default();
 //! if let Some(unlogged) = refusals.record() {

@@ -6,15 +6,13 @@
 //!
 //! A server counts each request as an open stream with
 //! [`StreamActivity::open`] and keeps the returned [`OpenStream`] for as
-//! long as the answer's body lives. Built with the feature `serving` (it
-//! needs tokio's clock and `Notify`), which `cargo test --workspace` turns
-//! on; alone: `cargo test -p meshca-certs --features serving`.
+//! long as the answer's body lives (tokio's clock and `Notify`).
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")] async fn main() {
 //! use std::sync::Arc;
 //! use std::time::Duration;
-//! use meshca_certs::stream_activity::StreamActivity;
+//! use meshca_serve::stream_activity::StreamActivity;
 //!
 //! let activity = Arc::new(StreamActivity::default());
 //! let stream = activity.open();

@@ -1,5 +1,5 @@
 //! Gives the heap's free pages back to the operating system after a burst
-//! (feature `serving`; shared by the CA and the agent).
+//! (shared by the CA and the agent).
 //!
 //! glibc's allocator keeps the memory of freed objects for reuse, and
 //! gives back only what lies at the top of each of its heaps: after a
